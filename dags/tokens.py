@@ -1,0 +1,81 @@
+"""The tokens that travel on the step graph's edges.
+
+Small and frozen: a token says what happened upstream, and its presence as an
+argument is what orders the downstream node. Bulk data (trajectories, weights)
+stays in the object store; tokens carry references to it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    validate: bool
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Trajectories for one step: an Arrow table in the object store."""
+    step: int
+    batch_ids: tuple[str, ...]
+    versions: tuple[int, ...]
+    table_ref: tuple[Any, ...] = ()  # (ObjectRef,) wrapped so Ray does not resolve it on the edge
+
+
+@dataclass(frozen=True)
+class TrainOut:
+    step: int
+    version: int
+    weights_ref: tuple[Any, ...] = ()  # (ObjectRef,) of the exported weights
+    metrics: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Gate:
+    step: int
+    version: int
+    validate: bool
+
+
+@dataclass(frozen=True)
+class Refitted:
+    worker: str
+    step: int
+    version: int
+    validate: bool
+
+
+@dataclass(frozen=True)
+class ValOut:
+    worker: str
+    step: int
+    version: int
+    validated: bool
+    scores: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Launch:
+    batch_id: str
+    target: int
+    generator: int
+    prompts: tuple[Any, ...] = ()  # pipeline.engines.Prompt: a few short texts
+
+
+@dataclass(frozen=True)
+class Resume:
+    step: int
+    version: int
+    launches: tuple[Launch, ...] = ()
+    val_scores: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Ticket:
+    worker: str
+    step: int
+    version: int
+    batch_ids: tuple[str, ...] = field(default=())

@@ -1,0 +1,1 @@
+"""dagrl: asynchronous GRPO on Ray, ordered by a step graph."""

@@ -1,0 +1,51 @@
+"""Command line: `python -m pipeline {train,check-events,build-tiny} ...`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+    from pipeline.config import load_config
+    from pipeline.driver import train
+    cfg = load_config(args.config, args.overrides)
+    train(cfg)
+    return 0
+
+
+def _check_events(args: argparse.Namespace) -> int:
+    from pipeline.check import main
+    return main(args.run_dir)
+
+
+def _build_tiny(args: argparse.Namespace) -> int:
+    from pipeline.tiny import main
+    return main(["--out", args.out, "--seed", str(args.seed)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="run a training job from a YAML recipe")
+    p.add_argument("--config", required=True, help="YAML recipe, e.g. examples/sim_grpo.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.max_age=2 run.name=x")
+    p.set_defaults(func=_train)
+    p = sub.add_parser("check-events", help="verify the ordering invariants of a run's event log")
+    p.add_argument("run_dir", help="runs/<name>")
+    p.set_defaults(func=_check_events)
+    p = sub.add_parser("build-tiny", help="build the tiny model and tokenizer into a local HF directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_build_tiny)
+    args = parser.parse_args(argv)
+    from pipeline.config import ConfigError
+    from pipeline.driver import PipelineError
+    try:
+        return args.func(args)
+    except (ConfigError, PipelineError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

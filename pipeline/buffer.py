@@ -1,0 +1,104 @@
+"""Replay buffer keyed by weight version, with conservation accounting.
+
+Every launched batch ends in exactly one place: trained, dropped with a
+reason, or still buffered; `accounting()` says which, and the event log
+records each transition.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from pipeline.engines import TRAJECTORY_SCHEMA
+from pipeline.events import EventLog
+
+
+@dataclass
+class _Entry:
+    batch_id: str
+    target: int
+    version: int
+    table: pa.Table | None = None  # None while the rollout is in flight
+
+
+class ReplayBuffer:
+    def __init__(self, max_age: int, log: EventLog):
+        self.max_age = max_age
+        self.log = log
+        self._entries: dict[str, _Entry] = {}
+        self.launched = 0
+        self.trained = 0
+        self.dropped: Counter[str] = Counter()
+        # Rollout threads put while the sample node waits; a condition lets
+        # sample sleep until the batches it needs have arrived.
+        self._cv = threading.Condition()
+
+    def expect(self, batch_id: str, target: int, version: int) -> None:
+        with self._cv:
+            if batch_id in self._entries:
+                raise ValueError(f"batch {batch_id} launched twice")
+            self._entries[batch_id] = _Entry(batch_id, target, version)
+            self.launched += 1
+
+    def put(self, batch_id: str, version: int, table: pa.Table) -> None:
+        with self._cv:
+            entry = self._entries.get(batch_id)
+            if entry is None or entry.table is not None:
+                raise ValueError(f"batch {batch_id} arrived but was not in flight")
+            if version != entry.version:
+                raise ValueError(f"batch {batch_id} was launched for version {entry.version} "
+                                 f"but generated with version {version}")
+            entry.table = table
+            self._cv.notify_all()
+
+    def fail(self, batch_id: str, reason: str) -> None:
+        with self._cv:
+            entry = self._entries.pop(batch_id, None)
+            if entry is not None:
+                self._drop(entry, reason)
+            self._cv.notify_all()
+
+    def _drop(self, entry: _Entry, reason: str) -> None:
+        self.dropped[reason.split(":")[0]] += 1
+        self.log.emit("drop", step=entry.target, version=entry.version, batch=entry.batch_id, reason=reason)
+
+    def take(self, step: int, deadline_s: float) -> tuple[list[str], list[int], pa.Table]:
+        """The batches for `step`, once none of them is in flight; stale ones are dropped."""
+        with self._cv:
+            def ready() -> bool:
+                return all(e.table is not None for e in self._entries.values() if e.target == step)
+            if not self._cv.wait_for(ready, timeout=deadline_s):
+                pending = sorted(e.batch_id for e in self._entries.values()
+                                 if e.target == step and e.table is None)
+                raise TimeoutError(f"step {step}: batches {pending} still in flight after {deadline_s:.0f} s "
+                                   "(run.deadline_s); is a generator stuck or dead?")
+            for entry in [e for e in self._entries.values() if step - e.version > self.max_age]:
+                del self._entries[entry.batch_id]
+                self._drop(entry, "stale")
+            taken = sorted((e for e in self._entries.values() if e.target == step), key=lambda e: e.batch_id)
+            if not taken:
+                raise RuntimeError(f"step {step}: no trajectories to train on (every batch failed or was stale)")
+            for entry in taken:
+                del self._entries[entry.batch_id]
+            self.trained += len(taken)
+        table = pa.concat_tables([e.table for e in taken]) if taken else TRAJECTORY_SCHEMA.empty_table()
+        return [e.batch_id for e in taken], [e.version for e in taken], table
+
+    def drop_all(self, reason: str) -> None:
+        with self._cv:
+            for entry in list(self._entries.values()):
+                self._drop(entry, reason)
+            self._entries.clear()
+
+    def accounting(self) -> dict:
+        with self._cv:
+            buffered = sum(1 for e in self._entries.values() if e.table is not None)
+            in_flight = len(self._entries) - buffered
+            dropped = sum(self.dropped.values())
+            return {"launched": self.launched, "trained": self.trained, "buffered": buffered,
+                    "in_flight": in_flight, "dropped": dropped, "dropped_by_reason": dict(self.dropped),
+                    "balanced": self.launched == self.trained + buffered + in_flight + dropped}

@@ -1,0 +1,221 @@
+"""Typed run configuration: YAML recipe + dotted command-line overrides.
+
+Every section is a frozen dataclass; the loader checks unknown keys, types and
+ranges and names the offending key in its error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; the message names the key."""
+
+
+def _spec(*, ge: float | None = None, gt: float | None = None, le: float | None = None,
+          help: str = "") -> dict:
+    return {"ge": ge, "gt": gt, "le": le, "help": help}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    steps: int = field(default=20, metadata=_spec(ge=1))
+    output_dir: str = "runs"
+    # auto: compiled graphs only where every graph actor owns a spare core (see README).
+    dag_mode: Literal["auto", "compiled", "classic"] = "auto"
+    deadline_s: float = field(default=60.0, metadata=_spec(gt=0, help="longest wait for any node or rollout"))
+    startup_deadline_s: float = field(default=600.0, metadata=_spec(gt=0, help="longest wait for workers to start"))
+    ray_address: str = ""
+    num_cpus: int = field(default=0, metadata=_spec(ge=0, help="logical CPUs for a local Ray; 0 = enough for the actors"))
+    checkpoint_every: int = field(default=0, metadata=_spec(ge=0))
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    max_age: int = field(default=1, metadata=_spec(ge=0))
+    prompts_per_step: int = field(default=8, metadata=_spec(ge=1))
+    group_size: int = field(default=4, metadata=_spec(ge=1))
+    val_period: int = field(default=0, metadata=_spec(ge=0, help="0 = never"))
+    val_at_start: bool = False
+    val_at_end: bool = False
+    clip_eps: float = field(default=0.2, metadata=_spec(gt=0, le=1))
+    kl_coef: float = field(default=0.0, metadata=_spec(ge=0))
+    is_clip: float = field(default=2.0, metadata=_spec(gt=0, help="cap of the token-level IS weight"))
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    num_generators: int = field(default=1, metadata=_spec(ge=1))
+    max_new_tokens: int = field(default=16, metadata=_spec(ge=1))
+    temperature: float = field(default=1.0, metadata=_spec(ge=0))
+    top_p: float = field(default=1.0, metadata=_spec(gt=0, le=1))
+    refit_mode: Literal["drain"] = "drain"
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    zero_stage: int = field(default=0, metadata=_spec(ge=0, le=3))
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    micro_batch_size: int = field(default=8, metadata=_spec(ge=1))
+    grad_accum: int = field(default=1, metadata=_spec(ge=1))
+    lr: float = field(default=1e-4, metadata=_spec(gt=0))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""
+    val: str = ""
+    reward: str = ""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Latencies (seconds) of the simulated workers; jitter draws each from
+    uniform(t * (1 - jitter), t * (1 + jitter)) with the run's seed."""
+    generate_s: float = field(default=0.05, metadata=_spec(ge=0))
+    train_s: float = field(default=0.05, metadata=_spec(ge=0))
+    refit_s: float = field(default=0.01, metadata=_spec(ge=0))
+    validate_s: float = field(default=0.02, metadata=_spec(ge=0))
+    jitter: float = field(default=0.0, metadata=_spec(ge=0, le=1))
+    num_val_prompts: int = field(default=8, metadata=_spec(ge=1))
+
+
+@dataclass(frozen=True)
+class Config:
+    backend: Literal["sim", "real"] = "sim"
+    run: RunConfig = RunConfig()
+    grpo: GrpoConfig = GrpoConfig()
+    generation: GenerationConfig = GenerationConfig()
+    training: TrainingConfig = TrainingConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    sim: SimConfig = SimConfig()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(key: str, value: Any, typ: Any, meta: dict) -> Any:
+    origin = typing.get_origin(typ)
+    if origin is Literal:
+        allowed = typing.get_args(typ)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+        return value
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    elif typ is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-4" (no dot) as a string.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        value = float(value)
+    elif typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    bounds = [(meta.get("ge"), ">=", value < (meta.get("ge") or 0)),
+              (meta.get("gt"), ">", value <= (meta.get("gt") or 0)),
+              (meta.get("le"), "<=", value > (meta.get("le") or 0))]
+    for bound, op, bad in bounds:
+        if bound is not None and bad:
+            raise ConfigError(f"{key}: {value!r} is out of range; it must be {op} {bound}")
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise ConfigError(f"unknown key {dotted!r}; allowed keys here: {', '.join(fields)}")
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            kwargs[key] = _build(typ, value, dotted)
+        else:
+            kwargs[key] = _coerce(dotted, value, typ, dict(fields[key].metadata))
+    return cls(**kwargs)
+
+
+def _apply_override(tree: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected key=value, e.g. grpo.max_age=2")
+    key, raw = override.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {exc}") from None
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping of sections")
+        tree = loaded
+    for override in overrides:
+        _apply_override(tree, override)
+    try:
+        cfg = _build(Config, tree, "")
+    except ConfigError as exc:
+        where = f"{path}: " if path is not None else ""
+        raise ConfigError(f"{where}{exc}") from None
+    return _check_cross_fields(cfg, path)
+
+
+def _check_cross_fields(cfg: Config, path: Any) -> Config:
+    where = f"{path}: " if path is not None else ""
+    validates = cfg.grpo.val_period > 0 or cfg.grpo.val_at_start or cfg.grpo.val_at_end
+    if cfg.backend == "real":
+        for key, value in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
+                           ("data.reward", cfg.data.reward)):
+            if not value:
+                raise ConfigError(f"{where}{key} is required when backend is 'real'")
+        if validates and not cfg.data.val:
+            raise ConfigError(f"{where}data.val is required: validation is scheduled "
+                              "(grpo.val_period / val_at_start / val_at_end) but no validation data is set")
+    if not cfg.run.name or "/" in cfg.run.name:
+        raise ConfigError(f"{where}run.name: {cfg.run.name!r} must be a non-empty name without '/'")
+    return cfg

@@ -1,0 +1,83 @@
+"""Simulated leaves: the timing and events of real workers without a model.
+
+Latencies come from `sim` in the config, fixed or jittered from a seed. The
+"weights" are just the update count, so a refit is observable: completions
+carry the version they were generated with and the reward rises with it.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+from pipeline.config import SimConfig
+from pipeline.engines import Completion, Prompt
+
+
+class _Latency:
+    def __init__(self, cfg: SimConfig, seed: int):
+        self.jitter = cfg.jitter
+        self.rng = random.Random(seed)
+
+    def spend(self, seconds: float) -> None:
+        if self.jitter:
+            seconds *= self.rng.uniform(1 - self.jitter, 1 + self.jitter)
+        # Simulated work: this sleep stands for compute, it orders nothing.
+        time.sleep(seconds)
+
+
+class SimGenerationEngine:
+    def __init__(self, cfg: SimConfig, *, seed: int, max_new_tokens: int):
+        self.cfg = cfg
+        self.latency = _Latency(cfg, seed)
+        self.rng = random.Random(seed + 1)
+        self.max_new_tokens = max_new_tokens
+        self.weights_version = 0
+
+    def generate(self, prompts: list[Prompt], n: int, greedy: bool = False) -> list[list[Completion]]:
+        self.latency.spend(self.cfg.validate_s if greedy else self.cfg.generate_s)
+        out = []
+        for _ in prompts:
+            group = []
+            for _ in range(n):
+                ids = tuple(self.rng.randrange(256) for _ in range(self.max_new_tokens))
+                logprobs = tuple(-self.rng.random() for _ in ids)
+                group.append(Completion((1, 2, 3), ids, logprobs, f"v{self.weights_version}"))
+            out.append(group)
+        return out
+
+    def load_weights(self, weights: dict) -> None:
+        self.latency.spend(self.cfg.refit_s)
+        self.weights_version = weights["sim_updates"]
+
+
+class SimTrainingEngine:
+    def __init__(self, cfg: SimConfig, *, seed: int):
+        self.latency = _Latency(cfg, seed)
+        self.cfg = cfg
+        self.updates = 0
+
+    def train_step(self, table: pa.Table) -> dict[str, float]:
+        self.latency.spend(self.cfg.train_s)
+        self.updates += 1
+        return {"loss": 1.0 / self.updates, "rows": float(table.num_rows)}
+
+    def export_weights(self) -> dict:
+        return {"sim_updates": self.updates}
+
+    def save(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "sim_weights.json").write_text(json.dumps(self.export_weights()))
+
+
+def sim_reward(prompt: Prompt, completion_text: str) -> float:
+    """Rises with the weight version the text was generated with: v0 -> 0, v10 -> 0.5."""
+    version = int(completion_text.lstrip("v"))
+    return version / (version + 10)
+
+
+def sim_prompts(count: int, prefix: str) -> list[Prompt]:
+    return [Prompt(id=f"{prefix}{i}", text=f"simulated prompt {i}") for i in range(count)]
