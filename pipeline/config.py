@@ -91,6 +91,10 @@ class SimConfig:
     validate_s: float = field(default=0.02, metadata=_spec(ge=0))
     jitter: float = field(default=0.0, metadata=_spec(ge=0, le=1))
     num_val_prompts: int = field(default=8, metadata=_spec(ge=1))
+    # Fault injection for tests and the soak: after `fault_after` good calls,
+    # the named leaf raises, or hangs until the run's deadlines catch it.
+    fault: Literal["", "train_raise", "train_hang", "generate_raise", "generate_hang"] = ""
+    fault_after: int = field(default=0, metadata=_spec(ge=0))
 
 
 @dataclass(frozen=True)

@@ -7,18 +7,20 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
 from pathlib import Path
 
 import ray
+from ray.dag import DAGContext
 import yaml
 
 from dags.step_graph import StepGraph, Workers, build_prologue_graph, build_step_graph
 from dags.tokens import Resume, StepPlan, TrainOut
 from pipeline.config import Config
-from pipeline.events import EventLog, merge_events
+from pipeline.events import EventLog, merge_events, unfinished_nodes
 from pipeline.workers import Controller, GeneratorWorker, TrainerWorker
 
 
@@ -48,19 +50,29 @@ def resolve_dag_mode(cfg: Config, cpus: float) -> str:
 class GraphRunner:
     """Executes a StepGraph in classic or compiled mode; every wait has a deadline."""
 
-    def __init__(self, graph: StepGraph, mode: str, deadline_s: float):
-        self.graph, self.mode, self.deadline_s = graph, mode, deadline_s
-        self.compiled = graph.dag.experimental_compile(_submit_timeout=deadline_s) if mode == "compiled" else None
+    def __init__(self, graph: StepGraph, mode: str, deadline_s: float, first_deadline_s: float, run_dir: Path):
+        self.graph, self.mode, self.deadline_s, self.run_dir = graph, mode, deadline_s, run_dir
+        # The first execution also starts the graph's loops on every actor (seconds on a busy machine).
+        self.next_deadline_s = max(deadline_s, first_deadline_s)
+        self.compiled = None
+        if mode == "compiled":
+            # Compiled graphs have their own 10 s result timeout; make run.deadline_s the one that counts.
+            DAGContext.get_current().get_timeout = math.ceil(self.next_deadline_s) + 1
+            self.compiled = graph.dag.experimental_compile(_submit_timeout=deadline_s)
 
     def run(self, plan: StepPlan) -> dict:
         refs = (self.compiled or self.graph.dag).execute(plan)
+        deadline_s, self.next_deadline_s = self.next_deadline_s, self.deadline_s
         out = {}
         for name, ref in zip(self.graph.node_names, refs):
             try:
-                out[name] = ray.get(ref, timeout=self.deadline_s)
-            except ray.exceptions.GetTimeoutError:
-                raise PipelineError(f"step {plan.step}: node {name} did not finish within "
-                                    f"{self.deadline_s:.0f} s (run.deadline_s)") from None
+                out[name] = ray.get(ref, timeout=deadline_s)
+            except TimeoutError:  # GetTimeoutError, or RayChannelTimeoutError in compiled mode
+                # A compiled graph returns its outputs together, so ask the event log what is stuck.
+                stuck = unfinished_nodes(self.run_dir, plan.step) or [(name, "?")]
+                where = ", ".join(f"node {n} on worker {w}" for n, w in stuck)
+                raise PipelineError(f"step {plan.step}: {where} did not finish within "
+                                    f"{deadline_s:.0f} s (run.deadline_s)") from None
             except ray.exceptions.RayActorError as exc:
                 raise PipelineError(f"step {plan.step}: node {name}: its worker died: {_first_line(exc)}") from None
             except ray.exceptions.RayError as exc:
@@ -164,10 +176,12 @@ def train(cfg: Config, *, workers: Workers | None = None, mutation: str | None =
             say("dagrl: simulated workers (backend: sim): no model is trained")
         log.emit("run_start", max_age=cfg.grpo.max_age, steps=cfg.run.steps, start_step=0, dag_mode=mode,
                  refit_mode=cfg.generation.refit_mode)
-        prologue = GraphRunner(build_prologue_graph(workers), "classic", cfg.run.deadline_s)
+        prologue = GraphRunner(build_prologue_graph(workers), "classic", cfg.run.deadline_s,
+                               cfg.run.deadline_s, run_dir)
         prologue_out = prologue.run(StepPlan(-1, cfg.grpo.val_at_start))
         _write_val_metrics(run_dir, prologue_out["resume"])
-        runner = GraphRunner(build_step_graph(workers, mutation=mutation), mode, cfg.run.deadline_s)
+        runner = GraphRunner(build_step_graph(workers, mutation=mutation), mode, cfg.run.deadline_s,
+                             cfg.run.startup_deadline_s, run_dir)
         for step in range(cfg.run.steps):
             started = time.time()
             out = runner.run(StepPlan(step, validation_due(step, cfg)))
@@ -183,13 +197,16 @@ def train(cfg: Config, *, workers: Workers | None = None, mutation: str | None =
                 f"age={metrics['age_mean']:.1f} loss={metrics.get('loss', float('nan')):.4f} "
                 f"time={elapsed:.2f}s{val}")
         summary["accounting"] = ray.get(workers.controller.finish.remote(), timeout=cfg.run.deadline_s)
-    except PipelineError as exc:
-        summary["error"] = str(exc)
+    except BaseException as exc:
+        summary["error"] = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
         raise
     finally:
+        failed = summary["error"] is not None
+        if own_workers and workers is not None and failed:
+            stop_workers(workers)  # before teardown: a stuck actor would hold a compiled teardown up
         if runner is not None:
             runner.close()
-        if own_workers and workers is not None:
+        if own_workers and workers is not None and not failed:
             stop_workers(workers)
         log.emit("run_end", error=summary["error"])
         log.close()

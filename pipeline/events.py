@@ -51,3 +51,19 @@ def merge_events(run_dir: str | Path) -> Path:
             f.write(json.dumps(record) + "\n")
     tmp.replace(out)
     return out
+
+
+def unfinished_nodes(run_dir: str | Path, step: int) -> list[tuple[str, str]]:
+    """(node, worker) pairs that started at `step` and have not ended: what a stuck step waits on."""
+    started: dict[tuple[str, str], int] = {}
+    for part in sorted((Path(run_dir) / "events").glob("*.jsonl")):
+        with open(part) as f:
+            for line in f:
+                if '"node_' not in line:
+                    continue
+                record = json.loads(line)
+                if record["step"] != step:
+                    continue
+                key = (record["node"], record["worker"])
+                started[key] = started.get(key, 0) + (1 if record["ev"] == "node_start" else -1)
+    return [key for key, open_count in started.items() if open_count > 0]

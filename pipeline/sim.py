@@ -29,6 +29,18 @@ class _Latency:
         time.sleep(seconds)
 
 
+class SimFault(RuntimeError):
+    """A fault injected by `sim.fault`."""
+
+
+def _maybe_fault(cfg: SimConfig, kind: str, calls: int) -> None:
+    if calls < cfg.fault_after or cfg.fault not in (f"{kind}_raise", f"{kind}_hang"):
+        return
+    if cfg.fault.endswith("_raise"):
+        raise SimFault(f"injected fault: {cfg.fault} after {cfg.fault_after} calls")
+    time.sleep(3600)  # a stuck leaf: only the run's deadlines can end this
+
+
 class SimGenerationEngine:
     def __init__(self, cfg: SimConfig, *, seed: int, max_new_tokens: int):
         self.cfg = cfg
@@ -36,8 +48,12 @@ class SimGenerationEngine:
         self.rng = random.Random(seed + 1)
         self.max_new_tokens = max_new_tokens
         self.weights_version = 0
+        self.calls = 0
 
     def generate(self, prompts: list[Prompt], n: int, greedy: bool = False) -> list[list[Completion]]:
+        if not greedy:
+            _maybe_fault(self.cfg, "generate", self.calls)
+            self.calls += 1
         self.latency.spend(self.cfg.validate_s if greedy else self.cfg.generate_s)
         out = []
         for _ in prompts:
@@ -61,6 +77,7 @@ class SimTrainingEngine:
         self.updates = 0
 
     def train_step(self, table: pa.Table) -> dict[str, float]:
+        _maybe_fault(self.cfg, "train", self.updates)
         self.latency.spend(self.cfg.train_s)
         self.updates += 1
         return {"loss": 1.0 / self.updates, "rows": float(table.num_rows)}

@@ -83,7 +83,10 @@ class Controller:
     @node("sample")
     def sample(self, plan: StepPlan) -> Batch:
         ids, versions, table = self.buffer.take(plan.step, self.cfg.run.deadline_s)
-        return Batch(plan.step, tuple(ids), tuple(versions), (ray.put(table),))
+        # Held until the next sample: a ref sent through a compiled-graph channel is
+        # not counted as borrowed, so the owner must keep it alive for the consumer.
+        self._live_table = ray.put(table)
+        return Batch(plan.step, tuple(ids), tuple(versions), (self._live_table,))
 
     @node("validation_gate")
     def validation_gate(self, plan: StepPlan, train: TrainOut | None = None) -> Gate:
@@ -143,7 +146,8 @@ class TrainerWorker:
         table = ray.get(batch.table_ref[0])
         metrics = self.engine.train_step(table)
         self.version += 1
-        weights_ref = ray.put(self.engine.export_weights())
+        # Kept alive until the next step's refits are done (see Controller.sample).
+        self._live_weights = weights_ref = ray.put(self.engine.export_weights())
         self.log.emit("train_end", step=batch.step, version=self.version)
         metrics = {**metrics, "reward_mean": _mean(table.column("reward").to_pylist()),
                    "reward_std": _std(table.column("reward").to_pylist()),

@@ -1,0 +1,319 @@
+"""The DeepSpeed training engine: one GRPO policy update per trajectory table.
+
+Runs in one process (a Ray actor): torch.distributed with world size 1 on a
+free port, gloo on CPU, nccl on a GPU. Pinned to deepspeed 0.19.8 because of
+the private shared-memory hook below (see DESIGN.md, "DeepSpeed").
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import os
+import random
+import shutil
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from pipeline.grpo import group_advantages, grpo_loss
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
+    "chat_template.json",
+)
+REQUIRED_COLUMNS = ("batch_id", "prompt_id", "prompt_ids", "response_ids", "logprobs", "reward")
+
+
+class ModelPathError(ValueError):
+    """The model directory is missing or is not an HF model directory."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_single_process(cuda: bool):
+    """Import deepspeed and bring up its comm backend with world size 1."""
+    if not cuda:
+        # Read when deepspeed first picks its accelerator, so it must precede the import.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise RuntimeError("DeepSpeedTrainingEngine runs one process; WORLD_SIZE="
+                           f"{os.environ['WORLD_SIZE']} (a multi-process launch) is not supported")
+    if not cuda:
+        # deepspeed compiles a shared-memory all-reduce op on the first backend start
+        # (30-110 s on a fresh machine); one process never uses it. Private hook of
+        # deepspeed 0.19.8. `import deepspeed.comm.torch as m` would bind the *torch*
+        # package (deepspeed.comm re-exports it), so look the module up by name.
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+        if hasattr(ds_torch, "build_shm_op"):
+            ds_torch.build_shm_op = lambda: None
+        else:
+            warnings.warn(f"deepspeed {deepspeed.__version__} has no deepspeed.comm.torch.build_shm_op "
+                          "(written for 0.19.8); the first start may compile a shared-memory op")
+    if not torch.distributed.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                          RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
+    return deepspeed
+
+
+def _check_model_dir(model_path: str) -> Path:
+    path = Path(model_path)
+    if not path.is_dir():
+        raise ModelPathError(f"model directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelPathError(f"model directory {str(path)!r} has no config.json "
+                             "(expected a directory written by save_pretrained)")
+    return path
+
+
+def _rows(table: pa.Table, group_size: int) -> list[dict]:
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"trajectory table lacks columns {missing}")
+    rows = table.select(list(REQUIRED_COLUMNS)).to_pylist()
+    if not rows or len(rows) % group_size:
+        raise ValueError(f"{len(rows)} rows do not split into groups of {group_size}")
+    for i, row in enumerate(rows):
+        if row["reward"] is None:
+            raise ValueError(f"row {i} has no reward")
+        if not row["prompt_ids"]:
+            raise ValueError(f"row {i} has an empty prompt")
+        if len(row["logprobs"]) != len(row["response_ids"]):
+            raise ValueError(f"row {i}: {len(row['logprobs'])} logprobs for "
+                             f"{len(row['response_ids'])} response tokens")
+    # Advantages are normalised per group of consecutive rows, so a misordered
+    # table would silently mix prompts; refuse it.
+    for g in range(0, len(rows), group_size):
+        head = rows[g]
+        for row in rows[g + 1:g + group_size]:
+            if (row["batch_id"], row["prompt_id"], row["prompt_ids"]) != (
+                    head["batch_id"], head["prompt_id"], head["prompt_ids"]):
+                raise ValueError(f"rows {g}..{g + group_size - 1} must be one prompt group; found "
+                                 f"{(head['batch_id'], head['prompt_id'])} and "
+                                 f"{(row['batch_id'], row['prompt_id'])}")
+    return rows
+
+
+class DeepSpeedTrainingEngine:
+    """TrainingEngine (pipeline/engines.py) on a DeepSpeed-wrapped HF causal LM.
+
+    One train_step = one optimizer step over the whole table, in micro-batches
+    of `micro_batch_size` rows. `grad_accum` only sets deepspeed's nominal
+    train_batch_size (micro * accum); the step boundary is the table's end.
+    `temperature` must be the generator's sampling temperature.
+    """
+
+    def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
+                 micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
+                 clip_eps: float = 0.2, kl_coef: float = 0.0, is_clip: float = 2.0,
+                 group_size: int = 4, seed: int = 0, temperature: float = 1.0,
+                 weight_decay: float = 0.0, num_threads: int | None = 1):
+        if dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
+        self.model_path = _check_model_dir(model_path)
+        self.zero_stage, self.dtype = zero_stage, dtype
+        self.micro_batch_size, self.group_size = micro_batch_size, group_size
+        self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
+        # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
+        self.temperature = temperature
+
+        cuda = torch.cuda.is_available()
+        if not cuda and num_threads:
+            torch.set_num_threads(num_threads)  # more threads on a shared 2-core box is slower
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        self.deepspeed = _init_single_process(cuda)
+        random.seed(seed)
+        torch.manual_seed(seed)
+
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        # eval(): no dropout, so the logprobs match the generator's and `old` is exact.
+        model.eval()
+        compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        self.ref = None
+        if kl_coef > 0:
+            # Copied before deepspeed.initialize, which partitions parameters under ZeRO-3.
+            self.ref = copy.deepcopy(model).to(compute_dtype).requires_grad_(False)
+
+        self.ds_config = {
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_accumulation_steps": grad_accum,
+            "gradient_clipping": 1.0,
+            # torch_adam: deepspeed's default FusedAdam / CPUAdam are C++ ops compiled
+            # on first use; torch's AdamW needs no build.
+            "optimizer": {"type": "AdamW", "params": {
+                "lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                "weight_decay": weight_decay, "torch_adam": True}},
+            "zero_optimization": {"stage": zero_stage},
+            "bf16": {"enabled": dtype == "bf16"},
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, *_ = self.deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=self.ds_config)
+        optimizer = self.engine.optimizer
+        if type(optimizer).__name__ == "FP16_UnfusedOptimizer":
+            # bf16 without ZeRO: deepspeed's wrapper creates Adam's state by stepping
+            # once on zero gradients, so the first real step used step-2 bias
+            # correction (0.74x the update). Empty state re-initialises lazily.
+            optimizer.optimizer.state.clear()
+        self.device = self.engine.device
+        if self.ref is not None:
+            self.ref.to(self.device)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (one per train_step)."""
+        return int(self.engine.global_steps)
+
+    def _collate(self, rows: list[dict], gen_key: str = "logprobs") -> dict:
+        """Right-padded ids plus a response window starting at the shortest prompt.
+
+        Right padding keeps the implicit positions 0..len-1 of every sequence
+        correct. Response token t of a row with prompt length P sits at position
+        P + t and is predicted by the logits at P + t - 1; the window covers
+        positions [start, L - 1) with start = min(P) - 1, so only those logits
+        are computed (logits_to_keep).
+        """
+        lens = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+        width = max(lens)
+        start = min(len(r["prompt_ids"]) for r in rows) - 1
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        attn = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width - 1 - start, dtype=torch.bool)
+        gen = torch.zeros(len(rows), width - 1 - start)
+        for i, r in enumerate(rows):
+            p, n = len(r["prompt_ids"]), len(r["response_ids"])
+            ids[i, :p + n] = torch.tensor(r["prompt_ids"] + r["response_ids"])
+            attn[i, :p + n] = 1
+            lo = p - 1 - start
+            mask[i, lo:lo + n] = True
+            gen[i, lo:lo + n] = torch.tensor(r[gen_key], dtype=torch.float32)
+        return {"ids": ids.to(self.device), "attn": attn.to(self.device), "start": start,
+                "mask": mask.to(self.device), "gen": gen.to(self.device)}
+
+    def _logprobs(self, model, batch: dict) -> torch.Tensor:
+        ids, start = batch["ids"], batch["start"]
+        out = model(input_ids=ids, attention_mask=batch["attn"], use_cache=False,
+                    logits_to_keep=ids.shape[1] - start)
+        logits = out.logits[:, :-1].float() / self.temperature
+        targets = ids[:, start + 1:]
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def sequence_logprobs(self, table: pa.Table) -> list[list[float]]:
+        """The current policy's logprob of each response token (no update)."""
+        rows = table.select(["prompt_ids", "response_ids"]).to_pylist()
+        for r in rows:
+            r["zeros"] = [0.0] * len(r["response_ids"])
+        batch = self._collate(rows, gen_key="zeros")
+        with torch.no_grad():
+            lp = self._logprobs(self.engine, batch)
+        return [lp[i][batch["mask"][i]].tolist() for i in range(len(rows))]
+
+    def train_step(self, table: pa.Table) -> dict[str, float]:
+        """GRPO update on consecutive prompt groups of `group_size` rows.
+
+        Metrics: loss (token mean over the table), grad_norm (before clipping),
+        reward_mean / reward_std (population std over the table), tokens
+        (response tokens), clip_frac / is_weight / kl / ratio (token means, see
+        grpo_loss), micro_batches, step (optimizer steps so far), time_s.
+        """
+        t0 = time.perf_counter()
+        rows = _rows(table, self.group_size)
+        rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float32)
+        adv = group_advantages(rewards, self.group_size)
+        tokens = sum(len(r["response_ids"]) for r in rows)
+        chunks = [range(i, min(i + self.micro_batch_size, len(rows)))
+                  for i in range(0, len(rows), self.micro_batch_size)]
+        sums = {"loss": 0.0, "clip_frac": 0.0, "is_weight": 0.0, "kl": 0.0, "ratio": 0.0}
+        for k, idx in enumerate(chunks):
+            # One optimizer step per table, however many micro-batches it takes
+            # (deepspeed's own counter would step every grad_accum micro-batches).
+            self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
+            batch = self._collate([rows[i] for i in idx])
+            lp = self._logprobs(self.engine, batch)
+            ref = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref = self._logprobs(self.ref, batch)
+            # Dividing every micro-batch by the table's token count makes their sum
+            # the table's token mean, whatever the split (a short last chunk too).
+            loss, m = grpo_loss(lp, lp.detach(), batch["gen"], adv[idx.start:idx.stop].to(self.device),
+                                batch["mask"], clip_eps=self.clip_eps, kl_coef=self.kl_coef,
+                                ref_logprobs=ref, is_clip=self.is_clip, num_tokens=max(tokens, 1))
+            self.engine.backward(loss, scale_wrt_gas=False)
+            sums["loss"] += loss.item()
+            for key in ("clip_frac", "is_weight", "kl", "ratio"):
+                sums[key] += m[key] * m["tokens"]
+        pre_norm = self._local_grad_norm() if self.zero_stage == 0 and self.dtype == "fp32" else None
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None:  # deepspeed records no norm for plain fp32 without ZeRO
+            grad_norm = pre_norm
+        n = max(tokens, 1)
+        return {
+            "loss": sums["loss"],
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            "tokens": float(tokens),
+            "clip_frac": sums["clip_frac"] / n,
+            "is_weight": sums["is_weight"] / n,
+            "kl": sums["kl"] / n,
+            "ratio": sums["ratio"] / n,
+            "micro_batches": float(len(chunks)),
+            "step": float(self.steps),
+            "time_s": time.perf_counter() - t0,
+        }
+
+    def _local_grad_norm(self) -> float:
+        sq = [p.grad.detach().float().pow(2).sum() for p in self.engine.module.parameters()
+              if p.grad is not None]
+        return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+    @contextlib.contextmanager
+    def _full_params(self):
+        """Under ZeRO-3 each parameter is a partition; gather the full tensors."""
+        if self.zero_stage == 3:
+            params = list(self.engine.module.parameters())
+            with self.deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                yield
+        else:
+            yield
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full HF-named state dict: detached CPU copies in the training dtype."""
+        with self._full_params():
+            return {name: t.detach().to("cpu", copy=True)
+                    for name, t in self.engine.module.state_dict().items()}
+
+    def save(self, path: str) -> None:
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        state = self.export_weights()
+        with self._full_params():
+            self.engine.module.save_pretrained(out, state_dict=state)
+        for name in TOKENIZER_FILES:
+            if (self.model_path / name).is_file():
+                shutil.copy2(self.model_path / name, out / name)
+
+    def close(self) -> None:
+        """Release the engine's optimizer state and hooks (the process group stays)."""
+        self.engine.destroy()

@@ -1,0 +1,63 @@
+"""Shared fixtures: one local Ray and one pool of simulated workers per session,
+and a final check that the suite leaves no Ray process behind."""
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _ray_processes() -> list[psutil.Process]:
+    names = ("raylet", "gcs_server", "ray::", "default_worker.py", "dashboard.py", "log_monitor.py")
+    out = []
+    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.pid != os.getpid() and any(n in cmd or n in (proc.info["name"] or "") for n in names):
+            out.append(proc)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def sim_pool(ray_session):
+    from pipeline.driver import start_workers, stop_workers
+    pool = start_workers(3)
+    try:
+        yield pool
+    finally:
+        stop_workers(pool)
+
+
+def pytest_sessionstart(session):
+    session.config._ray_before = {p.pid for p in _ray_processes()}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+    before = getattr(session.config, "_ray_before", set())
+    left = [p for p in _ray_processes() if p.pid not in before]
+    for _ in range(50):  # Ray's processes exit asynchronously after shutdown
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not left:
+            break
+        psutil.wait_procs(left, timeout=0.2)
+    if left:
+        print("\nRay processes left after the suite:")
+        for p in left:
+            print(f"  pid {p.pid}: {' '.join(p.cmdline())[:160]}")
+        session.exitstatus = 1

@@ -1,0 +1,168 @@
+"""The step graph on simulated workers: ordering invariants under many schedules."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.check import check_events, load_events
+from pipeline.config import load_config
+from pipeline.driver import PipelineError, train
+
+
+def sim_config(tmp_path, name: str, **overrides):
+    pairs = [f"run.output_dir={tmp_path}", f"run.name={name}", "run.deadline_s=30"]
+    pairs += [f"{k.replace('__', '.')}={v}" for k, v in overrides.items()]
+    return load_config(None, pairs)
+
+
+def run_and_check(cfg, pool, **kwargs):
+    summary = train(cfg, workers=pool, quiet=True, **kwargs)
+    run_dir = f"{cfg.run.output_dir}/{cfg.run.name}"
+    events = load_events(run_dir)
+    return summary, events, check_events(events)
+
+
+def intervals(events, start: str, end: str, key=lambda e: (e["worker"], e["batch"] if "batch" in e else e["step"])):
+    open_, out = {}, []
+    for e in events:
+        if e["ev"] == start:
+            open_[key(e)] = e["t"]
+        elif e["ev"] == end:
+            out.append((open_.pop(key(e)), e["t"]))
+    return out
+
+
+def overlap_s(a, b) -> float:
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
+
+
+# The race from DESIGN.md: a slow drain, a slow validation and a fast trainer
+# give a collector every chance to start a batch while validation runs.
+@pytest.mark.parametrize("mode", ["classic", "compiled"])
+@pytest.mark.parametrize("max_age", [0, 1, 2, 3])
+@pytest.mark.parametrize("val_period", [1, 2, 3])
+def test_no_rollout_starts_during_validation(tmp_path, sim_pool, mode, max_age, val_period):
+    cfg = sim_config(tmp_path, f"race_{mode}_{max_age}_{val_period}", run__dag_mode=mode, run__steps=6,
+                     grpo__max_age=max_age, grpo__val_period=val_period, grpo__val_at_start="true",
+                     generation__num_generators=2, sim__generate_s=0.04, sim__train_s=0.002,
+                     sim__refit_s=0.01, sim__validate_s=0.04, sim__jitter=0.5)
+    summary, events, violations = run_and_check(cfg, sim_pool)
+    assert violations == [], "\n".join(v.message for v in violations)
+    validations = intervals(events, "validation_start", "validation_end")
+    assert len(validations) == 2 * (1 + 6 // val_period)
+    rollout_starts = [e["t"] for e in events if e["ev"] == "rollout_start"]
+    assert not [t for t in rollout_starts for s, e in validations if s <= t <= e]
+    assert summary["accounting"]["balanced"] and summary["accounting"]["trained"] == 12
+
+
+schedules = st.fixed_dictionaries({
+    "steps": st.integers(1, 6),
+    "max_age": st.integers(0, 3),
+    "val_period": st.integers(0, 3),
+    "val_at_start": st.booleans(),
+    "val_at_end": st.booleans(),
+    "generators": st.integers(1, 3),
+    "prompts": st.integers(1, 4),
+    "generate_ms": st.integers(0, 30),
+    "train_ms": st.integers(0, 30),
+    "refit_ms": st.integers(0, 10),
+    "validate_ms": st.integers(0, 30),
+    "jitter": st.sampled_from([0.0, 0.5, 1.0]),
+    "seed": st.integers(0, 10_000),
+})
+
+
+def check_schedule(tmp_path, pool, mode: str, s: dict) -> None:
+    cfg = sim_config(tmp_path, f"prop_{mode}", run__dag_mode=mode, run__steps=s["steps"], run__seed=s["seed"],
+                     grpo__max_age=s["max_age"], grpo__val_period=s["val_period"],
+                     grpo__val_at_start=str(s["val_at_start"]).lower(),
+                     grpo__val_at_end=str(s["val_at_end"]).lower(),
+                     grpo__prompts_per_step=s["prompts"], generation__num_generators=s["generators"],
+                     sim__generate_s=s["generate_ms"] / 1000, sim__train_s=s["train_ms"] / 1000,
+                     sim__refit_s=s["refit_ms"] / 1000, sim__validate_s=s["validate_ms"] / 1000,
+                     sim__jitter=s["jitter"])
+    summary, events, violations = run_and_check(cfg, pool)
+    assert violations == [], f"{s}\n" + "\n".join(v.message for v in violations)
+    acc = summary["accounting"]
+    assert acc["balanced"] and acc["dropped"] == 0 and acc["trained"] == acc["launched"]
+    assert summary["steps"] == s["steps"]
+
+
+@pytest.mark.parametrize("mode", ["classic", "compiled"])
+def test_invariants_hold_over_random_schedules(tmp_path, sim_pool, mode):
+    @settings(max_examples=200, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(schedules)
+    def prop(s):
+        check_schedule(tmp_path, sim_pool, mode, s)
+    prop()
+
+
+@pytest.mark.parametrize("mutation", ["no_validate_before_resume", "no_refit_before_resume"])
+def test_removing_an_ordering_edge_is_caught(tmp_path, sim_pool, mutation):
+    cfg = sim_config(tmp_path, f"mut_{mutation}", run__dag_mode="classic", run__steps=4,
+                     grpo__max_age=1, grpo__val_period=1, generation__num_generators=2,
+                     sim__generate_s=0.01, sim__train_s=0.001, sim__refit_s=0.05, sim__validate_s=0.1)
+    try:
+        _, _, violations = run_and_check(cfg, sim_pool, mutation=mutation)
+    except PipelineError as exc:  # the generator's own version check may stop the run first
+        assert "collect" in str(exc) and "version" in str(exc)
+        return
+    assert violations, f"graph without the {mutation} edge passed the checker"
+
+
+def test_sync_has_no_overlap_and_async_overlaps(tmp_path, sim_pool):
+    def run(max_age):
+        cfg = sim_config(tmp_path, f"overlap_{max_age}", run__dag_mode="classic", run__steps=6,
+                         grpo__max_age=max_age, sim__generate_s=0.05, sim__train_s=0.05, sim__refit_s=0.0)
+        _, events, violations = run_and_check(cfg, sim_pool)
+        assert violations == []
+        gen = intervals(events, "rollout_start", "rollout_end")
+        trn = intervals(events, "train_start", "train_end")
+        return overlap_s(gen, trn), sum(e - s for s, e in trn)
+
+    sync_overlap, _ = run(0)
+    async_overlap, train_time = run(1)
+    assert sync_overlap == 0.0
+    assert async_overlap > 0.5 * train_time
+
+
+def test_run_writes_its_files_and_counts_every_batch(tmp_path, sim_pool):
+    cfg = sim_config(tmp_path, "files", run__steps=5, grpo__max_age=2, grpo__val_period=2,
+                     sim__generate_s=0.0, sim__train_s=0.0)
+    summary, events, violations = run_and_check(cfg, sim_pool)
+    run_dir = tmp_path / "files"
+    assert violations == []
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+    assert [m["age_max"] for m in metrics] == [0, 1, 2, 2, 2]
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk["steps"] == 5 and on_disk["accounting"]["launched"] == 5
+    for e in events:
+        assert {"t", "ev", "step", "version", "worker"} <= e.keys()
+    assert (run_dir / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("fault,node", [("train_raise", "train"), ("generate_raise", "refit")])
+def test_worker_exception_names_node_worker_and_step(tmp_path, ray_session, fault, node):
+    cfg = sim_config(tmp_path, f"fault_{fault}", run__steps=6, sim__fault=fault, sim__fault_after=2,
+                     sim__generate_s=0.0, sim__train_s=0.0)
+    with pytest.raises(PipelineError) as err:
+        train(cfg, quiet=True)
+    msg = str(err.value)
+    assert f"node {node!r}" in msg and "injected fault" in msg and "at step" in msg
+    summary = json.loads((tmp_path / f"fault_{fault}" / "summary.json").read_text())
+    assert summary["error"] == msg
+
+
+@pytest.mark.parametrize("mode", ["classic", "compiled"])
+def test_stuck_worker_becomes_an_error_within_the_deadline(tmp_path, ray_session, mode):
+    cfg = sim_config(tmp_path, f"hang_{mode}", run__steps=6, run__deadline_s=3, run__dag_mode=mode,
+                     sim__fault="train_hang", sim__fault_after=1, sim__generate_s=0.0, sim__train_s=0.0)
+    with pytest.raises(PipelineError, match=r"step 1: node train on worker trainer did not finish within 3 s"):
+        train(cfg, quiet=True)
+    summary = json.loads((tmp_path / f"hang_{mode}" / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["wall_s"] < 60
