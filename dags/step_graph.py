@@ -21,6 +21,9 @@ class Workers:
     trainer: Any             # train
     generators: tuple        # refit, validate, collect
 
+    def first(self, num_generators: int) -> "Workers":
+        return Workers(self.controller, self.trainer, self.generators[:num_generators])
+
 
 @dataclass(frozen=True)
 class StepGraph:

@@ -31,7 +31,8 @@ def training_engine(cfg: Config) -> TrainingEngine:
     return DeepSpeedTrainingEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
                                    micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, lr=t.lr,
                                    clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
-                                   group_size=g.group_size, seed=cfg.run.seed)
+                                   group_size=g.group_size, seed=cfg.run.seed,
+                                   temperature=cfg.generation.temperature)
 
 
 def reward_function(cfg: Config) -> Callable[[Prompt, str], float]:
@@ -58,3 +59,19 @@ def val_prompts(cfg: Config) -> list[Prompt]:
         return []
     from pipeline.data import load_prompts
     return load_prompts(cfg.data.val, kind="val")
+
+
+def preflight(cfg: Config) -> None:
+    """Check the model, data and reward before any worker starts, so that bad
+    input is an error naming the path or spec, not a worker's traceback."""
+    if cfg.backend == "sim":
+        return
+    from pipeline.rewards import load_reward
+    from pipeline.tiny import check_model_dir
+    check_model_dir(cfg.model.path)
+    if not train_prompts(cfg):
+        raise ValueError(f"data.train {cfg.data.train!r} holds no prompts")
+    validates = cfg.grpo.val_period > 0 or cfg.grpo.val_at_start or cfg.grpo.val_at_end
+    if validates and not val_prompts(cfg):
+        raise ValueError(f"data.val {cfg.data.val!r} holds no prompts, but validation is scheduled")
+    load_reward(cfg.data.reward)

@@ -19,6 +19,7 @@ import yaml
 
 from dags.step_graph import StepGraph, Workers, build_prologue_graph, build_step_graph
 from dags.tokens import Resume, StepPlan, TrainOut
+from pipeline import backends
 from pipeline.config import Config
 from pipeline.events import EventLog, merge_events, unfinished_nodes
 from pipeline.workers import Controller, GeneratorWorker, TrainerWorker
@@ -48,28 +49,33 @@ def resolve_dag_mode(cfg: Config, cpus: float) -> str:
 
 
 class GraphRunner:
-    """Executes a StepGraph in classic or compiled mode; every wait has a deadline."""
+    """Executes a StepGraph in classic or compiled mode; every wait has a deadline.
 
-    def __init__(self, graph: StepGraph, mode: str, deadline_s: float, first_deadline_s: float, run_dir: Path):
-        self.graph, self.mode, self.deadline_s, self.run_dir = graph, mode, deadline_s, run_dir
+    A compiled runner may serve several runs on the same workers (tests do)."""
+
+    def __init__(self, graph: StepGraph, mode: str, first_deadline_s: float):
+        self.graph, self.mode = graph, mode
         # The first execution also starts the graph's loops on every actor (seconds on a busy machine).
-        self.next_deadline_s = max(deadline_s, first_deadline_s)
+        self.first_deadline_s = first_deadline_s
+        self.executions = 0
         self.compiled = None
         if mode == "compiled":
-            # Compiled graphs have their own 10 s result timeout; make run.deadline_s the one that counts.
-            DAGContext.get_current().get_timeout = math.ceil(self.next_deadline_s) + 1
-            self.compiled = graph.dag.experimental_compile(_submit_timeout=deadline_s)
+            # Compiled graphs have their own 10 s result timeout; our deadlines are the ones that count.
+            DAGContext.get_current().get_timeout = math.ceil(first_deadline_s) + 1
+            self.compiled = graph.dag.experimental_compile()
 
-    def run(self, plan: StepPlan) -> dict:
+    def run(self, plan: StepPlan, deadline_s: float, run_dir: Path) -> dict:
+        if self.executions == 0:
+            deadline_s = max(deadline_s, self.first_deadline_s)
+        self.executions += 1
         refs = (self.compiled or self.graph.dag).execute(plan)
-        deadline_s, self.next_deadline_s = self.next_deadline_s, self.deadline_s
         out = {}
         for name, ref in zip(self.graph.node_names, refs):
             try:
                 out[name] = ray.get(ref, timeout=deadline_s)
             except TimeoutError:  # GetTimeoutError, or RayChannelTimeoutError in compiled mode
                 # A compiled graph returns its outputs together, so ask the event log what is stuck.
-                stuck = unfinished_nodes(self.run_dir, plan.step) or [(name, "?")]
+                stuck = unfinished_nodes(run_dir, plan.step) or [(name, "?")]
                 where = ", ".join(f"node {n} on worker {w}" for n, w in stuck)
                 raise PipelineError(f"step {plan.step}: {where} did not finish within "
                                     f"{deadline_s:.0f} s (run.deadline_s)") from None
@@ -96,11 +102,13 @@ def _task_error(exc: BaseException) -> str:
     return next((line for line in text.splitlines() if "failed at step" in line), _first_line(cause or exc))
 
 
-def _prepare_run_dir(cfg: Config) -> Path:
+def _prepare_run_dir(cfg: Config, say) -> Path:
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     if run_dir.exists():
-        print(f"note: replacing the earlier run in {run_dir}")
-        shutil.rmtree(run_dir)
+        # Never delete a user's earlier run: move it aside.
+        kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(kept)
+        say(f"note: the earlier run in {run_dir} was moved to {kept}")
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return run_dir
@@ -122,7 +130,8 @@ def _start_ray(cfg: Config) -> bool:
 def start_workers(num_generators: int) -> Workers:
     # Threaded actors: nodes of a step and the rollout threads' puts reach them concurrently.
     controller = ray.remote(Controller).options(num_cpus=0.5, max_concurrency=8).remote()
-    trainer = ray.remote(TrainerWorker).options(num_cpus=0.5).remote()
+    # Two threads: `save` between steps must not wait behind a compiled graph's loop.
+    trainer = ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote()
     generators = tuple(ray.remote(GeneratorWorker).options(num_cpus=0.5, max_concurrency=4).remote(i)
                        for i in range(num_generators))
     return Workers(controller, trainer, generators)
@@ -135,7 +144,7 @@ def stop_workers(workers: Workers) -> None:
 
 def _begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float) -> Workers:
     """Set up every worker for this run; a pool may hold more generators than it uses."""
-    used = Workers(workers.controller, workers.trainer, workers.generators[:cfg.generation.num_generators])
+    used = workers.first(cfg.generation.num_generators)
     calls = [used.controller.begin_run.remote(cfg, str(run_dir), t0),
              used.trainer.begin_run.remote(cfg, str(run_dir), t0),
              *[g.begin_run.remote(cfg, str(run_dir), t0, used.controller) for g in used.generators]]
@@ -149,17 +158,19 @@ def _begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float) -> Worke
     return used
 
 
-def train(cfg: Config, *, workers: Workers | None = None, mutation: str | None = None,
+def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunner | None = None,
           quiet: bool = False) -> dict:
     """Run a whole training job; returns the summary (also written to summary.json).
 
-    `workers` lets tests reuse one set of actors across many short runs."""
-    run_dir = _prepare_run_dir(cfg)
+    Tests pass `workers` (and a `step_runner` over them) to run many short
+    schedules on one set of actors; the caller then owns both."""
+    say = (lambda *a: None) if quiet else print
+    backends.preflight(cfg)
+    run_dir = _prepare_run_dir(cfg, say)
     t0 = time.time()
     log = EventLog(run_dir, "driver", t0)
-    say = (lambda *a: None) if quiet else print
     started_ray = _start_ray(cfg)
-    runner: GraphRunner | None = None
+    runner = step_runner
     summary: dict = {"steps": 0, "error": None}
     rewards: list[float] = []
     step_times: list[float] = []
@@ -176,15 +187,16 @@ def train(cfg: Config, *, workers: Workers | None = None, mutation: str | None =
             say("dagrl: simulated workers (backend: sim): no model is trained")
         log.emit("run_start", max_age=cfg.grpo.max_age, steps=cfg.run.steps, start_step=0, dag_mode=mode,
                  refit_mode=cfg.generation.refit_mode)
-        prologue = GraphRunner(build_prologue_graph(workers), "classic", cfg.run.deadline_s,
-                               cfg.run.deadline_s, run_dir)
-        prologue_out = prologue.run(StepPlan(-1, cfg.grpo.val_at_start))
+        prologue = GraphRunner(build_prologue_graph(workers), "classic", cfg.run.deadline_s)
+        prologue_out = prologue.run(StepPlan(-1, cfg.grpo.val_at_start), cfg.run.deadline_s, run_dir)
         _write_val_metrics(run_dir, prologue_out["resume"])
-        runner = GraphRunner(build_step_graph(workers, mutation=mutation), mode, cfg.run.deadline_s,
-                             cfg.run.startup_deadline_s, run_dir)
+        if runner is None:
+            runner = GraphRunner(build_step_graph(workers), mode, cfg.run.startup_deadline_s)
+        elif runner.mode != mode:
+            raise ValueError(f"step_runner is {runner.mode} but run.dag_mode resolves to {mode}")
         for step in range(cfg.run.steps):
             started = time.time()
-            out = runner.run(StepPlan(step, validation_due(step, cfg)))
+            out = runner.run(StepPlan(step, validation_due(step, cfg)), cfg.run.deadline_s, run_dir)
             elapsed = time.time() - started
             metrics = _step_metrics(step, elapsed, out["train"], out["resume"])
             _append_jsonl(run_dir / "metrics.jsonl", metrics)
@@ -196,6 +208,9 @@ def train(cfg: Config, *, workers: Workers | None = None, mutation: str | None =
             say(f"step {step + 1}/{cfg.run.steps} reward={metrics['reward_mean']:.3f} "
                 f"age={metrics['age_mean']:.1f} loss={metrics.get('loss', float('nan')):.4f} "
                 f"time={elapsed:.2f}s{val}")
+            every = cfg.run.checkpoint_every
+            if step == cfg.run.steps - 1 or (every and (step + 1) % every == 0):
+                summary["checkpoint"] = _save_checkpoint(workers, run_dir, step, cfg)
         summary["accounting"] = ray.get(workers.controller.finish.remote(), timeout=cfg.run.deadline_s)
     except BaseException as exc:
         summary["error"] = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
@@ -204,7 +219,7 @@ def train(cfg: Config, *, workers: Workers | None = None, mutation: str | None =
         failed = summary["error"] is not None
         if own_workers and workers is not None and failed:
             stop_workers(workers)  # before teardown: a stuck actor would hold a compiled teardown up
-        if runner is not None:
+        if runner is not None and (step_runner is None or failed):
             runner.close()
         if own_workers and workers is not None and not failed:
             stop_workers(workers)
@@ -226,6 +241,16 @@ def train(cfg: Config, *, workers: Workers | None = None, mutation: str | None =
         })
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _save_checkpoint(workers: Workers, run_dir: Path, step: int, cfg: Config) -> str:
+    """The policy in HF format, written beside its final name and renamed into place."""
+    final = run_dir / "checkpoints" / f"step_{step + 1}"
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    ray.get(workers.trainer.save.remote(str(partial)), timeout=cfg.run.startup_deadline_s)
+    partial.rename(final)
+    return str(final)
 
 
 def _step_metrics(step: int, elapsed: float, train: TrainOut, resume: Resume) -> dict:

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from pipeline.check import check_events, load_events
 from pipeline.config import load_config
-from pipeline.driver import PipelineError, train
+from dags.step_graph import build_step_graph
+from pipeline.driver import GraphRunner, PipelineError, train
 
 
 def sim_config(tmp_path, name: str, **overrides):
@@ -18,8 +19,8 @@ def sim_config(tmp_path, name: str, **overrides):
     return load_config(None, pairs)
 
 
-def run_and_check(cfg, pool, **kwargs):
-    summary = train(cfg, workers=pool, quiet=True, **kwargs)
+def run_and_check(cfg, pool, runner=None):
+    summary = train(cfg, workers=pool, step_runner=runner, quiet=True)
     run_dir = f"{cfg.run.output_dir}/{cfg.run.name}"
     events = load_events(run_dir)
     return summary, events, check_events(events)
@@ -64,7 +65,6 @@ schedules = st.fixed_dictionaries({
     "val_period": st.integers(0, 3),
     "val_at_start": st.booleans(),
     "val_at_end": st.booleans(),
-    "generators": st.integers(1, 3),
     "prompts": st.integers(1, 4),
     "generate_ms": st.integers(0, 30),
     "train_ms": st.integers(0, 30),
@@ -75,8 +75,9 @@ schedules = st.fixed_dictionaries({
 })
 
 
-def check_schedule(tmp_path, pool, mode: str, s: dict) -> None:
-    cfg = sim_config(tmp_path, f"prop_{mode}", run__dag_mode=mode, run__steps=s["steps"], run__seed=s["seed"],
+def check_schedule(tmp_path, pool, runner, s: dict) -> None:
+    cfg = sim_config(tmp_path, f"prop_{runner.mode}", run__dag_mode=runner.mode, run__steps=s["steps"],
+                     run__seed=s["seed"],
                      grpo__max_age=s["max_age"], grpo__val_period=s["val_period"],
                      grpo__val_at_start=str(s["val_at_start"]).lower(),
                      grpo__val_at_end=str(s["val_at_end"]).lower(),
@@ -84,21 +85,29 @@ def check_schedule(tmp_path, pool, mode: str, s: dict) -> None:
                      sim__generate_s=s["generate_ms"] / 1000, sim__train_s=s["train_ms"] / 1000,
                      sim__refit_s=s["refit_ms"] / 1000, sim__validate_s=s["validate_ms"] / 1000,
                      sim__jitter=s["jitter"])
-    summary, events, violations = run_and_check(cfg, pool)
+    summary, events, violations = run_and_check(cfg, pool, runner)
     assert violations == [], f"{s}\n" + "\n".join(v.message for v in violations)
     acc = summary["accounting"]
     assert acc["balanced"] and acc["dropped"] == 0 and acc["trained"] == acc["launched"]
     assert summary["steps"] == s["steps"]
 
 
+# 3 x 67 = 201 schedules per mode. One graph per generator count serves all of
+# its schedules: compiling costs about a second per graph on this machine.
 @pytest.mark.parametrize("mode", ["classic", "compiled"])
-def test_invariants_hold_over_random_schedules(tmp_path, sim_pool, mode):
-    @settings(max_examples=200, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-    @given(schedules)
-    def prop(s):
-        check_schedule(tmp_path, sim_pool, mode, s)
-    prop()
+@pytest.mark.parametrize("generators", [1, 2, 3])
+def test_invariants_hold_over_random_schedules(tmp_path, sim_pool, mode, generators):
+    workers = sim_pool.first(generators)
+    runner = GraphRunner(build_step_graph(workers), mode, first_deadline_s=60)
+    try:
+        @settings(max_examples=67, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+        @given(schedules)
+        def prop(s):
+            check_schedule(tmp_path, workers, runner, {**s, "generators": generators})
+        prop()
+    finally:
+        runner.close()
 
 
 @pytest.mark.parametrize("mutation", ["no_validate_before_resume", "no_refit_before_resume"])
@@ -106,8 +115,10 @@ def test_removing_an_ordering_edge_is_caught(tmp_path, sim_pool, mutation):
     cfg = sim_config(tmp_path, f"mut_{mutation}", run__dag_mode="classic", run__steps=4,
                      grpo__max_age=1, grpo__val_period=1, generation__num_generators=2,
                      sim__generate_s=0.01, sim__train_s=0.001, sim__refit_s=0.05, sim__validate_s=0.1)
+    workers = sim_pool.first(2)
+    runner = GraphRunner(build_step_graph(workers, mutation=mutation), "classic", first_deadline_s=60)
     try:
-        _, _, violations = run_and_check(cfg, sim_pool, mutation=mutation)
+        _, _, violations = run_and_check(cfg, workers, runner)
     except PipelineError as exc:  # the generator's own version check may stop the run first
         assert "collect" in str(exc) and "version" in str(exc)
         return
