@@ -141,13 +141,16 @@ class TrainerWorker:
 
     @node("train")
     def train(self, batch: Batch) -> TrainOut:
+        if any(v > self.version for v in batch.versions):
+            raise RuntimeError(f"weight sync: batch versions {batch.versions} are newer than "
+                               f"the trainer's weights (version {self.version})")
         self.log.emit("train_start", step=batch.step, version=self.version,
                       batches=list(batch.batch_ids), batch_versions=list(batch.versions))
         table = ray.get(batch.table_ref[0])
         metrics = self.engine.train_step(table)
         self.version += 1
         # Kept alive until the next step's refits are done (see Controller.sample).
-        self._live_weights = weights_ref = ray.put(self.engine.export_weights())
+        self._live_weights = weights_ref = ray.put((self.version, self.engine.export_weights()))
         self.log.emit("train_end", step=batch.step, version=self.version)
         metrics = {**metrics, "reward_mean": _mean(table.column("reward").to_pylist()),
                    "reward_std": _std(table.column("reward").to_pylist()),
@@ -190,7 +193,11 @@ class GeneratorWorker:
             raise RuntimeError(f"weight sync: trainer sent version {train.version}, "
                                f"generator holds {self.version}; expected {self.version + 1}")
         self.log.emit("refit_start", step=gate.step, version=self.version)
-        self.engine.load_weights(ray.get(train.weights_ref[0]))
+        sent_version, weights = ray.get(train.weights_ref[0])
+        if sent_version != train.version:
+            raise RuntimeError(f"weight sync: the weights in the object store are version {sent_version}, "
+                               f"the trainer announced {train.version}")
+        self.engine.load_weights(weights)
         self.version = train.version
         self.log.emit("refit_end", step=gate.step, version=self.version)
         return Refitted(self.log.worker, gate.step, self.version, gate.validate)
