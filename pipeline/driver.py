@@ -235,7 +235,8 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
             "reward_start": sum(head) / len(head) if head else None,
             "reward_end": sum(tail) / len(tail) if tail else None,
             "step_time_mean_s": sum(step_times) / len(step_times) if step_times else None,
-            "generated_tokens_per_s": tokens / wall if wall > 0 else None,
+            # Over the steps only: worker start-up (vLLM, DeepSpeed) is not generation.
+            "generated_tokens_per_s": tokens / sum(step_times) if step_times else None,
             "generation_backend": "sim" if cfg.backend == "sim" else "vllm",
             "training_backend": "sim" if cfg.backend == "sim" else "deepspeed",
         })

@@ -15,11 +15,6 @@ from pipeline.engines import Prompt
 
 RewardFn = Callable[[Prompt, str], float]
 
-# Partial credit of the tiny task for a character of the right class (a digit
-# when a digit is asked for). A random policy emits some digit in most samples,
-# so groups differ in reward from step one; exact matches still dominate.
-TINY_CLASS_CREDIT = 0.25
-
 # A minus sign counts only when it does not follow a digit ("18-12" ends in 12).
 _NUMBER = re.compile(r"(?<![\d.])-?\d[\d,]*(?:\.\d+)?")
 
@@ -51,39 +46,21 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
-def _char_class(ch: str) -> str:
-    if ch.isdigit():
-        return "digit"
-    if ch.isalpha():
-        return "alpha"
-    return "other"
-
-
 def tiny_reward(prompt: Prompt, completion_text: str) -> float:
-    """The repeat task: mean over the response's characters of 1 for the
-    requested character (prompt.answer), TINY_CLASS_CREDIT for another character
-    of its class, 0 otherwise. An empty response scores 0."""
+    """The tiny repeat task: the fraction of response characters equal to the
+    requested character (prompt.answer); an empty response scores 0.
+
+    A fraction, not a 0/1 match, so a random policy's samples already differ
+    (about half the groups of 4 carry signal at step 0). No partial credit for
+    "a digit": that direction is the same for every prompt and the policy
+    collapses onto it (see pipeline/tiny.py).
+    """
     target = prompt.answer
     if len(target) != 1:
         raise ValueError(f"tiny_reward: prompt {prompt.id!r} must have a one-character answer, got {target!r}")
     if not completion_text:
         return 0.0
-    cls = _char_class(target)
-    score = 0.0
-    for ch in completion_text:
-        if ch == target:
-            score += 1.0
-        elif _char_class(ch) == cls:
-            score += TINY_CLASS_CREDIT
-    return score / len(completion_text)
-
-
-def tiny_exact(prompt: Prompt, completion_text: str) -> float:
-    """Fraction of response characters equal to the requested one: the tiny
-    task's plain metric, without the class credit."""
-    if not completion_text:
-        return 0.0
-    return sum(ch == prompt.answer for ch in completion_text) / len(completion_text)
+    return sum(ch == target for ch in completion_text) / len(completion_text)
 
 
 def _to_number(text: str) -> float | None:

@@ -5,13 +5,17 @@ initialised Llama plus a byte-level BPE tokenizer trained here, and save both
 with `save_pretrained` so transformers and vLLM load the directory like any
 checkpoint.
 
-The tiny task: the prompt is "repeat:<c>" and the reward is the fraction of
-response characters equal to <c> (pipeline.rewards.tiny_reward). The target is
-the prompt's last token, so a policy only has to learn "emit the character you
-just saw": a token-to-token map that a 2-layer model picks up in a few dozen
-GRPO steps. The tokenizer's merges include runs of each target character, so a
-random policy already hits the target now and then and the groups of one prompt
-get different, graded rewards from the first step.
+The tiny task ("repeat"): the prompt shows one character eight times,
+"repeat: 0 0 0 0 0 0 0 0", and the reward is the fraction of response
+characters equal to it (pipeline.rewards.tiny_reward). Measured with a plain
+GRPO loop (8 prompts x 4 samples x 16 tokens, Adam lr 1e-2, 4 seeds): the mean
+reward rises from about 0.01 to 0.55-0.83 by step 20. What made it learnable:
+- two target characters: with 10, the policy collapses onto one digit for
+  every prompt (rewarded whatever the prompt) and stays there for 100 steps;
+- the character repeated as separate tokens, so (near-uniform) attention
+  carries it into every response position: "repeat:0" alone collapsed too;
+- an exact-match reward with no partial credit: credit for "any digit" is an
+  unconditional direction that the policy learns first and gets stuck in.
 """
 from __future__ import annotations
 
@@ -23,8 +27,11 @@ import sys
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-TINY_ALPHABET = "0123456789"
-TINY_PREFIX = "repeat:"
+TINY_ALPHABET = "01"
+TINY_REPEATS = 8
+# The tokenizer corpus has runs of every digit, whatever the task alphabet, so
+# merges like "00" and "0000" exist (random policies then hit the target more).
+CORPUS_CHARS = "0123456789"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -48,11 +55,15 @@ def tiny_task_rows(n: int, *, seed: int = 0, alphabet: str = TINY_ALPHABET) -> l
     rng = random.Random(seed)
     chars = [alphabet[i % len(alphabet)] for i in range(n)]
     rng.shuffle(chars)
-    return [{"id": f"repeat-{seed}-{i}", "prompt": f"{TINY_PREFIX}{c}", "answer": c}
+    return [{"id": f"repeat-{seed}-{i}", "prompt": tiny_prompt(c), "answer": c}
             for i, c in enumerate(chars)]
 
 
-def write_tiny_data(out_dir: str | Path, *, n_train: int = 512, n_val: int = 72) -> list[Path]:
+def tiny_prompt(c: str) -> str:
+    return "repeat: " + " ".join([c] * TINY_REPEATS)
+
+
+def write_tiny_data(out_dir: str | Path, *, n_train: int = 512, n_val: int = 64) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -70,9 +81,9 @@ def tokenizer_corpus(data_dir: str | Path = DATA_DIR) -> list[str]:
     broken by order, so the order is part of determinism)."""
     texts = [_GENERAL_TEXT]
     # Runs of every task character, so merges like "aa", "aaaa" exist.
-    for c in TINY_ALPHABET:
+    for c in CORPUS_CHARS:
         for k in (1, 2, 4, 8, 16):
-            texts.append(f"{TINY_PREFIX}{c}{c * k}")
+            texts.append(f"repeat:{c}{c * k}")
     gsm = Path(data_dir) / "gsm8k_sample.jsonl"
     if gsm.is_file():
         for line in gsm.read_text().splitlines():

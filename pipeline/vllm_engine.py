@@ -1,0 +1,154 @@
+"""GenerationEngine on an in-process vLLM `LLM` (CPU build or CUDA wheel).
+
+The engine lives inside a generator actor, so vLLM must not fork its own
+engine-core process: on CPU that costs cores we do not have, and an in-process
+engine can be driven from the actor's threads. The environment variables below
+must be set before vllm is imported, so this module sets them (setdefault: a
+caller's explicit choice wins) before its vllm import.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is 4
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin cores other workers share
+
+from pathlib import Path  # noqa: E402
+from typing import Any, Iterable, Mapping, Sequence  # noqa: E402
+
+import torch  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from pipeline.engines import Completion, Prompt  # noqa: E402
+from pipeline.tiny import ModelError, check_model_dir  # noqa: E402
+
+
+class VllmGenerationEngine:
+    """n sampled completions per prompt, with the sampled tokens' logprobs.
+
+    Logprobs are vLLM's raw ones (the model's log-softmax at temperature 1,
+    before temperature / top-p), i.e. what a trainer computes from its own
+    logits; with temperature 1 and top_p 1 they are also the sampling policy's.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, max_new_tokens: int = 16,
+                 temperature: float = 1.0, top_p: float = 1.0, max_model_len: int = 512,
+                 dtype: str = "float32", block_size: int = 32, enforce_eager: bool | None = None,
+                 **llm_kwargs: Any) -> None:
+        path = check_model_dir(model_path)
+        self.model_path = str(path)
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.seed = seed
+        self._calls = 0
+        on_cpu = not torch.cuda.is_available()
+        if enforce_eager is None:
+            # torch.compile of the model costs tens of seconds on 2 cores and
+            # buys little for tiny models; CUDA graphs on a GPU are worth it.
+            enforce_eager = on_cpu
+        # block_size 32 (CPU default 128): prefix caching reuses whole blocks
+        # only, and RL prompts and the n samples' shared prompt are short.
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path, tokenizer=self.model_path, seed=seed, dtype=dtype,
+            max_model_len=max_model_len, enable_prefix_caching=True, block_size=block_size,
+            enforce_eager=enforce_eager, logprobs_mode="raw_logprobs")
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = 0.3
+        kwargs.update(llm_kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as exc:
+            raise ModelError(f"model directory {self.model_path!r}: vLLM could not load it: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        # vLLM torch.compiles a helper that ranks sampled tokens for logprobs
+        # (sampler.gather_logprobs): 45 s on the first run on 2 cores, 4 s
+        # with a warm inductor cache. Eager is instant; on CPU we run eager.
+        self._stance = "force_eager" if enforce_eager and on_cpu else None
+        self.tokenizer = self.llm.get_tokenizer()
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+
+    # -- GenerationEngine -------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """The prompt's token ids, with the BOS that the tokenizer adds."""
+        return list(self.tokenizer(text).input_ids)
+
+    def generate(self, prompts: list[Prompt], n: int, greedy: bool = False) -> list[list[Completion]]:
+        if n < 1:
+            raise ValueError(f"generate: n must be >= 1, got {n}")
+        if not prompts:
+            return []
+        # vLLM refuses n > 1 at temperature 0; greedy samples are identical anyway.
+        params = self._sampling_params(1 if greedy else n, greedy)
+        inputs = [TokensPrompt(prompt_token_ids=self.encode(p.text)) for p in prompts]
+        outputs = self._generate(inputs, params)
+        result = []
+        for prompt, out in zip(prompts, outputs):
+            prompt_ids = tuple(out.prompt_token_ids)
+            group = []
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                ids = tuple(comp.token_ids)
+                group.append(Completion(prompt_ids=prompt_ids, response_ids=ids,
+                                        logprobs=tuple(_sampled_logprobs(comp.logprobs, ids, prompt.id)),
+                                        text=comp.text))
+            result.append(group * n if greedy else group)
+        return result
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a full HF-named state dict in place, then drop the prefix cache:
+        its KV blocks were computed with the old weights and reload_weights
+        does not invalidate them (a refit without the reset gave a different
+        greedy token on a 171-token prompt)."""
+        items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        for name, tensor in items:
+            if ("embed_tokens" in name or name.startswith("lm_head")) and tensor.shape[0] != self.vocab_size:
+                raise ModelError(f"load_weights into {self.model_path!r}: {name} has {tensor.shape[0]} rows "
+                                 f"but the model's (unpadded) vocab_size is {self.vocab_size}")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(f"vLLM engine for {self.model_path!r}: reset_prefix_cache failed "
+                               "(requests still running?)")
+
+    # -- scoring ----------------------------------------------------------
+    def prompt_logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> list[float]:
+        """Logprobs of `response_ids` following `prompt_ids` under the current
+        weights (teacher forcing), one per response token."""
+        if not response_ids:
+            return []
+        ids = [int(t) for t in (*prompt_ids, *response_ids)]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        out = self._generate([TokensPrompt(prompt_token_ids=ids)], params)[0]
+        scored = out.prompt_logprobs[len(prompt_ids):]
+        return [float(entry[tok].logprob) for entry, tok in zip(scored, response_ids)]
+
+    # -- internals --------------------------------------------------------
+    def _generate(self, inputs: list, params: SamplingParams) -> list:
+        if self._stance is None:
+            return self.llm.generate(inputs, params, use_tqdm=False)
+        with torch.compiler.set_stance(self._stance):
+            return self.llm.generate(inputs, params, use_tqdm=False)
+
+    def _sampling_params(self, n: int, greedy: bool) -> SamplingParams:
+        self._calls += 1
+        common = dict(n=n, max_tokens=self.max_new_tokens, logprobs=0)
+        if greedy:
+            return SamplingParams(temperature=0.0, **common)
+        # A per-call seed keeps a run reproducible whatever else the engine served.
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p,
+                              seed=self.seed * 1_000_003 + self._calls, **common)
+
+    def close(self) -> None:
+        """Shut the in-process engine core down (idempotent)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
+
+def _sampled_logprobs(logprobs: Any, ids: tuple[int, ...], prompt_id: str) -> list[float]:
+    if logprobs is None or len(logprobs) != len(ids):
+        raise RuntimeError(f"vLLM returned {0 if logprobs is None else len(logprobs)} logprobs for "
+                           f"{len(ids)} tokens of prompt {prompt_id!r}")
+    return [float(step[tok].logprob) for step, tok in zip(logprobs, ids)]
