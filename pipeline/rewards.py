@@ -94,4 +94,5 @@ def gsm8k_reward(prompt: Prompt, completion_text: str) -> float:
     got = extract_last_number(completion_text)
     if got is None:
         return 0.0
-    return 1.0 if abs(got - expected) <= 1e-6 * max(1.0, abs(expected)) else 0.0
+    # rel_tol tiny: a relative 1e-6 would accept 1000001 for 1000000.
+    return 1.0 if math.isclose(got, expected, rel_tol=1e-12, abs_tol=1e-9) else 0.0

@@ -1,0 +1,178 @@
+"""Datasets, reward functions and the tiny task (no vLLM, no Ray)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.data import GSM8K_TEMPLATE, DataError, load_prompts
+from pipeline.engines import Prompt
+from pipeline.rewards import RewardError, extract_last_number, gsm8k_reward, load_reward, tiny_reward
+from pipeline.tiny import TINY_ALPHABET, tiny_prompt
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# -- loading ---------------------------------------------------------------
+
+def test_jsonl_and_parquet_load_the_same(tmp_path):
+    rows = [{"id": "a", "prompt": "p0", "answer": "x"}, {"id": "b", "prompt": "p1", "answer": "y"}]
+    j = load_prompts(write_jsonl(tmp_path / "d.jsonl", rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    p = load_prompts(tmp_path / "d.parquet")
+    assert j == p == [Prompt("a", "p0", "x"), Prompt("b", "p1", "y")]
+
+
+def test_ids_are_generated_from_kind_when_absent(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "answer": "a"}] * 2)
+    assert [p.id for p in load_prompts(path, kind="val")] == ["val-0", "val-1"]
+
+
+@pytest.mark.parametrize("name, rows, expected", [
+    ("missing_col.jsonl", [{"prompt": "p"}], "missing required column 'answer'"),
+    ("null_row.jsonl", [{"prompt": "p", "answer": "a"}, {"prompt": None, "answer": "a"}],
+     "row 1: column 'prompt' is null"),
+    ("empty_row.jsonl", [{"prompt": "p", "answer": "a"}] * 2 + [{"prompt": "p", "answer": " "}],
+     "row 2: column 'answer' is empty"),
+    ("int_answer.jsonl", [{"prompt": "p", "answer": 7}], "column 'answer' has type int64"),
+    ("dup_id.jsonl", [{"id": "x", "prompt": "p", "answer": "a"}] * 2, "row 1: column 'id' repeats 'x'"),
+    ("gsm_no_final.jsonl", [{"question": "q?", "answer": "it is 4"}], "row 0: column 'answer' has no final '####"),
+])
+def test_bad_rows_and_columns_are_named(tmp_path, name, rows, expected):
+    path = write_jsonl(tmp_path / name, rows)
+    with pytest.raises(DataError, match=expected) as err:
+        load_prompts(path)
+    assert str(path) in str(err.value)
+
+
+def test_file_level_errors_name_the_file(tmp_path):
+    with pytest.raises(DataError, match="does not exist") as err:
+        load_prompts(tmp_path / "nope.jsonl")
+    assert "nope.jsonl" in str(err.value)
+    (tmp_path / "d.csv").write_text("prompt,answer\n")
+    with pytest.raises(DataError, match=r"d\.csv: unknown data file extension '\.csv'"):
+        load_prompts(tmp_path / "d.csv")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=r"empty\.jsonl: the dataset is empty"):
+        load_prompts(tmp_path / "empty.jsonl")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
+                   tmp_path / "empty.parquet")
+    with pytest.raises(DataError, match=r"empty\.parquet: the dataset is empty"):
+        load_prompts(tmp_path / "empty.parquet")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "p", "answer": \n')
+    with pytest.raises(DataError, match=r"bad\.jsonl: cannot read as jsonl"):
+        load_prompts(tmp_path / "bad.jsonl")
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match=r"bad\.parquet: cannot read as parquet"):
+        load_prompts(tmp_path / "bad.parquet")
+
+
+def test_gsm8k_schema_is_mapped(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", [
+        {"question": "Ann has 1,000 beads and buys 250 more. How many?",
+         "answer": "1000 + 250 = <<1000+250=1250>>1,250\n#### 1,250"}])
+    [p] = load_prompts(path)
+    assert p.answer == "1250"
+    assert p.text == GSM8K_TEMPLATE.format(question="Ann has 1,000 beads and buys 250 more. How many?")
+    assert "####" in p.text  # the template asks for the marker the reward reads
+
+
+def test_shipped_gsm8k_sample_is_consistent():
+    prompts = load_prompts(DATA / "gsm8k_sample.jsonl")
+    assert len(prompts) >= 20
+    raw = [json.loads(line) for line in (DATA / "gsm8k_sample.jsonl").read_text().splitlines()]
+    for p, row in zip(prompts, raw):
+        float(p.answer)  # a plain number
+        # The reference solution itself earns full reward.
+        assert gsm8k_reward(p, row["answer"]) == 1.0, row
+
+
+def test_shipped_tiny_data():
+    train = load_prompts(DATA / "tiny_train.jsonl")
+    val = load_prompts(DATA / "tiny_val.jsonl", kind="val")
+    for p in train + val:
+        assert p.answer in TINY_ALPHABET and p.text == tiny_prompt(p.answer)
+    counts = {c: sum(p.answer == c for p in train) for c in TINY_ALPHABET}
+    assert max(counts.values()) - min(counts.values()) <= 1  # balanced: no free lunch for collapse
+    assert {p.id for p in train}.isdisjoint(p.id for p in val)
+
+
+# -- rewards ---------------------------------------------------------------
+
+def test_tiny_reward_is_a_graded_fraction():
+    p = Prompt("t", tiny_prompt("0"), "0")
+    assert tiny_reward(p, "0000") == 1.0
+    assert tiny_reward(p, "0010") == 0.75
+    assert tiny_reward(p, "1 1") == 0.0
+    assert tiny_reward(p, "") == 0.0
+    with pytest.raises(ValueError, match="one-character answer"):
+        tiny_reward(Prompt("t", "x", "00"), "00")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(max_size=40), st.sampled_from(list(TINY_ALPHABET)))
+def test_tiny_reward_in_unit_interval(text, c):
+    r = tiny_reward(Prompt("t", tiny_prompt(c), c), text)
+    assert 0.0 <= r <= 1.0
+    assert (r == 1.0) == (bool(text) and set(text) == {c})
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("so the answer is 18", 1.0),
+    ("#### 18", 1.0),
+    ("####18", 1.0),
+    ("She pays $18.", 1.0),
+    ("18.0", 1.0),
+    ("20 - 2 = 18\n#### 18", 1.0),
+    ("18 apples, then 3 more", 0.0),   # the last number counts
+    ("#### 19", 0.0),
+    ("no number here", 0.0),
+    ("", 0.0),
+])
+def test_gsm8k_reward(completion, reward):
+    assert gsm8k_reward(Prompt("g", "q", "18"), completion) == reward
+
+
+def test_gsm8k_reward_commas_negatives_and_full_answers():
+    assert gsm8k_reward(Prompt("g", "q", "6325"), "they sell 6,325 candies") == 1.0
+    assert gsm8k_reward(Prompt("g", "q", "1,250"), "#### 1250") == 1.0
+    assert gsm8k_reward(Prompt("g", "q", "-3"), "it is -3 degrees") == 1.0
+    assert gsm8k_reward(Prompt("g", "q", "6"), "18-12 = 6") == 1.0
+    assert gsm8k_reward(Prompt("g", "q", "12"), "18-12") == 1.0  # a dash after a digit is not a sign
+    assert gsm8k_reward(Prompt("g", "q", "a\n#### 42"), "42") == 1.0
+    with pytest.raises(ValueError, match="non-numeric answer"):
+        gsm8k_reward(Prompt("g", "q", "forty"), "40")
+    assert extract_last_number("1,234.5 and 7.") == 7.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(-10**9, 10**9))
+def test_gsm8k_reward_reads_formatted_integers(n):
+    p = Prompt("g", "q", str(n))
+    assert gsm8k_reward(p, f"reasoning 3 + 4\n#### {n:,}") == 1.0
+    assert gsm8k_reward(p, f"#### {n + 1}") == 0.0
+
+
+def test_load_reward_resolves_and_names_the_spec():
+    assert load_reward("pipeline.rewards:tiny_reward") is tiny_reward
+    cases = [
+        ("pipeline.rewards.tiny_reward", "expected 'module:function'"),
+        ("pipeline.rewards:", "both parts non-empty"),
+        ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
+        ("pipeline.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("math:pi", "'pi' is a float, not callable"),
+    ]
+    for spec, expected in cases:
+        with pytest.raises(RewardError, match=expected) as err:
+            load_reward(spec)
+        assert repr(spec) in str(err.value)
