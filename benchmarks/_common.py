@@ -103,7 +103,8 @@ def start_ray(num_cpus: int = 8) -> None:
     import ray
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    # address="local": always a fresh cluster of our own, never one a `ray start` left running.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 def print_table(headers: list[str], rows: list[list], title: str = "") -> None:

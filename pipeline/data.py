@@ -4,8 +4,9 @@ Two schemas are accepted:
 - generic: `prompt` (string), `answer` (string), optional `id`;
 - GSM8K: `question`, `answer` ending in "#### N"; the question is wrapped in
   GSM8K_TEMPLATE and the answer becomes N (commas removed).
-Every error is a DataError naming the file and the column or row, because a
-bad dataset usually surfaces inside a remote worker, far from the recipe.
+Every error is a DataError naming the file and the column or row (rows count
+from 0, as in pyarrow's own messages), because a bad dataset would otherwise
+surface inside a remote worker, far from the recipe.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def _read_table(p: Path) -> pa.Table:
 def _column(table: pa.Table, p: Path, name: str, *, required: bool = True) -> list | None:
     if name not in table.column_names:
         if required:
-            raise DataError(f"{p}: missing required column {name!r} "
+            hint = " or 'question' (GSM8K)" if name == "prompt" else ""
+            raise DataError(f"{p}: missing required column {name!r}{hint} "
                             f"(columns: {', '.join(table.column_names) or 'none'})")
         return None
     col = table.column(name)
@@ -99,6 +101,11 @@ def load_prompts(path: str | Path, *, kind: str = "train") -> list[Prompt]:
             if not final:
                 raise DataError(f"{p}: row {i}: column 'answer' has no final '#### <number>' "
                                 "(GSM8K format)")
+            try:
+                float(final)
+            except ValueError:
+                raise DataError(f"{p}: row {i}: column 'answer' ends in '#### {final}', "
+                                "which is not a number") from None
             text, answer = GSM8K_TEMPLATE.format(question=text.strip()), final
         pid = ids[i] if ids is not None else f"{kind}-{i}"
         prompts.append(Prompt(id=pid, text=text, answer=answer))

@@ -9,7 +9,8 @@ The tiny task ("repeat"): the prompt shows one character eight times,
 "repeat: 0 0 0 0 0 0 0 0", and the reward is the fraction of response
 characters equal to it (pipeline.rewards.tiny_reward). Measured with a plain
 GRPO loop (8 prompts x 4 samples x 16 tokens, Adam lr 1e-2, 4 seeds): the mean
-reward rises from about 0.01 to 0.55-0.83 by step 20. What made it learnable:
+reward rises from about 0.01 to 0.44-0.96 by step 20 and to 0.99 by step 30 in
+3 seeds of 4 (lr 3e-3 is about twice as slow). What made it learnable:
 - two target characters: with 10, the policy collapses onto one digit for
   every prompt (rewarded whatever the prompt) and stays there for 100 steps;
 - the character repeated as separate tokens, so (near-uniform) attention
@@ -29,21 +30,15 @@ from pathlib import Path
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 TINY_ALPHABET = "01"
 TINY_REPEATS = 8
-# The tokenizer corpus has runs of every digit, whatever the task alphabet, so
-# merges like "00" and "0000" exist (random policies then hit the target more).
-CORPUS_CHARS = "0123456789"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
-# A little general English and arithmetic so the tokenizer is not only task
-# strings (GSM8K-style prompts should encode to sensible tokens).
-_GENERAL_TEXT = """\
-The quick brown fox jumps over the lazy dog. A student reads a book every week.
-How many apples are left? Let's think step by step and output the final answer.
-She has 3 more than he does, so together they have 12 + 15 = 27 in total.
-Each box holds 24 pencils; 5 boxes hold 120 pencils. The answer is 120.
-Question: what is 7 times 8? Answer: 56. #### 56
-"""
+# The tokenizer's training texts, frozen in a file: English and arithmetic (so
+# GSM8K-style prompts encode sensibly), runs of every digit (so merges like "00"
+# and "0000" exist and a random policy hits the target more often), and the
+# GSM8K sample as it was when the task was measured. Frozen because any edit
+# changes the merges, hence the model, hence the learning curves measured on it.
+TOKENIZER_CORPUS = DATA_DIR / "tokenizer_corpus.jsonl"
 
 
 class ModelError(ValueError):
@@ -76,25 +71,16 @@ def write_tiny_data(out_dir: str | Path, *, n_train: int = 512, n_val: int = 64)
     return paths
 
 
-def tokenizer_corpus(data_dir: str | Path = DATA_DIR) -> list[str]:
-    """The training texts of the tokenizer, in a fixed order (BPE ties are
-    broken by order, so the order is part of determinism)."""
-    texts = [_GENERAL_TEXT]
-    # Runs of every task character, so merges like "aa", "aaaa" exist.
-    for c in CORPUS_CHARS:
-        for k in (1, 2, 4, 8, 16):
-            texts.append(f"repeat:{c}{c * k}")
-    gsm = Path(data_dir) / "gsm8k_sample.jsonl"
-    if gsm.is_file():
-        for line in gsm.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                texts.append(row["question"])
-                texts.append(row["answer"])
-    return texts
+def tokenizer_corpus(path: str | Path = TOKENIZER_CORPUS) -> list[str]:
+    """The training texts of the tokenizer, in file order (BPE breaks ties by
+    order, so the order is part of determinism)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"tokenizer corpus {str(p)!r} does not exist (it ships in data/)")
+    return [json.loads(line)["text"] for line in p.read_text().splitlines() if line.strip()]
 
 
-def build_tokenizer(vocab_size: int = 384, *, data_dir: str | Path = DATA_DIR):
+def build_tokenizer(vocab_size: int = 384, *, corpus: str | Path = TOKENIZER_CORPUS):
     """A byte-level BPE tokenizer (every string encodes; no unknown token)
     that prepends <s> like Llama's does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -109,7 +95,7 @@ def build_tokenizer(vocab_size: int = 384, *, data_dir: str | Path = DATA_DIR):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=1)
-    tok.train_from_iterator(tokenizer_corpus(data_dir), trainer=trainer)
+    tok.train_from_iterator(tokenizer_corpus(corpus), trainer=trainer)
     bos_id = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)])
@@ -122,7 +108,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
                      heads: int = 4, head_dim: int = 32, intermediate: int = 128,
                      vocab_size: int = 384, max_positions: int = 512,
                      tie_embeddings: bool = False, init_std: float = 0.02,
-                     data_dir: str | Path = DATA_DIR) -> Path:
+                     corpus: str | Path = TOKENIZER_CORPUS) -> Path:
     """Build and save a random tiny Llama and its tokenizer into `out_dir`.
 
     head_dim defaults to 32 rather than hidden // heads (16) because vLLM's CPU
@@ -135,7 +121,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size, data_dir=data_dir)
+    tokenizer = build_tokenizer(vocab_size, corpus=corpus)
     # The HF vocab must be the tokenizer's real length: vLLM pads internally
     # and reload_weights expects the unpadded [len(tokenizer), hidden] shapes.
     n_vocab = len(tokenizer)

@@ -14,7 +14,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is 4
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin cores other workers share
 
-from pathlib import Path  # noqa: E402
+import json  # noqa: E402
 from typing import Any, Iterable, Mapping, Sequence  # noqa: E402
 
 import torch  # noqa: E402
@@ -28,17 +28,23 @@ from pipeline.tiny import ModelError, check_model_dir  # noqa: E402
 class VllmGenerationEngine:
     """n sampled completions per prompt, with the sampled tokens' logprobs.
 
-    Logprobs are vLLM's raw ones (the model's log-softmax at temperature 1,
-    before temperature / top-p), i.e. what a trainer computes from its own
-    logits; with temperature 1 and top_p 1 they are also the sampling policy's.
+    Logprobs are of the distribution sampled from: log_softmax(logits / T),
+    which is what the trainer computes (pipeline/deepspeed_engine.py divides
+    by the same temperature). With top_p < 1 vLLM also renormalises over the
+    nucleus, which the trainer does not: keep top_p 1 for exact ratios.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, max_new_tokens: int = 16,
-                 temperature: float = 1.0, top_p: float = 1.0, max_model_len: int = 512,
+                 temperature: float = 1.0, top_p: float = 1.0, max_model_len: int | None = 512,
                  dtype: str = "float32", block_size: int = 32, enforce_eager: bool | None = None,
                  **llm_kwargs: Any) -> None:
         path = check_model_dir(model_path)
         self.model_path = str(path)
+        positions = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+        if max_model_len is not None and positions:
+            # The KV cache is sized for max_model_len; more than the model can
+            # attend to is a vLLM start-up error, so take the smaller.
+            max_model_len = min(max_model_len, int(positions))
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
@@ -54,15 +60,21 @@ class VllmGenerationEngine:
         kwargs: dict[str, Any] = dict(
             model=self.model_path, tokenizer=self.model_path, seed=seed, dtype=dtype,
             max_model_len=max_model_len, enable_prefix_caching=True, block_size=block_size,
-            enforce_eager=enforce_eager, logprobs_mode="raw_logprobs")
+            enforce_eager=enforce_eager, logprobs_mode="processed_logprobs")
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = 0.3
         kwargs.update(llm_kwargs)
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the
+        # whole process (it assumes it pinned the threads); with nobind nothing
+        # was pinned, and code sharing this process must still set threads.
+        set_num_threads = torch.set_num_threads
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:
             raise ModelError(f"model directory {self.model_path!r}: vLLM could not load it: "
                              f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            torch.set_num_threads = set_num_threads
         # vLLM torch.compiles a helper that ranks sampled tokens for logprobs
         # (sampler.gather_logprobs): 45 s on the first run on 2 cores, 4 s
         # with a warm inductor cache. Eager is instant; on CPU we run eager.
@@ -81,6 +93,7 @@ class VllmGenerationEngine:
         if not prompts:
             return []
         # vLLM refuses n > 1 at temperature 0; greedy samples are identical anyway.
+        greedy = greedy or self.temperature == 0
         params = self._sampling_params(1 if greedy else n, greedy)
         inputs = [TokensPrompt(prompt_token_ids=self.encode(p.text)) for p in prompts]
         outputs = self._generate(inputs, params)
@@ -99,8 +112,8 @@ class VllmGenerationEngine:
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a full HF-named state dict in place, then drop the prefix cache:
         its KV blocks were computed with the old weights and reload_weights
-        does not invalidate them (a refit without the reset gave a different
-        greedy token on a 171-token prompt)."""
+        does not invalidate them (without the reset, logprobs after a refit
+        were off by up to 0.48 on a prompt served from the cache)."""
         items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
         for name, tensor in items:
             if ("embed_tokens" in name or name.startswith("lm_head")) and tensor.shape[0] != self.vocab_size:
@@ -135,7 +148,8 @@ class VllmGenerationEngine:
         common = dict(n=n, max_tokens=self.max_new_tokens, logprobs=0)
         if greedy:
             return SamplingParams(temperature=0.0, **common)
-        # A per-call seed keeps a run reproducible whatever else the engine served.
+        # Seeded per call: the same sequence of calls gives the same samples,
+        # whatever vLLM's global generator state is.
         return SamplingParams(temperature=self.temperature, top_p=self.top_p,
                               seed=self.seed * 1_000_003 + self._calls, **common)
 

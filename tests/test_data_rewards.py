@@ -47,6 +47,9 @@ def test_ids_are_generated_from_kind_when_absent(tmp_path):
     ("int_answer.jsonl", [{"prompt": "p", "answer": 7}], "column 'answer' has type int64"),
     ("dup_id.jsonl", [{"id": "x", "prompt": "p", "answer": "a"}] * 2, "row 1: column 'id' repeats 'x'"),
     ("gsm_no_final.jsonl", [{"question": "q?", "answer": "it is 4"}], "row 0: column 'answer' has no final '####"),
+    ("gsm_word.jsonl", [{"question": "q?", "answer": "4\n#### 4"}, {"question": "q?", "answer": "#### four"}],
+     "row 1: column 'answer' ends in '#### four', which is not a number"),
+    ("neither.jsonl", [{"text": "q?", "answer": "4"}], "missing required column 'prompt' or 'question'"),
 ])
 def test_bad_rows_and_columns_are_named(tmp_path, name, rows, expected):
     path = write_jsonl(tmp_path / name, rows)
@@ -176,3 +179,49 @@ def test_load_reward_resolves_and_names_the_spec():
         with pytest.raises(RewardError, match=expected) as err:
             load_reward(spec)
         assert repr(spec) in str(err.value)
+
+
+# -- the tiny task is learnable ---------------------------------------------
+
+def test_tiny_task_is_learnable_by_plain_grpo(tmp_path):
+    """A guard on the task, tokenizer and builder together, without vLLM or the
+    pipeline: 20 on-policy GRPO steps of 8 prompts x 4 samples x 16 tokens
+    (Adam, lr 1e-2) lift the reward from about 0.01 to well above 0.3."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.tiny import build_tiny_model
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    path = build_tiny_model(tmp_path / "tiny", seed=0)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train = load_prompts(DATA / "tiny_train.jsonl")
+    torch.manual_seed(0)
+    means = []
+    for step in range(20):
+        batch = [train[(step * 8 + i) % len(train)] for i in range(8)]
+        ids = tok([p.text for p in batch], return_tensors="pt", padding=True)
+        prompt = ids.input_ids.repeat_interleave(4, 0)
+        mask_p = ids.attention_mask.repeat_interleave(4, 0)
+        with torch.no_grad():
+            out = model.generate(input_ids=prompt, attention_mask=mask_p, max_new_tokens=16, do_sample=True,
+                                 temperature=1.0, top_k=len(tok), top_p=1.0, pad_token_id=tok.pad_token_id)
+        resp = out[:, prompt.shape[1]:]
+        eos = (resp == tok.eos_token_id).int()
+        mask = ((torch.cumsum(eos, 1) - eos) == 0).float()  # up to and including the first eos
+        texts = [tok.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(resp, mask)]
+        r = torch.tensor([tiny_reward(p, t) for p, t in zip([p for p in batch for _ in range(4)], texts)])
+        g = r.view(8, 4)
+        adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-4)).view(-1, 1)
+        logits = model(input_ids=out, attention_mask=torch.cat([mask_p, torch.ones_like(resp)], 1)).logits
+        logp = torch.log_softmax(logits[:, prompt.shape[1] - 1:-1].float(), -1)
+        logp = logp.gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        loss = -(adv * logp * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        means.append(float(r.mean()))
+    start, end = sum(means[:3]) / 3, sum(means[-3:]) / 3
+    print("tiny task rewards:", [round(m, 3) for m in means])
+    assert start < 0.1 and end > 0.3, [round(m, 3) for m in means]

@@ -23,13 +23,13 @@ def tiny_model(tmp_path_factory):
 
 def test_async_grpo_learns_the_tiny_task(tmp_path, ray_session, tiny_model):
     cfg = load_config("examples/tiny_grpo.yaml", [
-        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=e2e", "run.steps=12",
-        "run.checkpoint_every=6", "grpo.val_period=6", "run.dag_mode=classic"])
+        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=e2e", "run.steps=20",
+        "run.checkpoint_every=10", "grpo.val_period=10", "run.dag_mode=classic"])
     summary = train(cfg, quiet=True)
     run_dir = tmp_path / "e2e"
     violations = check_events(load_events(run_dir))
     assert violations == [], "\n".join(v.message for v in violations)
-    assert summary["steps"] == 12 and summary["error"] is None
+    assert summary["steps"] == 20 and summary["error"] is None
     assert summary["generation_backend"] == "vllm" and summary["training_backend"] == "deepspeed"
     assert summary["reward_end"] - summary["reward_start"] >= REWARD_MARGIN, summary
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -37,10 +37,10 @@ def test_async_grpo_learns_the_tiny_task(tmp_path, ray_session, tiny_model):
     assert max(m["age_max"] for m in metrics) == 1
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    final = run_dir / "checkpoints" / "step_12"
-    assert (run_dir / "checkpoints" / "step_6").is_dir()
+    final = run_dir / "checkpoints" / "step_20"
+    assert (run_dir / "checkpoints" / "step_10").is_dir()
     model = AutoModelForCausalLM.from_pretrained(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
-    ids = tokenizer("repeat:7", return_tensors="pt").input_ids
+    ids = tokenizer("repeat: 1 1 1 1 1 1 1 1", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()

@@ -1,0 +1,78 @@
+"""The benchmarks run in their quick mode and write their JSON: structure, not speed.
+
+Benchmarks measure; they are not tests. This only keeps them from rotting: each
+script must run end to end with one command and write a result file whose
+shape the README and the people reading it rely on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STAT_KEYS = {"n", "median", "min", "max", "spread", "iqr", "values"}
+MACHINE_KEYS = {"platform", "python", "ray", "cpu_physical", "cpu_logical", "memory_gib",
+                "loadavg_start", "loadavg_end", "git_commit"}
+
+
+def run_quick(name: str, out: Path, timeout: float = 240) -> dict:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)  # the benchmarks start their own local cluster
+    proc = subprocess.run([sys.executable, f"benchmarks/{name}.py", "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "targets" in proc.stdout, "the script prints its tables"
+    path = out / f"{name}.json"
+    assert path.is_file(), f"{name} did not write {path}"
+    result = json.loads(path.read_text())
+    assert result["benchmark"] == name
+    assert MACHINE_KEYS <= set(result["machine"])
+    assert result["params"]["quick"] is True
+    return result
+
+
+def is_stat(x) -> bool:
+    return isinstance(x, dict) and STAT_KEYS <= set(x) and x["n"] >= 1 and x["median"] is not None
+
+
+def test_overlap_quick(tmp_path):
+    result = run_quick("overlap", tmp_path)
+    params = result["params"]
+    assert set(params["max_ages"]) == {0, 1, 2} and set(params["ratios_G_over_T"]) >= {0.5, 1.0, 2.0}
+    figures = result["figures"]
+    seen = {(f["mode"], f["G_over_T"], f["max_age"]) for f in figures}
+    assert seen == {(m, r, a) for m in params["modes"] for r in params["ratios_G_over_T"] for a in (0, 1, 2)}
+    for f in figures:
+        for key in ("step_s", "efficiency", "speedup_over_sync", "overhead_ms"):
+            assert is_stat(f[key]), (key, f)
+        assert f["ideal_async_step_s"] == pytest.approx(max(f["G_s"], f["T_s"]) + f["R_s"])
+    for t in result["targets"]:
+        assert {"mode", "max_age", "efficiency", "efficiency_met", "speedup", "speedup_target",
+                "speedup_met"} <= set(t)
+    assert {t["max_age"] for t in result["targets"]} == {1, 2}
+
+
+def test_overhead_quick(tmp_path):
+    result = run_quick("overhead", tmp_path)
+    figures = result["figures"]
+    assert is_stat(figures["calib"]["call_ms"])
+    for part in ("stub", "zero", "sleep", "busy"):
+        for mode in ("compiled", "classic", "hand"):
+            m = figures[part][mode]
+            assert is_stat(m["step_ms"]) and is_stat(m["cpu_ms_per_step"]), (part, mode)
+        assert is_stat(figures[part]["compiled_over_hand"]) and is_stat(figures[part]["classic_over_hand"])
+    for mode in ("compiled", "classic", "hand"):
+        assert is_stat(figures["stub"][mode]["idle_cores"])
+        for key in ("worker_cpu_ms_per_step", "overhead_cpu_ms_per_step", "overhead_cpu_fraction"):
+            assert is_stat(figures["busy"][mode][key])
+    # Busy workers really burned CPU inside the measured window; sleeping ones did not.
+    assert figures["busy"]["classic"]["worker_cpu_ms_per_step"]["median"] > 0
+    assert figures["sleep"]["classic"]["worker_cpu_ms_per_step"]["median"] == 0
+    assert result["auto"]["auto_with_these_logical_cpus"] in ("classic", "compiled")
+    assert {t["target"].split(" (")[0] for t in result["targets"]} == {
+        "compiled <= 1 ms per step", "compiled <= 0.5 x hand-written loop", "overhead <= 5 % of step CPU, busy workers"}

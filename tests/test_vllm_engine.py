@@ -1,0 +1,210 @@
+"""The vLLM generation engine against transformers on the same weights (real
+vLLM in-process, no Ray), and the tiny model builder it runs on.
+
+TOL: on CPU in fp32, vLLM's sampled-token logprobs and transformers' log-softmax
+of the same tokens differed by at most 9.5e-7 (prefix-cache hits and refits
+included); a weight change of 0.02 * N(0, 1) moved them by 0.6-0.97. 1e-5 sits
+ten times above the noise and far below a real change.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from pipeline.engines import Prompt
+from pipeline.tiny import ModelError, build_tiny_model, check_model_dir, model_digest, tiny_prompt
+
+torch.set_num_threads(1)
+
+TOL = 1e-5
+# >= 64 tokens, so two full 32-token KV blocks of the prompt are cached and reused.
+LONG_PROMPT = Prompt("long", "How many apples are left? repeat: " + " ".join(["0"] * 40), "0")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from pipeline.vllm_engine import VllmGenerationEngine
+    t0 = time.perf_counter()
+    # Stats on, so the test can see prefix-cache hits.
+    eng = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=16, temperature=1.0, top_p=1.0,
+                               max_model_len=256, disable_log_stats=False)
+    print(f"\nvLLM engine start: {time.perf_counter() - t0:.1f}s")
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_logprobs(model, prompt_ids, response_ids, temperature: float = 1.0) -> list[float]:
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)
+    start = len(prompt_ids) - 1
+    return [logp[start + i, tok].item() for i, tok in enumerate(response_ids)]
+
+
+def max_gap(model, groups, temperature: float = 1.0) -> float:
+    return max(abs(a - b) for group in groups for c in group
+               for a, b in zip(c.logprobs, hf_logprobs(model, c.prompt_ids, c.response_ids, temperature)))
+
+
+def prefix_cache_hits(engine) -> int:
+    return next(int(m.value) for m in engine.llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
+
+# -- the tiny model ----------------------------------------------------------
+
+def test_tiny_model_is_deterministic_and_loads_in_transformers(tmp_path, model_dir):
+    from transformers import AutoTokenizer
+    again = build_tiny_model(tmp_path / "again", seed=0)
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    assert model_digest(again) == model_digest(model_dir)
+    assert model_digest(other) != model_digest(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = hf_model(model_dir)
+    # vLLM and reload_weights need the unpadded vocabulary: exactly the tokenizer's.
+    assert len(tok) == model.config.vocab_size
+    ids = tok(tiny_prompt("0")).input_ids
+    assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == tiny_prompt("0")
+    assert tok.eos_token_id is not None and tok.pad_token_id is not None
+    assert check_model_dir(model_dir) == model_dir
+
+
+# -- generation ----------------------------------------------------------------
+
+def test_generate_returns_n_completions_with_logprobs(engine):
+    prompts = [Prompt("a", tiny_prompt("0"), "0"), Prompt("b", tiny_prompt("1"), "1")]
+    groups = engine.generate(prompts, 3)
+    assert [len(g) for g in groups] == [3, 3]
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            assert c.prompt_ids == tuple(engine.encode(prompt.text))
+            assert 1 <= len(c.response_ids) <= 16 and len(c.logprobs) == len(c.response_ids)
+            assert all(lp <= 0.0 for lp in c.logprobs)
+    greedy = engine.generate(prompts, 2, greedy=True)
+    assert greedy[0][0] == greedy[0][1]
+    assert engine.generate(prompts, 1, greedy=True)[0][0] == greedy[0][0]
+    assert engine.generate([], 2) == []
+
+
+def test_logprobs_match_transformers_through_the_prefix_cache(engine, model_dir):
+    model = hf_model(model_dir)
+    assert len(engine.encode(LONG_PROMPT.text)) >= 64
+    first = engine.generate([LONG_PROMPT], 2)
+    hits = prefix_cache_hits(engine)
+    second = engine.generate([LONG_PROMPT], 2)
+    assert prefix_cache_hits(engine) >= hits + 64, "the second call should reuse the cached prompt blocks"
+    assert max_gap(model, first) < TOL
+    assert max_gap(model, second) < TOL
+    c = second[0][0]
+    scored = engine.prompt_logprobs(c.prompt_ids, c.response_ids)
+    assert max(abs(a - b) for a, b in zip(scored, c.logprobs)) < TOL
+
+
+def test_logprobs_are_of_the_tempered_distribution(engine, model_dir):
+    """The trainer divides its logits by the sampling temperature; the
+    engine's logprobs must be of that same distribution."""
+    model = hf_model(model_dir)
+    engine.temperature = 0.7
+    try:
+        groups = engine.generate([LONG_PROMPT], 2)
+    finally:
+        engine.temperature = 1.0
+    assert max_gap(model, groups, temperature=0.7) < TOL
+    assert max_gap(model, groups, temperature=1.0) > 100 * TOL
+
+
+def test_refit_loads_new_weights_and_drops_the_prefix_cache(engine, model_dir):
+    model = hf_model(model_dir)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.generate([LONG_PROMPT], 2)  # the prompt is now cached under the old weights
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    try:
+        assert max_gap(model, engine.generate([LONG_PROMPT], 2)) > 100 * TOL, "stale weights must show"
+        t0 = time.perf_counter()
+        engine.load_weights(model.state_dict())
+        print(f"\nload_weights: {1e3 * (time.perf_counter() - t0):.1f} ms")
+        after = engine.generate([LONG_PROMPT], 2)
+        assert max_gap(model, after) < TOL
+        c = after[0][0]
+        assert max(abs(a - b) for a, b in zip(engine.prompt_logprobs(c.prompt_ids, c.response_ids),
+                                               hf_logprobs(model, c.prompt_ids, c.response_ids))) < TOL
+    finally:
+        engine.load_weights(original)  # later tests see the built model again
+    assert max_gap(hf_model(model_dir), engine.generate([LONG_PROMPT], 1)) < TOL
+
+
+def test_reload_without_cache_reset_serves_stale_prompt_blocks(engine, model_dir):
+    """Why load_weights resets the prefix cache: vLLM's reload_weights alone
+    leaves KV blocks of the old weights in the cache, and hits on them skew
+    the logprobs of the new ones."""
+    model = hf_model(model_dir)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.generate([LONG_PROMPT], 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    try:
+        engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(model.state_dict().items())})
+        assert max_gap(model, engine.generate([LONG_PROMPT], 1)) > 100 * TOL
+    finally:
+        engine.load_weights(original)
+
+
+def test_load_weights_rejects_a_padded_vocabulary(engine, model_dir):
+    sd = hf_model(model_dir).state_dict()
+    padded = torch.zeros(sd["lm_head.weight"].shape[0] + 64, sd["lm_head.weight"].shape[1])
+    with pytest.raises(ModelError, match=r"lm_head\.weight has \d+ rows .* vocab_size is") as err:
+        engine.load_weights({**sd, "lm_head.weight": padded})
+    assert str(model_dir) in str(err.value)
+
+
+# -- bad model directories: errors name the path, before vLLM starts -----------
+
+def test_bad_model_directories_are_named(tmp_path, model_dir):
+    from pipeline.vllm_engine import VllmGenerationEngine
+    missing = tmp_path / "nope"
+    with pytest.raises(ModelError, match="does not exist") as err:
+        VllmGenerationEngine(missing)
+    assert str(missing) in str(err.value)
+
+    no_config = tmp_path / "no_config"
+    shutil.copytree(model_dir, no_config)
+    (no_config / "config.json").unlink()
+    with pytest.raises(ModelError, match="has no config.json") as err:
+        VllmGenerationEngine(no_config)
+    assert str(no_config) in str(err.value)
+
+    no_tok = tmp_path / "no_tokenizer"
+    shutil.copytree(model_dir, no_tok)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tok / name).unlink()
+    with pytest.raises(ModelError, match="has no tokenizer files") as err:
+        VllmGenerationEngine(no_tok)
+    assert str(no_tok) in str(err.value)
+
+    small = tmp_path / "small_vocab"
+    shutil.copytree(model_dir, small)
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = 300
+    (small / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=r"the tokenizer has \d+ tokens but the model's vocab_size is 300") as err:
+        VllmGenerationEngine(small)
+    assert str(small) in str(err.value)
