@@ -243,6 +243,10 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
             "training_backend": "sim" if cfg.backend == "sim" else "deepspeed",
         })
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    say(f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s (start-up included); "
+        f"reward {summary['reward_start']:.3f} -> {summary['reward_end']:.3f} (mean of first/last 3 steps); "
+        f"step time {summary['step_time_mean_s']:.2f} s; {summary['generated_tokens_per_s']:.0f} generated tokens/s; "
+        f"files in {run_dir}")
     return summary
 
 
@@ -257,7 +261,7 @@ def _save_checkpoint(workers: Workers, run_dir: Path, step: int, cfg: Config) ->
 
 
 def _step_metrics(step: int, elapsed: float, train: TrainOut, resume: Resume) -> dict:
-    return {"step": step, "step_time_s": round(elapsed, 6), **dict(train.metrics), **dict(resume.val_scores)}
+    return {**dict(train.metrics), **dict(resume.val_scores), "step": step, "step_time_s": round(elapsed, 6)}
 
 
 def _write_val_metrics(run_dir: Path, resume: Resume) -> None:

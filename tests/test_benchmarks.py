@@ -60,7 +60,7 @@ def test_overlap_quick(tmp_path):
 def test_overhead_quick(tmp_path):
     result = run_quick("overhead", tmp_path)
     figures = result["figures"]
-    assert is_stat(figures["calib"]["call_ms"])
+    assert is_stat(figures["calib"]["call_ms"]) and is_stat(figures["calib"]["ray_idle_cores"])
     for part in ("stub", "zero", "sleep", "busy"):
         for mode in ("compiled", "classic", "hand"):
             m = figures[part][mode]
@@ -68,11 +68,15 @@ def test_overhead_quick(tmp_path):
         assert is_stat(figures[part]["compiled_over_hand"]) and is_stat(figures[part]["classic_over_hand"])
     for mode in ("compiled", "classic", "hand"):
         assert is_stat(figures["stub"][mode]["idle_cores"])
-        for key in ("worker_cpu_ms_per_step", "overhead_cpu_ms_per_step", "overhead_cpu_fraction"):
+        for key in ("worker_cpu_ms_per_step", "overhead_cpu_ms_per_step", "overhead_cpu_fraction",
+                    "background_cpu_ms_per_step", "orchestration_cpu_ms_per_step", "orchestration_cpu_fraction"):
             assert is_stat(figures["busy"][mode][key])
     # Busy workers really burned CPU inside the measured window; sleeping ones did not.
     assert figures["busy"]["classic"]["worker_cpu_ms_per_step"]["median"] > 0
     assert figures["sleep"]["classic"]["worker_cpu_ms_per_step"]["median"] == 0
     assert result["auto"]["auto_with_these_logical_cpus"] in ("classic", "compiled")
     assert {t["target"].split(" (")[0] for t in result["targets"]} == {
-        "compiled <= 1 ms per step", "compiled <= 0.5 x hand-written loop", "overhead <= 5 % of step CPU, busy workers"}
+        "compiled <= 1 ms per step", "compiled <= 0.5 x hand-written loop",
+        "orchestration <= 5 % of step CPU, busy workers",
+        "orchestration + Ray background <= 5 % of step CPU, busy workers"}
+    assert all(isinstance(t["met"], bool) for t in result["targets"])

@@ -11,8 +11,9 @@ from pipeline.check import check_events, load_events
 from pipeline.config import load_config
 from pipeline.driver import train
 
-# Measured on 2 cores (see README): reward_start ~0.08, reward_end ~0.4 after 12 steps.
-REWARD_MARGIN = 0.10
+# Measured here with this recipe and seed: reward 0.035 (mean of the first 3
+# steps) -> 0.66 (last 3 of 25); greedy validation 0.64 at step 25.
+REWARD_MARGIN = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +24,13 @@ def tiny_model(tmp_path_factory):
 
 def test_async_grpo_learns_the_tiny_task(tmp_path, ray_session, tiny_model):
     cfg = load_config("examples/tiny_grpo.yaml", [
-        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=e2e", "run.steps=20",
+        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=e2e", "run.steps=25",
         "run.checkpoint_every=10", "grpo.val_period=10", "run.dag_mode=classic"])
     summary = train(cfg, quiet=True)
     run_dir = tmp_path / "e2e"
     violations = check_events(load_events(run_dir))
     assert violations == [], "\n".join(v.message for v in violations)
-    assert summary["steps"] == 20 and summary["error"] is None
+    assert summary["steps"] == 25 and summary["error"] is None
     assert summary["generation_backend"] == "vllm" and summary["training_backend"] == "deepspeed"
     assert summary["reward_end"] - summary["reward_start"] >= REWARD_MARGIN, summary
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -37,7 +38,7 @@ def test_async_grpo_learns_the_tiny_task(tmp_path, ray_session, tiny_model):
     assert max(m["age_max"] for m in metrics) == 1
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    final = run_dir / "checkpoints" / "step_20"
+    final = run_dir / "checkpoints" / "step_25"
     assert (run_dir / "checkpoints" / "step_10").is_dir()
     model = AutoModelForCausalLM.from_pretrained(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
