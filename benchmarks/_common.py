@@ -107,6 +107,16 @@ def start_ray(num_cpus: int = 8) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
+def shutdown_ray(wait_s: float = 20.0) -> list[int]:
+    """ray.shutdown(), then wait for every process this cluster started to exit, so
+    that the script leaves nothing behind; returns the pids still alive (none, normally)."""
+    import ray
+    procs = psutil.Process().children(recursive=True)
+    ray.shutdown()
+    _, alive = psutil.wait_procs(procs, timeout=wait_s)
+    return [p.pid for p in alive]
+
+
 def print_table(headers: list[str], rows: list[list], title: str = "") -> None:
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -124,10 +134,19 @@ def _fmt(x) -> str:
     return str(x)
 
 
+def sample_load(info: dict) -> None:
+    """Note the 1-minute load average now (called once per measured block)."""
+    info.setdefault("loadavg_1min_samples", []).append(round(os.getloadavg()[0], 2))
+
+
 def write_result(name: str, result: dict, out_dir: Path | None = None) -> Path:
     out_dir = Path(out_dir) if out_dir is not None else RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
-    result["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    info = result["machine"]
+    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    samples = info.get("loadavg_1min_samples", [])
+    if samples:
+        info["loadavg_1min_during"] = {"median": statistics.median(samples), "max": max(samples)}
     path = out_dir / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import CpuWindow, machine_info, print_table, start_ray, stats, write_result  # noqa: E402
+from _common import CpuWindow, machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
 
 import ray  # noqa: E402
 
@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{calib[-1]['ray_idle_cores']:.3f} cores", flush=True)
             if "stub" in parts:
                 for mode in rotate(MODES, rep):
+                    sample_load(info)
                     t_block = time.time()
                     r = measure_stub(pool, mode, stub_steps, 5, idle_s, tmp)
                     raw["stub"][mode].append(r)
@@ -364,6 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             for rep in range(repeats):
                 for mode in rotate(MODES, rep):
+                    sample_load(info)
                     t_block = time.time()
                     r = measure_sim(pool, mode, lat, steps, warm, max_age, busy, tmp, f"{part}_{mode}_{rep}")
                     raw[part][mode].append(r)
@@ -376,7 +378,9 @@ def main(argv: list[str] | None = None) -> dict:
         if pool is not None:
             for a in actors(pool):
                 ray.kill(a)
-        ray.shutdown()
+        left = shutdown_ray()
+        if left:
+            print(f"warning: Ray processes still running after shutdown: {left}", file=sys.stderr)
         shutil.rmtree(tmp, ignore_errors=True)
 
     # Split the overhead: Ray's background (its idle rate, measured in the same repeat,
@@ -411,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
     report(result)
     path = write_result("overhead", result, args.out)
     print(f"\nwrote {path} (load average {result['machine']['loadavg_start']} -> "
-          f"{result['machine']['loadavg_end']})")
+          f"{result['machine']['loadavg_end']}, during {result['machine'].get('loadavg_1min_during')})")
     return result
 
 

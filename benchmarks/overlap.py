@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, print_table, start_ray, stats, write_result  # noqa: E402
+from _common import machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
 
 AGES = (0, 1, 2)
 RATIOS = (0.5, 1.0, 2.0)   # G / T
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, help="repeats of the whole sweep (full 3, quick 1)")
     ap.add_argument("--generators", type=int, default=2)
     ap.add_argument("--modes", default="classic,compiled", help="graph modes, comma-separated")
-    ap.add_argument("--ratios", help="G/T ratios, comma-separated (default 0.5,1,2)")
+    ap.add_argument("--ratios", help="G/T ratios, comma-separated (full 0.5,1,2; quick 1)")
     ap.add_argument("--jitter", type=float, default=0.0, help="sim.jitter")
     ap.add_argument("--out", type=Path, help="directory for overlap.json (default benchmarks/results)")
     args = ap.parse_args(argv)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     measured = args.steps or (3 if args.quick else 8)
     repeats = args.repeats or (1 if args.quick else 3)
     modes = [m for m in args.modes.split(",") if m]
-    ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else list(RATIOS)
+    ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else ([1.0] if args.quick else list(RATIOS))
     steps = SKIP_FIRST + measured + SKIP_LAST
 
     import ray
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          "sim.validate_s=0", f"sim.jitter={args.jitter}", f"grpo.max_age={age}",
                                          "grpo.val_period=0", f"run.steps={steps}", f"run.dag_mode={mode}",
                                          f"generation.num_generators={args.generators}", "run.deadline_s=60"]
+                            sample_load(info)
                             times = run_once(overrides, pool, runner, tmp, f"{mode}_{ratio}_{age}_{rep}")
                             steady = times[SKIP_FIRST:len(times) - SKIP_LAST]
                             raw[mode][ratio][age].append(stats(steady)["median"])
@@ -117,7 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
             runner.close()
         if pool is not None:
             stop_workers(pool)
-        ray.shutdown()
+        left = shutdown_ray()
+        if left:
+            print(f"warning: Ray processes still running after shutdown: {left}", file=sys.stderr)
         shutil.rmtree(tmp, ignore_errors=True)
 
     figures, rows = [], []
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
               "targets": targets, "wall_s": round(time.time() - t_start, 1)}
     path = write_result("overlap", result, args.out)
     print(f"\nwrote {path} (load average {result['machine']['loadavg_start']} -> "
-          f"{result['machine']['loadavg_end']})")
+          f"{result['machine']['loadavg_end']}, during {result['machine'].get('loadavg_1min_during')})")
     return result
 
 

@@ -107,7 +107,9 @@ def _prepare_run_dir(cfg: Config, say) -> Path:
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     if run_dir.exists():
         # Never delete a user's earlier run: move it aside.
-        kept = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        stamp = time.strftime('%Y%m%d-%H%M%S')
+        kept = next(p for k in range(1000) if not (p := run_dir.with_name(
+            f"{run_dir.name}.{stamp}" + (f"-{k}" if k else ""))).exists())
         run_dir.rename(kept)
         say(f"note: the earlier run in {run_dir} was moved to {kept}")
     run_dir.mkdir(parents=True)
@@ -124,7 +126,9 @@ def _start_ray(cfg: Config) -> bool:
         ray.init(address=address, log_to_driver=True)
         return True
     cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, graph_actor_count(cfg) + 1)
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    # Worker output (vLLM, DeepSpeed banners) stays in Ray's session logs; failures
+    # reach the driver as errors naming the node, worker and step.
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return True
 
 

@@ -220,9 +220,13 @@ class GeneratorWorker:
         if self._rollouts is not None and self._rollouts.is_alive():
             raise RuntimeError("collect while rollouts are still in flight: the graph lost its refit edge")
         mine = [launch for launch in resume.launches if launch.generator == self.index]
+        # Every launched batch starts here, inside the node, as one engine call: a
+        # rollout can only start where the graph puts `collect`, never later from a
+        # queue on the rollout thread (that would let it start during a validation).
         for launch in mine:
-            self.log.emit("launch", step=launch.target, version=self.version,
-                          batch=launch.batch_id, target=launch.target)
+            ev = dict(step=launch.target, version=self.version, batch=launch.batch_id, target=launch.target)
+            self.log.emit("launch", **ev)
+            self.log.emit("rollout_start", **ev)
         if mine:
             self._rollouts = threading.Thread(target=self._run_rollouts, args=(mine, self.version),
                                               name=f"rollouts-{self.log.worker}", daemon=True)
@@ -241,18 +245,23 @@ class GeneratorWorker:
             raise RuntimeError(f"a rollout failed before step {step}: {error}")
 
     def _run_rollouts(self, launches: list[Launch], version: int) -> None:
-        for launch in launches:
-            ev = dict(batch=launch.batch_id, target=launch.target)
-            self.log.emit("rollout_start", step=launch.target, version=version, **ev)
-            try:
-                groups = self.engine.generate(list(launch.prompts), n=self.cfg.grpo.group_size)
-                table = self._table(launch, version, groups)
-            except Exception as exc:
-                self.log.emit("rollout_end", step=launch.target, version=version, failed=True, **ev)
-                self._rollout_error = f"batch {launch.batch_id}: {type(exc).__name__}: {exc}"
+        prompts = [p for launch in launches for p in launch.prompts]
+        try:
+            groups = self.engine.generate(prompts, n=self.cfg.grpo.group_size)
+            tables, start = [], 0
+            for launch in launches:
+                tables.append(self._table(launch, version, groups[start:start + len(launch.prompts)]))
+                start += len(launch.prompts)
+        except Exception as exc:
+            self._rollout_error = f"batches {[l.batch_id for l in launches]}: {type(exc).__name__}: {exc}"
+            for launch in launches:
+                self.log.emit("rollout_end", step=launch.target, version=version, batch=launch.batch_id,
+                              target=launch.target, failed=True)
                 ray.get(self.controller.rollout_failed.remote(launch.batch_id, f"failed: {exc}"))
-                continue
-            self.log.emit("rollout_end", step=launch.target, version=version, **ev)
+            return
+        for launch, table in zip(launches, tables):
+            self.log.emit("rollout_end", step=launch.target, version=version, batch=launch.batch_id,
+                          target=launch.target)
             ray.get(self.controller.put.remote(launch.batch_id, version, table))
 
     def _table(self, launch: Launch, version: int, groups: list[list[Completion]]) -> pa.Table:

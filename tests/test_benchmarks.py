@@ -20,13 +20,14 @@ MACHINE_KEYS = {"platform", "python", "ray", "cpu_physical", "cpu_logical", "mem
                 "loadavg_start", "loadavg_end", "git_commit"}
 
 
-def run_quick(name: str, out: Path, timeout: float = 240) -> dict:
+def run_quick(name: str, out: Path, timeout: float = 300) -> dict:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)  # the benchmarks start their own local cluster
     proc = subprocess.run([sys.executable, f"benchmarks/{name}.py", "--quick", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{name} --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "targets" in proc.stdout, "the script prints its tables"
+    assert "still running after shutdown" not in proc.stderr, "the script left Ray processes behind"
     path = out / f"{name}.json"
     assert path.is_file(), f"{name} did not write {path}"
     result = json.loads(path.read_text())
@@ -43,7 +44,7 @@ def is_stat(x) -> bool:
 def test_overlap_quick(tmp_path):
     result = run_quick("overlap", tmp_path)
     params = result["params"]
-    assert set(params["max_ages"]) == {0, 1, 2} and set(params["ratios_G_over_T"]) >= {0.5, 1.0, 2.0}
+    assert set(params["max_ages"]) == {0, 1, 2} and 1.0 in params["ratios_G_over_T"]
     figures = result["figures"]
     seen = {(f["mode"], f["G_over_T"], f["max_age"]) for f in figures}
     assert seen == {(m, r, a) for m in params["modes"] for r in params["ratios_G_over_T"] for a in (0, 1, 2)}

@@ -1,0 +1,110 @@
+"""The real-stack benchmarks keep running: e2e_tiny in its quick mode (vLLM-CPU +
+DeepSpeed-CPU, sync and async) and gpu_trainer's guards (no GPU: a clear
+error; never Ray or vLLM). Structure, not speed: benchmarks measure, they do
+not assert figures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STAT_KEYS = {"n", "median", "min", "max", "spread", "iqr", "values"}
+MACHINE_KEYS = {"platform", "python", "ray", "cpu_physical", "cpu_logical", "memory_gib",
+                "loadavg_start", "loadavg_end", "git_commit"}
+BREAKDOWN = {"sample_s", "train_s", "validation_gate_s", "drain_s", "load_s", "validate_s", "resume_s",
+             "collect_s", "other_s", "validation_s", "exposed_generation_s", "hidden_generation_s"}
+# Runs a script as __main__ with `import ray` and `import vllm` made to fail.
+POISONED = ("import runpy, sys; sys.modules['ray'] = None; sys.modules['vllm'] = None; "
+            "path = sys.argv[1]; sys.argv = sys.argv[1:]; runpy.run_path(path, run_name='__main__')")
+
+
+def _env(**extra) -> dict:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", **extra}
+    env.pop("RAY_ADDRESS", None)  # the benchmark starts its own local cluster
+    return env
+
+
+def is_stat(x) -> bool:
+    return isinstance(x, dict) and STAT_KEYS <= set(x) and x["n"] >= 1 and x["median"] is not None
+
+
+def test_e2e_tiny_quick(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/e2e_tiny.py", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"e2e_tiny --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "targets" in proc.stdout and "per-step time breakdown" in proc.stdout, "the script prints its tables"
+    result = json.loads((tmp_path / "e2e_tiny.json").read_text())
+    assert result["benchmark"] == "e2e_tiny"
+    assert MACHINE_KEYS <= set(result["machine"])
+    params = result["params"]
+    assert params["quick"] is True and params["steps_per_run"] == 3 and params["repeats"] == 1
+    assert params["max_ages"] == {"sync": 0, "async": 1}
+    figures = result["figures"]
+    for mode in ("sync", "async"):
+        f = figures[mode]
+        for key in ("steady_step_time_s", "steps_wall_s", "startup_s", "generated_tokens_per_s_engine",
+                    "generated_tokens_per_s_pipeline", "trainer_tokens_per_s", "reward_last_window"):
+            assert is_stat(f[key]), (mode, key)
+        assert f["generated_tokens_per_s_engine"]["median"] > 0 and f["trainer_tokens_per_s"]["median"] > 0
+        assert BREAKDOWN <= set(f["breakdown_s"]) and all(is_stat(v) for v in f["breakdown_s"].values())
+        assert {"time_to_threshold_s", "steps_to_threshold", "reached_threshold"} <= set(f)
+    for key in ("steady_step_time", "steps_wall", "trainer_tokens_per_s"):
+        assert is_stat(figures["async_over_sync"][key]), key
+    assert "time_to_threshold" in figures["async_over_sync"]
+    (target,) = result["targets"]
+    assert target["limit"] == 0.7 and isinstance(target["met"], bool)
+    for mode, max_age in (("sync", 0), ("async", 1)):
+        (run,) = result["runs"][mode]
+        steps = run["per_step"]
+        assert [s["step"] for s in steps] == [0, 1, 2] and len(run["rewards"]) == 3
+        # The two modes really differ: after step 0, async trains on batches one version old.
+        assert [s["age_mean"] for s in steps[1:]] == [float(max_age)] * 2, (mode, steps)
+        for s in steps:
+            # The step's parts (a chain of nodes with one generator) account for its span.
+            parts = sum(s[k] for k in ("sample_s", "train_s", "validation_gate_s", "drain_s", "load_s",
+                                       "validate_s", "resume_s", "collect_s", "other_s"))
+            assert parts == pytest.approx(s["span_s"], abs=0.05), s
+            assert 0 < s["span_s"] <= s["step_time_s"] + 0.05, s   # inside the driver's window for the step
+            assert s["response_tokens"] > 0 and s["train_s"] > 0
+        assert run["failed_rollouts"] == 0
+
+
+def _gpu_trainer(args: list[str], tmp_path: Path, timeout: float = 120, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", POISONED, "benchmarks/gpu_trainer.py", *args],
+                          cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_trainer_help_needs_neither_ray_nor_vllm(tmp_path):
+    proc = _gpu_trainer(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "usage:" in proc.stdout and "bare DeepSpeed loop" in proc.stdout
+
+
+def test_gpu_trainer_fails_clearly_without_a_gpu(tmp_path):
+    proc = _gpu_trainer(["--quick", "--out", str(tmp_path)], tmp_path, timeout=60, CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode != 0
+    assert "gpu_trainer needs a CUDA GPU; none is visible" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.iterdir()), "nothing is written without a GPU"
+
+
+def test_gpu_trainer_cpu_smoke_runs_without_ray_or_vllm(tmp_path):
+    """The whole code path (model from a config, the worker's train_step, the bare
+    loop, the JSON) on a toy size on the CPU, with Ray and vLLM unimportable."""
+    proc = _gpu_trainer(["--cpu-smoke", "--out", str(tmp_path)], tmp_path, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "targets" in proc.stdout
+    result = json.loads((tmp_path / "gpu_trainer_cpu_smoke.json").read_text())
+    assert result["benchmark"] == "gpu_trainer" and result["params"]["cpu_smoke"] is True
+    assert MACHINE_KEYS <= set(result["machine"]) and result["machine"]["ray"] is None
+    assert result["params"]["imports"] == {"ray": False, "vllm": False}
+    for side in ("worker", "bare"):
+        f = result["figures"][side]
+        assert is_stat(f["step_s"]) and is_stat(f["tokens_per_s"]) and is_stat(f["response_tokens_per_s"])
+    assert is_stat(result["figures"]["worker_over_bare"]["tokens_per_s"])
+    assert [t["met"] for t in result["targets"]] == [False, False], "a CPU smoke run meets no GPU target"
