@@ -10,7 +10,7 @@ events.jsonl:
   time to threshold   wall time from the start of step 0 (its `sample` node)
                       to the end of the first step k whose running mean of the
                       last `window` reward_means is >= the threshold
-  generated tokens/s  response tokens / seconds the rollout thread spent in
+  generated tokens/s  response tokens / seconds during which a rollout ran in
                       vLLM (engine), and / step time (pipeline)
   trainer tokens/s    response tokens / seconds in DeepSpeedTrainingEngine.train_step
   breakdown per step  sample (waiting for the batch), train, drain (refit node
@@ -137,7 +137,8 @@ def analyse_run(run_dir: Path, threshold: float, window: int) -> dict:
     rewards = [m["reward_mean"] for m in metrics]
     k = first_crossing(rewards, threshold, window)
     t0 = steps[0]["t_start"]
-    gen_time = sum(b - a for a, b in rollouts)
+    # Seconds vLLM was busy: the union, since batches launched together share one engine call.
+    gen_time = _busy_within(rollouts, float("-inf"), float("inf"))
     tokens = sum(m["response_tokens"] for m in metrics)
     step_total = sum(m["step_time_s"] for m in metrics)
     steady = steps[1:] or steps   # step 0 waits for the first batch in both modes

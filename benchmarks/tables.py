@@ -92,7 +92,7 @@ def overhead(r: dict) -> str:
 def main() -> None:
     d = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS
     for name, fn in (("overlap", overlap), ("overlap_scale1", overlap), ("overhead", overhead),
-                     ("overhead_1gen", overhead)):
+                     ("overhead_run1", overhead), ("overhead_1gen", overhead)):
         path = d / f"{name}.json"
         if path.is_file():
             print(f"\n### {name}\n")

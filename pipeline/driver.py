@@ -40,13 +40,22 @@ def graph_actor_count(cfg: Config) -> int:
     return 2 + cfg.generation.num_generators
 
 
-def resolve_dag_mode(cfg: Config, cpus: float) -> str:
+def resolve_dag_mode(cfg: Config, cores: float) -> str:
     """auto picks compiled graphs only where each graph actor and the driver own
-    two cores: one to work, one for the compiled channel's busy-wait (DESIGN.md:
-    on 2 cores a compiled step took ~1.9x the classic one)."""
+    two cores: one to work, one for the compiled channel's busy-wait. Measured
+    (benchmarks/README.md): compiled saves 11-20 ms of dispatch per step but
+    burns about a core per waiting actor; on 2 cores with busy workers it cost
+    3.6-4.3x the CPU of classic and was the slowest mode."""
     if cfg.run.dag_mode != "auto":
         return cfg.run.dag_mode
-    return "compiled" if cpus >= 2 * (graph_actor_count(cfg) + 1) else "classic"
+    return "compiled" if cores >= 2 * (graph_actor_count(cfg) + 1) else "classic"
+
+
+def _cores(joined_cluster: bool) -> float:
+    """Real cores: a local Ray is started with more logical CPUs than the machine has."""
+    if joined_cluster:
+        return ray.cluster_resources().get("CPU", 1)
+    return len(os.sched_getaffinity(0))
 
 
 class GraphRunner:
@@ -185,7 +194,8 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
         if own_workers:
             workers = start_workers(cfg.generation.num_generators)
         workers = _begin_run(workers, cfg, run_dir, t0)
-        mode = summary["dag_mode"] = resolve_dag_mode(cfg, ray.cluster_resources().get("CPU", 1))
+        joined = bool(cfg.run.ray_address or os.environ.get("RAY_ADDRESS"))
+        mode = summary["dag_mode"] = resolve_dag_mode(cfg, _cores(joined))
         say(f"dagrl: backend={cfg.backend} dag_mode={mode} steps={cfg.run.steps} "
             f"max_age={cfg.grpo.max_age} generators={cfg.generation.num_generators} run_dir={run_dir}")
         if cfg.backend == "sim":
