@@ -36,10 +36,13 @@ class Span:
     start: dict
     end: dict | None = None            # None: never ended (killed run, failed node)
     extra: dict = field(default_factory=dict)
+    lane: int = 0                      # batches generated together overlap: one lane each
 
     @property
     def track(self) -> str:
-        return f"{self.worker} rollouts" if self.kind == "generation" else self.worker
+        if self.kind != "generation":
+            return self.worker
+        return f"{self.worker} rollouts" + (f" {self.lane + 1}" if self.lane else "")
 
     @property
     def name(self) -> str:
@@ -71,7 +74,22 @@ def spans_and_instants(events: list[dict]) -> tuple[list[Span], list[dict]]:
                 span.extra["error"] = e.get("error") or "failed"
         else:
             instants.append(e)
+    _assign_lanes([s for s in spans if s.kind == "generation"], end_of_log=max(
+        (e["t"] for e in events), default=0.0))
     return spans, instants
+
+
+def _assign_lanes(rollouts: list[Span], end_of_log: float) -> None:
+    """Per worker, the first lane free at a rollout's start, so spans on a track never cross."""
+    lane_ends: dict[str, list[float]] = {}
+    for span in sorted(rollouts, key=lambda s: s.start["t"]):
+        ends = lane_ends.setdefault(span.worker, [])
+        end = span.end["t"] if span.end is not None else end_of_log
+        free = next((i for i, e in enumerate(ends) if e <= span.start["t"]), len(ends))
+        if free == len(ends):
+            ends.append(end)
+        ends[free] = end
+        span.lane = free
 
 
 def _tracks(spans: list[Span], instants: list[dict]) -> list[str]:
@@ -81,8 +99,8 @@ def _tracks(spans: list[Span], instants: list[dict]) -> list[str]:
     tracks = []
     for w in sorted(workers, key=rank):
         tracks.append(w)
-        if any(s.track == f"{w} rollouts" for s in spans):
-            tracks.append(f"{w} rollouts")
+        lanes = sorted({s.lane for s in spans if s.worker == w and s.kind == "generation"})
+        tracks += [Span("generation", w, {}, lane=lane).track for lane in lanes]
     return tracks
 
 
@@ -171,7 +189,7 @@ def plot_timeline(events: list[dict], out_png: Path, run_name: str) -> Path:
     first = min((s.start["t"] for s in spans), default=0.0)
     width = max(end_of_log - first, 1e-3)
     drops = [e for e in instants if e.get("ev") == "drop"]
-    rows = [w for w in _tracks(spans, drops) if not w.endswith(" rollouts")]
+    rows = [w for w in _tracks(spans, drops) if " rollouts" not in w]
     rows = [w for w in rows if any(s.worker == w for s in spans) or any(e.get("worker") == w for e in drops)]
     y = {w: len(rows) - 1 - i for i, w in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(14, 1.4 + 0.75 * len(rows)), dpi=120)
