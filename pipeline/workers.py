@@ -57,12 +57,19 @@ def node(name: str):
     return wrap
 
 
+def _reopen_log(worker, run_dir: str, name: str, t0: float) -> EventLog:
+    """A pooled actor serves many runs: close the last run's log file first."""
+    if getattr(worker, "log", None) is not None:
+        worker.log.close()
+    return EventLog(run_dir, name, t0)
+
+
 class Controller:
     """Owns the replay buffer, the prompt stream and the launch schedule."""
 
     def begin_run(self, cfg: Config, run_dir: str, t0: float) -> None:
         self.cfg = cfg
-        self.log = EventLog(run_dir, "controller", t0)
+        self.log = _reopen_log(self, run_dir, "controller", t0)
         self.buffer = ReplayBuffer(cfg.grpo.max_age, self.log)
         self.prompts = backends.train_prompts(cfg)
         self.rng = random.Random(cfg.run.seed)
@@ -128,14 +135,11 @@ class Controller:
         self.buffer.drop_all("unused_at_end")
         return self.buffer.accounting()
 
-    def accounting(self) -> dict:
-        return self.buffer.accounting()
-
 
 class TrainerWorker:
     def begin_run(self, cfg: Config, run_dir: str, t0: float, start_version: int = 0) -> None:
         _one_thread()
-        self.log = EventLog(run_dir, "trainer", t0)
+        self.log = _reopen_log(self, run_dir, "trainer", t0)
         self.engine = backends.training_engine(cfg)
         self.version = start_version
 
@@ -178,7 +182,7 @@ class GeneratorWorker:
             self._rollouts.join(timeout=cfg.run.deadline_s)
             self._rollouts = None
         self.cfg = cfg
-        self.log = EventLog(run_dir, f"gen{self.index}", t0)
+        self.log = _reopen_log(self, run_dir, f"gen{self.index}", t0)
         self.engine = backends.generation_engine(cfg, self.index)
         self.reward_fn = backends.reward_function(cfg)
         self.val_prompts = backends.val_prompts(cfg)[self.index::cfg.generation.num_generators]
