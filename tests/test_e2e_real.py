@@ -11,9 +11,14 @@ from pipeline.check import check_events, load_events
 from pipeline.config import load_config
 from pipeline.driver import train
 
-# Measured here with this recipe and seed: reward 0.035 (mean of the first 3
-# steps) -> 0.66 (last 3 of 25); greedy validation 0.64 at step 25.
-REWARD_MARGIN = 0.25
+# Measured here with this recipe and seed: reward 0.026 (mean of the first 3
+# steps) -> 0.75 (last 3 of 40); greedy validation 0.25 -> 0.97. A policy that
+# emits one character whatever the prompt scores 0.5 on validation (the
+# collapse we saw at lr 0.01-0.02), so validation must beat that. The run
+# follows the recipe's own schedule: validation draws from the engines' seeded
+# samplers, so another validation period is another (equally valid) trajectory.
+REWARD_MARGIN = 0.3
+VAL_REWARD_MIN = 0.8
 
 
 @pytest.fixture(scope="module")
@@ -24,22 +29,22 @@ def tiny_model(tmp_path_factory):
 
 def test_async_grpo_learns_the_tiny_task(tmp_path, ray_session, tiny_model):
     cfg = load_config("examples/tiny_grpo.yaml", [
-        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=e2e", "run.steps=25",
-        "run.checkpoint_every=10", "grpo.val_period=10", "run.dag_mode=classic"])
+        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=e2e", "run.steps=40",
+        "run.checkpoint_every=20", "run.dag_mode=classic"])
     summary = train(cfg, quiet=True)
     run_dir = tmp_path / "e2e"
     violations = check_events(load_events(run_dir))
     assert violations == [], "\n".join(v.message for v in violations)
-    assert summary["steps"] == 25 and summary["error"] is None
+    assert summary["steps"] == 40 and summary["error"] is None
     assert summary["generation_backend"] == "vllm" and summary["training_backend"] == "deepspeed"
     assert summary["reward_end"] - summary["reward_start"] >= REWARD_MARGIN, summary
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert any("val_reward" in m for m in metrics)
+    assert metrics[-1]["val_reward"] >= VAL_REWARD_MIN, metrics[-1]
     assert max(m["age_max"] for m in metrics) == 1
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    final = run_dir / "checkpoints" / "step_25"
-    assert (run_dir / "checkpoints" / "step_10").is_dir()
+    final = run_dir / "checkpoints" / "step_40"
+    assert (run_dir / "checkpoints" / "step_20").is_dir()
     model = AutoModelForCausalLM.from_pretrained(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
     ids = tokenizer("repeat: 1 1 1 1 1 1 1 1", return_tensors="pt").input_ids
