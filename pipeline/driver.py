@@ -126,11 +126,15 @@ def _prepare_run_dir(cfg: Config, say) -> Path:
     return run_dir
 
 
+def _ray_address(cfg: Config) -> str:
+    return cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")
+
+
 def _start_ray(cfg: Config) -> bool:
     """Join RAY_ADDRESS / ray.address if given, else start a local cluster. True if we started it."""
     if ray.is_initialized():
         return False
-    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")
+    address = _ray_address(cfg)
     if address:
         ray.init(address=address, log_to_driver=True)
         return True
@@ -194,8 +198,7 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
         if own_workers:
             workers = start_workers(cfg.generation.num_generators)
         workers = _begin_run(workers, cfg, run_dir, t0)
-        joined = bool(cfg.run.ray_address or os.environ.get("RAY_ADDRESS"))
-        mode = summary["dag_mode"] = resolve_dag_mode(cfg, _cores(joined))
+        mode = summary["dag_mode"] = resolve_dag_mode(cfg, _cores(joined_cluster=bool(_ray_address(cfg))))
         say(f"dagrl: backend={cfg.backend} dag_mode={mode} steps={cfg.run.steps} "
             f"max_age={cfg.grpo.max_age} generators={cfg.generation.num_generators} run_dir={run_dir}")
         if cfg.backend == "sim":
