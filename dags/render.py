@@ -22,7 +22,7 @@ from pathlib import Path
 from ray.dag import (ClassMethodNode, ClassNode, DAGNode, FunctionNode, InputAttributeNode, InputNode,
                      MultiOutputNode)
 
-from dags.step_graph import StepGraph, Workers, build_prologue_graph, build_step_graph
+from dags.step_graph import TRAIN_SUBGRAPHS, StepGraph, Workers, build_prologue_graph, build_step_graph
 
 FORMATS = (".dot", ".mmd", ".png", ".svg")
 INSTALL_HINT = ("the graphviz `dot` program is needed for PNG/SVG: install graphviz "
@@ -268,17 +268,23 @@ def render(graph: StepGraph, out_path: str | Path, title: str | None = None) -> 
 
 # ---------------------------------------------------------------- from a config
 
-def viz_workers(num_generators: int) -> Workers:
+def viz_workers(num_generators: int, algorithm: str = "grpo") -> Workers:
     """Unstarted actors: ClassNodes only describe an actor, so binding them needs no cluster."""
     import ray
     from pipeline.workers import Controller, GeneratorWorker, TrainerWorker
+    critic = None
+    if algorithm == "ppo":
+        from pipeline.critic import CriticWorker
+        critic = ray.remote(CriticWorker).bind()
     return Workers(ray.remote(Controller).bind(), ray.remote(TrainerWorker).bind(),
-                   tuple(ray.remote(GeneratorWorker).bind(i) for i in range(num_generators)))
+                   tuple(ray.remote(GeneratorWorker).bind(i) for i in range(num_generators)), critic)
 
 
 def graph_for_config(cfg, prologue: bool = False) -> StepGraph:
-    workers = viz_workers(cfg.generation.num_generators)
-    return build_prologue_graph(workers) if prologue else build_step_graph(workers)
+    workers = viz_workers(cfg.generation.num_generators, cfg.algorithm)
+    if prologue:
+        return build_prologue_graph(workers)
+    return build_step_graph(workers, TRAIN_SUBGRAPHS[cfg.algorithm])
 
 
 def viz_main(config_path: str | Path | None, overrides: list[str] = (), out_paths: list[str] = (),

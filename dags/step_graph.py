@@ -1,11 +1,12 @@
 """The step graph: the one place that states the order of a training step.
 
-    plan -> sample -> train -> validation_gate -> refit[g] -> validate[g] -> resume -> collect[g]
+    plan -> sample -> [train sub-graph] -> validation_gate -> refit[g] -> validate[g] -> resume -> collect[g]
 
 A node runs only once the nodes whose tokens it takes have returned, so:
 rollouts start only in `collect`, which waits for `resume`, which waits for
 every generator's validation, which waits for that generator's refit, which
-waits for training. GRPO and PPO differ only in `train_subgraph`.
+waits for training. GRPO and PPO differ only in the train sub-graph; the rest
+is `ordering_subgraph`, shared by both and by the recovery graph.
 """
 from __future__ import annotations
 
@@ -14,15 +15,30 @@ from typing import Any, Callable
 
 from ray.dag import InputNode, MultiOutputNode
 
+Named = list[tuple[str, Any]]   # (node name, DAG node) in topological order
+
 
 @dataclass(frozen=True)
 class Workers:
-    controller: Any          # sample, validation_gate, resume
+    controller: Any          # sample, validation_gate, resume, train_done
     trainer: Any             # train
     generators: tuple        # refit, validate, collect
+    critic: Any = None       # PPO only: advantages, train
 
     def first(self, num_generators: int) -> "Workers":
-        return Workers(self.controller, self.trainer, self.generators[:num_generators])
+        return Workers(self.controller, self.trainer, self.generators[:num_generators], self.critic)
+
+    def replace_generator(self, index: int, actor: Any) -> "Workers":
+        gens = list(self.generators)
+        gens[index] = actor
+        return Workers(self.controller, self.trainer, tuple(gens), self.critic)
+
+    def actors(self) -> dict[str, Any]:
+        named = {"controller": self.controller, "trainer": self.trainer,
+                 **{f"gen{i}": g for i, g in enumerate(self.generators)}}
+        if self.critic is not None:
+            named["critic"] = self.critic
+        return named
 
 
 @dataclass(frozen=True)
@@ -31,13 +47,46 @@ class StepGraph:
     node_names: tuple[str, ...]
 
 
-def grpo_train_subgraph(workers: Workers, batch):
-    return workers.trainer.train.bind(batch)
+def grpo_train_subgraph(workers: Workers, batch) -> Named:
+    return [("train", workers.trainer.train.bind(batch))]
+
+
+def ppo_train_subgraph(workers: Workers, batch) -> Named:
+    """Old critic's values -> GAE; then policy and critic update side by side;
+    train_done joins them so nothing downstream runs before both are done."""
+    advantages = workers.critic.advantages.bind(batch)
+    policy = workers.trainer.train.bind(batch, advantages)
+    critic = workers.critic.train.bind(advantages)
+    return [("critic_values", advantages), ("train", policy), ("critic_train", critic),
+            ("train_done", workers.controller.train_done.bind(policy, critic))]
+
+
+TRAIN_SUBGRAPHS: dict[str, Callable[[Workers, Any], Named]] = {
+    "grpo": grpo_train_subgraph, "ppo": ppo_train_subgraph}
 
 
 # Mutations for tests that prove the invariant checks can fail: each removes one
 # ordering edge from the graph. Production code never passes one.
 MUTATIONS = ("no_validate_before_resume", "no_refit_before_resume")
+
+
+def ordering_subgraph(workers: Workers, plan, trained, mutation: str | None = None) -> Named:
+    """Everything after training: the part that keeps rollouts away from refits
+    and validations. `trained` is the node (or input) carrying the TrainOut."""
+    gate = workers.controller.validation_gate.bind(plan, trained)
+    refits = [g.refit.bind(trained, gate) for g in workers.generators]
+    vals = [g.validate.bind(r) for g, r in zip(workers.generators, refits)]
+    resume_inputs = {None: vals, "no_validate_before_resume": refits,
+                     "no_refit_before_resume": [gate]}[mutation]
+    resume = workers.controller.resume.bind(*resume_inputs)
+    collects = [g.collect.bind(resume) for g in workers.generators]
+    return [("validation_gate", gate), *[(f"refit[{i}]", r) for i, r in enumerate(refits)],
+            *[(f"validate[{i}]", v) for i, v in enumerate(vals)], ("resume", resume),
+            *[(f"collect[{i}]", c) for i, c in enumerate(collects)]]
+
+
+def _graph(named: Named) -> StepGraph:
+    return StepGraph(MultiOutputNode([n for _, n in named]), tuple(name for name, _ in named))
 
 
 def build_step_graph(workers: Workers, train_subgraph: Callable = grpo_train_subgraph,
@@ -47,29 +96,24 @@ def build_step_graph(workers: Workers, train_subgraph: Callable = grpo_train_sub
     with InputNode() as plan:
         batch = workers.controller.sample.bind(plan)
         train = train_subgraph(workers, batch)
-        gate = workers.controller.validation_gate.bind(plan, train)
-        refits = [g.refit.bind(train, gate) for g in workers.generators]
-        vals = [g.validate.bind(r) for g, r in zip(workers.generators, refits)]
-        resume_inputs = {None: vals, "no_validate_before_resume": refits,
-                         "no_refit_before_resume": [gate]}[mutation]
-        resume = workers.controller.resume.bind(*resume_inputs)
-        collects = [g.collect.bind(resume) for g in workers.generators]
-        nodes = [batch, train, gate, *refits, *vals, resume, *collects]
-        names = ["sample", "train", "validation_gate",
-                 *[f"refit[{i}]" for i in range(len(refits))],
-                 *[f"validate[{i}]" for i in range(len(vals))],
-                 "resume", *[f"collect[{i}]" for i in range(len(collects))]]
-        return StepGraph(MultiOutputNode(nodes), tuple(names))
+        return _graph([("sample", batch), *train, *ordering_subgraph(workers, plan, train[-1][1], mutation)])
+
+
+def build_finish_graph(workers: Workers) -> StepGraph:
+    """The rest of a step whose training is done, after a generator was
+    replaced: input (plan, TrainOut). Refit, resume and collect are idempotent
+    per step, so the generators that got this far are not disturbed."""
+    with InputNode() as inputs:
+        return _graph(ordering_subgraph(workers, inputs[0], inputs[1]))
 
 
 def build_prologue_graph(workers: Workers) -> StepGraph:
-    """Before step 0: validate the initial weights if asked, then fill the
-    pipeline with the first max_age + 1 batches at version 0."""
+    """Before the first step: validate the initial weights if asked, then fill
+    the pipeline with the first max_age + 1 batches at the current version."""
     with InputNode() as plan:
         gate = workers.controller.validation_gate.bind(plan)
         vals = [g.validate.bind(gate) for g in workers.generators]
         resume = workers.controller.resume.bind(*vals)
         collects = [g.collect.bind(resume) for g in workers.generators]
-        names = ["validation_gate", *[f"validate[{i}]" for i in range(len(vals))],
-                 "resume", *[f"collect[{i}]" for i in range(len(collects))]]
-        return StepGraph(MultiOutputNode([gate, *vals, resume, *collects]), tuple(names))
+        return _graph([("validation_gate", gate), *[(f"validate[{i}]", v) for i, v in enumerate(vals)],
+                       ("resume", resume), *[(f"collect[{i}]", c) for i, c in enumerate(collects)]])

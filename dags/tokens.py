@@ -23,6 +23,21 @@ class Batch:
     batch_ids: tuple[str, ...]
     versions: tuple[int, ...]
     table_ref: tuple[Any, ...] = ()  # (ObjectRef,) wrapped so Ray does not resolve it on the edge
+    wait_s: float = 0.0              # how long sample waited for rollouts: exposed generation
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """PPO: the critic's values, GAE advantages and returns for one step's batch."""
+    step: int
+    table_ref: tuple[Any, ...] = ()  # (ObjectRef,) of an Arrow table: advantages, returns, values per token
+    metrics: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class CriticOut:
+    step: int
+    metrics: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,7 @@ class Refitted:
     step: int
     version: int
     validate: bool
+    refit_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,7 @@ class ValOut:
     version: int
     validated: bool
     scores: tuple[tuple[str, float], ...] = ()
+    validate_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,7 @@ class Resume:
     version: int
     launches: tuple[Launch, ...] = ()
     val_scores: tuple[tuple[str, float], ...] = ()
+    timings: tuple[tuple[str, float], ...] = ()  # refit_s / validate_s, the slowest generator's
 
 
 @dataclass(frozen=True)
@@ -79,3 +97,4 @@ class Ticket:
     step: int
     version: int
     batch_ids: tuple[str, ...] = field(default=())
+    busy_s: float = 0.0  # seconds this generator spent generating since its last ticket

@@ -11,11 +11,14 @@ from pipeline.config import Config
 from pipeline.engines import GenerationEngine, Prompt, TrainingEngine
 
 
-def generation_engine(cfg: Config, index: int) -> GenerationEngine:
-    seed = cfg.run.seed * 1000 + index
+def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> GenerationEngine:
+    # A restarted generator draws a new sample stream, as a new process would.
+    seed = cfg.run.seed * 1000 + index + 100 * incarnation
     if cfg.backend == "sim":
         from pipeline.sim import SimGenerationEngine
-        return SimGenerationEngine(cfg.sim, seed=seed, max_new_tokens=cfg.generation.max_new_tokens)
+        faulty = index == cfg.sim.fault_worker and incarnation < cfg.sim.fault_incarnations
+        return SimGenerationEngine(cfg.sim, seed=seed, max_new_tokens=cfg.generation.max_new_tokens,
+                                   faulty=faulty)
     from pipeline.vllm_engine import VllmGenerationEngine
     g = cfg.generation
     return VllmGenerationEngine(cfg.model.path, seed=seed, max_new_tokens=g.max_new_tokens,
@@ -37,8 +40,8 @@ def training_engine(cfg: Config) -> TrainingEngine:
 
 def reward_function(cfg: Config) -> Callable[[Prompt, str], float]:
     if cfg.backend == "sim":
-        from pipeline.sim import sim_reward
-        return sim_reward
+        from pipeline.sim import faulty_sim_reward, sim_reward
+        return faulty_sim_reward(cfg.sim) if cfg.sim.fault == "reward_raise" else sim_reward
     from pipeline.rewards import load_reward
     return load_reward(cfg.data.reward)
 

@@ -70,6 +70,38 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class PpoConfig:
+    """PPO's critic and advantages; the policy loss reuses grpo.clip_eps / kl_coef / is_clip."""
+    gamma: float = field(default=1.0, metadata=_spec(ge=0, le=1))
+    lam: float = field(default=0.95, metadata=_spec(ge=0, le=1))
+    value_clip: float = field(default=0.2, metadata=_spec(gt=0, help="clip range of the value loss"))
+    critic_warmup: int = field(default=0, metadata=_spec(ge=0, help="steps that train only the critic"))
+    critic_model: str = field(default="", metadata=_spec(help="critic backbone; empty = model.path"))
+    critic_zero_stage: int = field(default=0, metadata=_spec(ge=0, le=3))
+    critic_lr: float = field(default=1e-4, metadata=_spec(gt=0))
+    whiten_advantages: bool = True
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    max_restarts: int = field(default=2, metadata=_spec(ge=0, help="restarts per generator before the run stops"))
+    deadline_s: float = field(default=60.0, metadata=_spec(gt=0, help="longest time to notice a dead worker"))
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    max_failures: int = field(default=0, metadata=_spec(ge=0, help="samples whose reward may raise before the run stops"))
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "dagrl"
+    progress: bool = True
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = ""
 
@@ -93,13 +125,21 @@ class SimConfig:
     num_val_prompts: int = field(default=8, metadata=_spec(ge=1))
     # Fault injection for tests and the soak: after `fault_after` good calls,
     # the named leaf raises, or hangs until the run's deadlines catch it.
-    fault: Literal["", "train_raise", "train_hang", "generate_raise", "generate_hang"] = ""
+    # `*_exit` ends the worker's process (as a crash or an OOM kill would);
+    # `reward_raise` makes the simulated reward raise on every `fault_after`-th sample.
+    fault: Literal["", "train_raise", "train_hang", "train_exit", "generate_raise", "generate_hang",
+                   "generate_exit", "controller_exit", "reward_raise"] = ""
     fault_after: int = field(default=0, metadata=_spec(ge=0))
+    fault_worker: int = field(default=0, metadata=_spec(ge=0, help="generator index that generate_* faults hit"))
+    # A restarted generator is a new process; it faults again only while its
+    # incarnation (0 = first start) is below this.
+    fault_incarnations: int = field(default=1, metadata=_spec(ge=1))
 
 
 @dataclass(frozen=True)
 class Config:
     backend: Literal["sim", "real"] = "sim"
+    algorithm: Literal["grpo", "ppo"] = "grpo"
     run: RunConfig = RunConfig()
     grpo: GrpoConfig = GrpoConfig()
     generation: GenerationConfig = GenerationConfig()
@@ -107,6 +147,10 @@ class Config:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     sim: SimConfig = SimConfig()
+    ppo: PpoConfig = PpoConfig()
+    fault: FaultConfig = FaultConfig()
+    reward: RewardConfig = RewardConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

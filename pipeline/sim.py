@@ -7,6 +7,7 @@ carry the version they were generated with and the reward rises with it.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -34,16 +35,20 @@ class SimFault(RuntimeError):
 
 
 def _maybe_fault(cfg: SimConfig, kind: str, calls: int) -> None:
-    if calls < cfg.fault_after or cfg.fault not in (f"{kind}_raise", f"{kind}_hang"):
+    if calls < cfg.fault_after or cfg.fault not in (f"{kind}_raise", f"{kind}_hang", f"{kind}_exit"):
         return
     if cfg.fault.endswith("_raise"):
         raise SimFault(f"injected fault: {cfg.fault} after {cfg.fault_after} calls")
+    if cfg.fault.endswith("_exit"):
+        os._exit(17)  # the process dies as a crash or an OOM kill would: no cleanup, no reply
     time.sleep(3600)  # a stuck leaf: only the run's deadlines can end this
 
 
 class SimGenerationEngine:
-    def __init__(self, cfg: SimConfig, *, seed: int, max_new_tokens: int):
-        self.cfg = cfg
+    def __init__(self, cfg: SimConfig, *, seed: int, max_new_tokens: int, faulty: bool = True):
+        # A generator that sim.fault does not target (another index, or a restart
+        # past sim.fault_incarnations) runs clean.
+        self.cfg = cfg if faulty else SimConfig(**{**cfg.__dict__, "fault": ""})
         self.latency = _Latency(cfg, seed)
         self.rng = random.Random(seed + 1)
         self.max_new_tokens = max_new_tokens
@@ -94,6 +99,20 @@ def sim_reward(prompt: Prompt, completion_text: str) -> float:
     """Rises with the weight version the text was generated with: v0 -> 0, v10 -> 0.5."""
     version = int(completion_text.lstrip("v"))
     return version / (version + 10)
+
+
+def faulty_sim_reward(cfg: SimConfig):
+    """sim_reward that raises on every `fault_after`-th sample (sim.fault: reward_raise)."""
+    calls = 0
+    every = max(cfg.fault_after, 1)
+
+    def reward(prompt: Prompt, completion_text: str) -> float:
+        nonlocal calls
+        calls += 1
+        if calls % every == 0:
+            raise SimFault(f"injected fault: reward_raise on sample {calls} (prompt {prompt.id})")
+        return sim_reward(prompt, completion_text)
+    return reward
 
 
 def sim_prompts(count: int, prefix: str) -> list[Prompt]:

@@ -17,7 +17,8 @@ import threading
 import pyarrow as pa
 import ray
 
-from dags.tokens import Batch, Gate, Launch, Refitted, Resume, StepPlan, Ticket, TrainOut, ValOut
+from dags.tokens import (Advantages, Batch, CriticOut, Gate, Launch, Refitted, Resume, StepPlan, Ticket,
+                         TrainOut, ValOut)
 from pipeline import backends
 from pipeline.buffer import ReplayBuffer
 from pipeline.config import Config
@@ -125,6 +126,11 @@ class Controller:
             val = (("val_reward", sum(s["reward_sum"] for s in scores) / max(count, 1)), ("val_count", count))
         return Resume(step, version, tuple(launches), val)
 
+    @node("train_done")
+    def train_done(self, policy: TrainOut, critic: CriticOut) -> TrainOut:
+        metrics = dict(policy.metrics) | {f"critic/{k}": v for k, v in critic.metrics}
+        return TrainOut(policy.step, policy.version, policy.weights_ref, tuple(sorted(metrics.items())))
+
     def put(self, batch_id: str, version: int, table: pa.Table) -> None:
         self.buffer.put(batch_id, version, table)
 
@@ -139,19 +145,28 @@ class Controller:
 class TrainerWorker:
     def begin_run(self, cfg: Config, run_dir: str, t0: float, start_version: int = 0) -> None:
         _one_thread()
+        self.cfg = cfg
         self.log = _reopen_log(self, run_dir, "trainer", t0)
         self.engine = backends.training_engine(cfg)
         self.version = start_version
 
     @node("train")
-    def train(self, batch: Batch) -> TrainOut:
+    def train(self, batch: Batch, advantages: Advantages | None = None) -> TrainOut:
+        """GRPO: group advantages from the rewards. PPO: the critic's GAE advantages;
+        during ppo.critic_warmup the policy stays put, but the version still
+        rises by one, so every step looks the same to the rest of the graph."""
         if any(v > self.version for v in batch.versions):
             raise RuntimeError(f"weight sync: batch versions {batch.versions} are newer than "
                                f"the trainer's weights (version {self.version})")
         self.log.emit("train_start", step=batch.step, version=self.version,
                       batches=list(batch.batch_ids), batch_versions=list(batch.versions))
         table = ray.get(batch.table_ref[0])
-        metrics = self.engine.train_step(table)
+        if advantages is None:
+            metrics = self.engine.train_step(table)
+        elif batch.step < self.cfg.ppo.critic_warmup:
+            metrics = {"policy_frozen": 1.0}
+        else:
+            metrics = self.engine.train_step(table, advantages=ray.get(advantages.table_ref[0]))
         self.version += 1
         # Kept alive until the next step's refits are done (see Controller.sample).
         self._live_weights = weights_ref = ray.put((self.version, self.engine.export_weights()))
