@@ -6,6 +6,8 @@ ranges and names the offending key in its error.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,7 +130,7 @@ class SimConfig:
     # `*_exit` ends the worker's process (as a crash or an OOM kill would);
     # `reward_raise` makes the simulated reward raise on every `fault_after`-th sample.
     fault: Literal["", "train_raise", "train_hang", "train_exit", "generate_raise", "generate_hang",
-                   "generate_exit", "controller_exit", "reward_raise"] = ""
+                   "generate_exit", "reward_raise"] = ""
     fault_after: int = field(default=0, metadata=_spec(ge=0))
     fault_worker: int = field(default=0, metadata=_spec(ge=0, help="generator index that generate_* faults hit"))
     # A restarted generator is a new process; it faults again only while its
@@ -180,6 +182,10 @@ def _coerce(key: str, value: Any, typ: Any, meta: dict) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         value = float(value)
+        # NaN passes every bound below (all comparisons are false), and an
+        # infinite deadline or rate only fails later, inside a worker.
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     elif typ is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -194,20 +200,31 @@ def _coerce(key: str, value: Any, typ: Any, meta: dict) -> Any:
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
+    """The dataclass `cls` from a mapping. A ConfigError carries `.key`, the
+    dotted key it is about, so load_config can blame an override or the file."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        err = ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+        err.key = prefix
+        raise err
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
-        if key not in fields:
-            raise ConfigError(f"unknown key {dotted!r}; allowed keys here: {', '.join(fields)}")
-        typ = hints[key]
-        if dataclasses.is_dataclass(typ):
-            kwargs[key] = _build(typ, value, dotted)
-        else:
-            kwargs[key] = _coerce(dotted, value, typ, dict(fields[key].metadata))
+        try:
+            if key not in fields:
+                close = difflib.get_close_matches(str(key), fields, n=1)
+                hint = f"; did you mean {(f'{prefix}.' if prefix else '') + close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown key {dotted!r}; allowed keys here: {', '.join(fields)}{hint}")
+            typ = hints[key]
+            if dataclasses.is_dataclass(typ):
+                kwargs[key] = _build(typ, value, dotted)
+            else:
+                kwargs[key] = _coerce(dotted, value, typ, dict(fields[key].metadata))
+        except ConfigError as err:
+            if not hasattr(err, "key"):
+                err.key = dotted
+            raise
     return cls(**kwargs)
 
 
@@ -229,41 +246,106 @@ def _apply_override(tree: dict, override: str) -> None:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """The recipe at `path` (None: defaults) with `overrides` applied. Every
+    error is a ConfigError that starts with the file (and line, for YAML
+    errors) or the override it comes from, and names the key."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
+        if not p.exists():
             raise ConfigError(f"config file {str(p)!r} does not exist")
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} is not a file")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            text = p.read_bytes().decode("utf-8")
+        except OSError as exc:
+            raise ConfigError(f"config file {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            line = p.read_bytes()[:exc.start].count(b"\n") + 1
+            raise ConfigError(f"{p}: line {line}: not UTF-8 text") from None
+
+        def at(mark) -> str:
+            return f"line {mark.line + 1}, column {mark.column + 1}"
+
+        def check_duplicates(node, prefix: str) -> None:
+            # safe_load keeps the last of two equal keys: a second `grpo:` section
+            # would silently replace the first one's settings.
+            if isinstance(node, yaml.MappingNode):
+                first: dict = {}
+                for key_node, value_node in node.value:
+                    key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+                    dotted = f"{prefix}.{key}" if prefix else str(key)
+                    if key is not None and key != "<<":
+                        if key in first:
+                            raise ConfigError(f"{p}: {at(key_node.start_mark)}: duplicate key {dotted!r} "
+                                              f"(first set at line {first[key]})")
+                        first[key] = key_node.start_mark.line + 1
+                    check_duplicates(value_node, dotted)
+            elif isinstance(node, yaml.SequenceNode):
+                for item in node.value:
+                    check_duplicates(item, prefix)
+
+        try:
+            check_duplicates(yaml.compose(text, Loader=yaml.SafeLoader), "")
+            loaded = yaml.safe_load(text)
+        except yaml.MarkedYAMLError as exc:
+            problem = exc.problem or "cannot parse"
+            if exc.context:
+                problem += f" ({exc.context}" + (f" at {at(exc.context_mark)})" if exc.context_mark else ")")
+            where = f"{at(exc.problem_mark)}: " if exc.problem_mark else ""
+            raise ConfigError(f"{p}: {where}not valid YAML: {problem}") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
         if loaded is None:
-            loaded = {}
+            raise ConfigError(f"config file {str(p)!r} is empty; a recipe sets at least one section")
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping of sections")
+            raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping of sections, "
+                              f"got a {type(loaded).__name__}")
         tree = loaded
     for override in overrides:
         _apply_override(tree, override)
     try:
-        cfg = _build(Config, tree, "")
+        return _check_cross_fields(_build(Config, tree, ""))
     except ConfigError as exc:
-        where = f"{path}: " if path is not None else ""
+        key = getattr(exc, "key", "") or ""
+
+        def touches(override: str) -> bool:
+            # An override sets this key, a key under it, or a section that holds it.
+            k = override.split("=", 1)[0]
+            return bool(key) and (k == key or k.startswith(key + ".") or key.startswith(k + "."))
+
+        # The last override that touched the key decides its value, so blame it, not the file.
+        culprit = next((o for o in reversed(overrides) if touches(o)), None)
+        where = f"override {culprit!r}: " if culprit else (f"{path}: " if path is not None else "")
         raise ConfigError(f"{where}{exc}") from None
-    return _check_cross_fields(cfg, path)
 
 
-def _check_cross_fields(cfg: Config, path: Any) -> Config:
-    where = f"{path}: " if path is not None else ""
+def _check_cross_fields(cfg: Config) -> Config:
+    """Rules between keys. Errors carry `.key` like _build's, for load_config to place."""
+    def fail(key: str, message: str) -> ConfigError:
+        err = ConfigError(f"{key}: {message}")
+        err.key = key
+        return err
+
     validates = cfg.grpo.val_period > 0 or cfg.grpo.val_at_start or cfg.grpo.val_at_end
     if cfg.backend == "real":
         for key, value in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
                            ("data.reward", cfg.data.reward)):
             if not value:
-                raise ConfigError(f"{where}{key} is required when backend is 'real'")
+                raise fail(key, "not set; it is required when backend is 'real'")
         if validates and not cfg.data.val:
-            raise ConfigError(f"{where}data.val is required: validation is scheduled "
-                              "(grpo.val_period / val_at_start / val_at_end) but no validation data is set")
-    if not cfg.run.name or "/" in cfg.run.name:
-        raise ConfigError(f"{where}run.name: {cfg.run.name!r} must be a non-empty name without '/'")
+            raise fail("data.val", "not set, but validation is scheduled (grpo.val_period / val_at_start / "
+                       "val_at_end); give validation data or turn validation off")
+        if cfg.generation.temperature == 0:
+            # The trainer divides its logits by the sampling temperature to match vLLM's logprobs.
+            raise fail("generation.temperature", "0 (greedy) cannot be trained on; the trainer's logprobs "
+                       "are taken at the sampling temperature, so it must be > 0")
+    if cfg.algorithm == "grpo" and cfg.grpo.group_size < 2:
+        raise fail("grpo.group_size", f"{cfg.grpo.group_size} gives every sample a zero advantage (GRPO "
+                   "compares the samples of one prompt); it must be >= 2 with algorithm 'grpo'")
+    name = cfg.run.name
+    # The run directory is output_dir/name: '..' would move the parent directory aside.
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise fail("run.name", f"{name!r} must be a non-empty name without '/' or '\\', "
+                   "other than '.' and '..'")
     return cfg

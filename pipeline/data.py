@@ -1,70 +1,127 @@
-"""Prompt datasets: Parquet or JSONL, read with pyarrow and schema-checked.
+"""Prompt datasets: JSONL or Parquet, schema-checked row by row.
 
 Two schemas are accepted:
 - generic: `prompt` (string), `answer` (string), optional `id`;
 - GSM8K: `question`, `answer` ending in "#### N"; the question is wrapped in
   GSM8K_TEMPLATE and the answer becomes N (commas removed).
-Every error is a DataError naming the file and the column or row (rows count
-from 0, as in pyarrow's own messages), because a bad dataset would otherwise
-surface inside a remote worker, far from the recipe.
+Every error is a DataError naming the file, the field and where it is: "line N"
+in JSONL (from 1, as an editor numbers lines; blank lines count) and "row N" in
+Parquet (from 0, as pyarrow and pandas number rows). A bad dataset would
+otherwise surface inside a remote worker, far from the recipe.
+
+JSONL is parsed line by line with `json` rather than by pyarrow, whose errors
+give a row within a read block, not the line of the file.
 """
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from pipeline.engines import Prompt
 
 GSM8K_TEMPLATE = ("{question}\nLet's think step by step and output the final answer "
                   "after \"####\".\n")
+# The fields read; any other field or column is ignored, whatever its type.
+FIELDS = ("prompt", "question", "answer", "id")
+_TEXT_TYPES = tuple(getattr(pa.types, name) for name in ("is_string", "is_large_string", "is_string_view",
+                                                         "is_null") if hasattr(pa.types, name))
+_JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
 
 
 class DataError(ValueError):
-    """A dataset that cannot be used; the message names the file and column/row."""
+    """A dataset that cannot be used; the message names the file, field and line/row."""
 
 
-def _read_table(p: Path) -> pa.Table:
+@dataclass
+class _Rows:
+    path: Path
+    rows: list[dict]
+    where: list[str]      # "line 18" / "row 17", one per row
+    names: list[str]      # fields seen in any row (JSONL) or the columns (Parquet)
+    noun: str             # "field" (JSONL) or "column" (Parquet)
+
+    def error(self, i: int, message: str) -> DataError:
+        return DataError(f"{self.path}: {self.where[i]}: {message}")
+
+
+def _read_jsonl(p: Path) -> _Rows:
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise DataError(f"{p}: line {line}: not UTF-8 text") from None
+    rows, where, names = [], [], {}
+    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line breaks.
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{p}: line {n}, column {exc.colno}: not valid JSON: {exc.msg}") from None
+        if not isinstance(row, dict):
+            got = _JSON_TYPES.get(type(row), type(row).__name__)
+            raise DataError(f"{p}: line {n}: expected a JSON object such as "
+                            f'{{"prompt": ..., "answer": ...}}, got {got} (JSONL holds one object per line)')
+        rows.append(row)
+        where.append(f"line {n}")
+        names.update(dict.fromkeys(row))
+    return _Rows(p, rows, where, list(names), "field")
+
+
+def _read_parquet(p: Path) -> _Rows:
+    try:
+        table = pq.read_table(p)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{p}: cannot read as parquet: {exc}") from None
+    used = [name for name in table.column_names if name in FIELDS]
+    for name in used:
+        typ = table.schema.field(name).type
+        # pandas writes categorical text as a dictionary of strings; it reads back as str.
+        value_type = typ.value_type if pa.types.is_dictionary(typ) else typ
+        if not any(check(value_type) for check in _TEXT_TYPES):
+            hint = " (store it as text, so \"007\" stays \"007\")" if name in ("answer", "id") else ""
+            raise DataError(f"{p}: column {name!r} has type {typ}; it must be a string{hint}")
+    rows = table.select(used).to_pylist()
+    return _Rows(p, rows, [f"row {i}" for i in range(len(rows))], table.column_names, "column")
+
+
+def _read(p: Path) -> _Rows:
     suffix = p.suffix.lower()
     if suffix not in (".parquet", ".jsonl"):
         raise DataError(f"{p}: unknown data file extension {p.suffix!r}; expected .parquet or .jsonl")
+    if not p.exists():
+        # Relative paths are read from the working directory, not from the recipe's.
+        cwd = "" if p.is_absolute() else f" (relative to the working directory {str(Path.cwd())!r})"
+        raise DataError(f"{p}: data file does not exist{cwd}")
     if not p.is_file():
-        raise DataError(f"{p}: data file does not exist")
+        raise DataError(f"{p}: is not a file")
     try:
-        if suffix == ".parquet":
-            return pq.read_table(p)
-        if not p.read_bytes().strip():
-            return pa.table({})  # pyarrow rejects an empty JSON file; report it as empty
-        return pajson.read_json(p)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"{p}: cannot read as {suffix[1:]}: {exc}") from None
+        return _read_parquet(p) if suffix == ".parquet" else _read_jsonl(p)
+    except OSError as exc:
+        raise DataError(f"{p}: cannot read: {exc.strerror or exc}") from None
 
 
-def _column(table: pa.Table, p: Path, name: str, *, required: bool = True) -> list | None:
-    if name not in table.column_names:
-        if required:
-            hint = " or 'question' (GSM8K)" if name == "prompt" else ""
-            raise DataError(f"{p}: missing required column {name!r}{hint} "
-                            f"(columns: {', '.join(table.column_names) or 'none'})")
-        return None
-    col = table.column(name)
-    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
-            or pa.types.is_null(col.type)):
-        # Numbers are accepted as answers/ids only as strings, to keep "007" intact.
-        if name in ("answer", "id") and (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)):
-            raise DataError(f"{p}: column {name!r} has type {col.type}; it must be a string "
-                            f"(quote the values, e.g. \"answer\": \"42\")")
-        raise DataError(f"{p}: column {name!r} has type {col.type}; it must be a string")
-    return col.to_pylist()
-
-
-def _check_values(values: list, p: Path, name: str) -> None:
-    for i, v in enumerate(values):
-        if v is None or (isinstance(v, str) and not v.strip()):
-            what = "null" if v is None else "empty"
-            raise DataError(f"{p}: row {i}: column {name!r} is {what}")
+def _text(data: _Rows, i: int, name: str) -> str:
+    row = data.rows[i]
+    if name not in row:
+        raise data.error(i, f"{data.noun} {name!r} is missing")
+    value = row[name]
+    if value is None:
+        raise data.error(i, f"{data.noun} {name!r} is null")
+    if not isinstance(value, str):
+        got = _JSON_TYPES.get(type(value), type(value).__name__)
+        # Numbers are refused, not converted, so that "007" and "7" stay different answers.
+        hint = f' (quote it: "{name}": "{value}")' if type(value) in (int, float) else ""
+        raise data.error(i, f"{data.noun} {name!r} is {got}, not a string{hint}")
+    if not value.strip():
+        raise data.error(i, f"{data.noun} {name!r} is empty")
+    return value
 
 
 def gsm8k_final_answer(answer: str) -> str | None:
@@ -76,37 +133,37 @@ def gsm8k_final_answer(answer: str) -> str | None:
 
 def load_prompts(path: str | Path, *, kind: str = "train") -> list[Prompt]:
     """Read a prompt dataset; `kind` ("train", "val") only prefixes generated ids."""
-    p = Path(path)
-    table = _read_table(p)
-    if table.num_rows == 0:
+    data = _read(Path(path))
+    p = data.path
+    if not data.rows:
         raise DataError(f"{p}: the dataset is empty (0 rows)")
-    is_gsm8k = "prompt" not in table.column_names and "question" in table.column_names
-    text_col = "question" if is_gsm8k else "prompt"
-    texts = _column(table, p, text_col)
-    answers = _column(table, p, "answer")
-    ids = _column(table, p, "id", required=False)
-    _check_values(texts, p, text_col)
-    _check_values(answers, p, "answer")
-    if ids is not None:
-        _check_values(ids, p, "id")
-        seen: dict[str, int] = {}
-        for i, v in enumerate(ids):
-            if v in seen:
-                raise DataError(f"{p}: row {i}: column 'id' repeats {v!r} from row {seen[v]}")
-            seen[v] = i
+    is_gsm8k = "prompt" not in data.names and "question" in data.names
+    text_name = "question" if is_gsm8k else "prompt"
+    for name in (text_name, "answer"):
+        if name not in data.names:
+            hint = " or 'question' (GSM8K)" if name == "prompt" else ""
+            raise DataError(f"{p}: missing required {data.noun} {name!r}{hint} "
+                            f"({data.noun}s found: {', '.join(data.names) or 'none'})")
+    has_ids = "id" in data.names
+    first_of: dict[str, int] = {}
     prompts = []
-    for i, (text, answer) in enumerate(zip(texts, answers)):
+    for i in range(len(data.rows)):
+        text, answer = _text(data, i, text_name), _text(data, i, "answer")
+        pid = f"{kind}-{i}"
+        if has_ids:
+            pid = _text(data, i, "id")
+            if pid in first_of:
+                raise data.error(i, f"{data.noun} 'id' repeats {pid!r} from {data.where[first_of[pid]]}")
+            first_of[pid] = i
         if is_gsm8k:
             final = gsm8k_final_answer(answer)
             if not final:
-                raise DataError(f"{p}: row {i}: column 'answer' has no final '#### <number>' "
-                                "(GSM8K format)")
+                raise data.error(i, f"{data.noun} 'answer' has no final '#### <number>' (GSM8K format)")
             try:
                 float(final)
             except ValueError:
-                raise DataError(f"{p}: row {i}: column 'answer' ends in '#### {final}', "
-                                "which is not a number") from None
+                raise data.error(i, f"{data.noun} 'answer' ends in '#### {final}', "
+                                 "which is not a number") from None
             text, answer = GSM8K_TEMPLATE.format(question=text.strip()), final
-        pid = ids[i] if ids is not None else f"{kind}-{i}"
         prompts.append(Prompt(id=pid, text=text, answer=answer))
     return prompts

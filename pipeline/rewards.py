@@ -7,6 +7,7 @@ completion text, so any worker can score without shared state.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
 from typing import Callable
@@ -43,6 +44,15 @@ def load_reward(spec: str) -> RewardFn:
         fn = getattr(fn, part)
     if not callable(fn):
         raise RewardError(f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not callable")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # some builtins have no signature; a wrong one then fails on the first sample
+    try:
+        signature.bind(Prompt("id", "prompt", "answer"), "completion")
+    except TypeError:
+        raise RewardError(f"reward spec {spec!r}: {attr}{signature} cannot be called as "
+                          f"{attr}(prompt, completion_text)") from None
     return fn
 
 

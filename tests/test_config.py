@@ -19,6 +19,7 @@ def test_recipe_and_overrides(tmp_path):
 
 @pytest.mark.parametrize("override,needle", [
     ("grpo.max_ag=2", "unknown key 'grpo.max_ag'; allowed keys here: max_age"),
+    ("grpo.max_ag=2", "did you mean 'grpo.max_age'?"),
     ("grpo.max_age=-1", "grpo.max_age: -1 is out of range; it must be >= 0"),
     ("grpo.max_age=two", "grpo.max_age: expected an integer, got 'two'"),
     ("grpo.max_age=1.5", "grpo.max_age: expected an integer"),
@@ -32,11 +33,32 @@ def test_recipe_and_overrides(tmp_path):
     ("grpo=3", "grpo: expected a mapping"),
     ("grpo.max_age", "expected key=value"),
     ("run.name=a/b", "run.name: 'a/b' must be a non-empty name"),
+    ("run.name=..", "run.name: '..' must be a non-empty name"),
+    ("run.name=' '", "run.name: ' ' must be a non-empty name"),
+    ("training.lr=.inf", "training.lr: expected a finite number, got inf"),
+    ("run.deadline_s=.nan", "run.deadline_s: expected a finite number, got nan"),
 ])
 def test_bad_override_names_the_key(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config("examples/sim_grpo.yaml", [override])
     assert needle in str(err.value)
+    if "=" in override:  # the override is blamed, not the recipe it changes
+        assert str(err.value).startswith(f"override {override!r}: ")
+
+
+def test_the_override_that_set_a_key_is_blamed(tmp_path):
+    # The last override to touch a key (itself or its whole section) decided its value.
+    with pytest.raises(ConfigError, match=r"^override 'grpo=\{max_age: -1\}': grpo.max_age: -1 is out"):
+        load_config("examples/sim_grpo.yaml", ["grpo.group_size=2", "grpo={max_age: -1}"])
+    with pytest.raises(ConfigError, match=r"^override 'grpo.max_age=-2': grpo.max_age: -2 is out"):
+        load_config("examples/sim_grpo.yaml", ["grpo={max_age: -1}", "grpo.max_age=-2"])
+    with pytest.raises(ConfigError, match=r"^override 'data.val=': data.val: not set"):
+        load_config("examples/tiny_grpo.yaml", ["data.val="])
+    # A bad key the file sets is the file's, even when overrides change its neighbours.
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("grpo:\n  max_age: -1\n")
+    with pytest.raises(ConfigError, match=rf"^{recipe}: grpo.max_age: -1 is out of range"):
+        load_config(recipe, ["grpo.group_size=2"])
 
 
 def test_bad_files_are_named(tmp_path):
@@ -53,10 +75,11 @@ def test_bad_files_are_named(tmp_path):
 
 
 def test_real_backend_requires_model_data_and_validation_data():
-    with pytest.raises(ConfigError, match="model.path is required"):
+    with pytest.raises(ConfigError, match="model.path: not set; it is required when backend is 'real'"):
         load_config(None, ["backend=real"])
-    with pytest.raises(ConfigError, match="data.val is required: validation is scheduled"):
+    with pytest.raises(ConfigError, match="data.val: not set, but validation is scheduled"):
         load_config("examples/tiny_grpo.yaml", ["data.val="])
+    assert load_config("examples/tiny_grpo.yaml", ["data.val=", "grpo.val_period=0", "grpo.val_at_end=false"])
 
 
 def test_cli_exits_nonzero_with_the_key_and_writes_no_run(tmp_path):

@@ -39,29 +39,71 @@ def test_ids_are_generated_from_kind_when_absent(tmp_path):
 
 
 @pytest.mark.parametrize("name, rows, expected", [
-    ("missing_col.jsonl", [{"prompt": "p"}], "missing required column 'answer'"),
+    ("missing_col.jsonl", [{"prompt": "p"}], "missing required field 'answer'"),
     ("null_row.jsonl", [{"prompt": "p", "answer": "a"}, {"prompt": None, "answer": "a"}],
-     "row 1: column 'prompt' is null"),
+     "line 2: field 'prompt' is null"),
+    ("missing_in_row.jsonl", [{"prompt": "p", "answer": "a"}, {"answer": "a"}], "line 2: field 'prompt' is missing"),
     ("empty_row.jsonl", [{"prompt": "p", "answer": "a"}] * 2 + [{"prompt": "p", "answer": " "}],
-     "row 2: column 'answer' is empty"),
-    ("int_answer.jsonl", [{"prompt": "p", "answer": 7}], "column 'answer' has type int64"),
-    ("dup_id.jsonl", [{"id": "x", "prompt": "p", "answer": "a"}] * 2, "row 1: column 'id' repeats 'x'"),
-    ("gsm_no_final.jsonl", [{"question": "q?", "answer": "it is 4"}], "row 0: column 'answer' has no final '####"),
+     "line 3: field 'answer' is empty"),
+    ("int_answer.jsonl", [{"prompt": "p", "answer": 7}], "line 1: field 'answer' is a number, not a string"),
+    ("bool_answer.jsonl", [{"prompt": "p", "answer": True}], "line 1: field 'answer' is a boolean, not a string$"),
+    ("list_prompt.jsonl", [{"prompt": ["p"], "answer": "a"}], "line 1: field 'prompt' is a list, not a string"),
+    ("dup_id.jsonl", [{"id": "x", "prompt": "p", "answer": "a"}] * 2, "line 2: field 'id' repeats 'x' from line 1"),
+    ("some_ids.jsonl", [{"id": "x", "prompt": "p", "answer": "a"}, {"prompt": "p", "answer": "a"}],
+     "line 2: field 'id' is missing"),
+    ("gsm_no_final.jsonl", [{"question": "q?", "answer": "it is 4"}], "line 1: field 'answer' has no final '####"),
     ("gsm_word.jsonl", [{"question": "q?", "answer": "4\n#### 4"}, {"question": "q?", "answer": "#### four"}],
-     "row 1: column 'answer' ends in '#### four', which is not a number"),
-    ("neither.jsonl", [{"text": "q?", "answer": "4"}], "missing required column 'prompt' or 'question'"),
+     "line 2: field 'answer' ends in '#### four', which is not a number"),
+    ("neither.jsonl", [{"text": "q?", "answer": "4"}], "missing required field 'prompt' or 'question'"),
 ])
-def test_bad_rows_and_columns_are_named(tmp_path, name, rows, expected):
+def test_bad_rows_and_fields_are_named(tmp_path, name, rows, expected):
     path = write_jsonl(tmp_path / name, rows)
     with pytest.raises(DataError, match=expected) as err:
         load_prompts(path)
-    assert str(path) in str(err.value)
+    assert str(err.value).startswith(f"{path}: ")
+
+
+def test_jsonl_lines_are_the_files_lines(tmp_path):
+    """Line numbers count blank lines and only real newlines, so they match an editor's."""
+    path = tmp_path / "d.jsonl"
+    # U+2028 is a line break to str.splitlines() but plain text inside a JSON string.
+    path.write_text('\n{"prompt": "a\u2028b", "answer": "1"}\n\n{"prompt": "c", "answer": null}\n',
+                    encoding="utf-8")
+    with pytest.raises(DataError, match=r"d\.jsonl: line 4: field 'answer' is null"):
+        load_prompts(path)
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "1"}\r\n')  # BOM and CRLF, as Windows writes
+    assert load_prompts(path) == [Prompt("train-0", "a", "1")]
+
+
+@pytest.mark.parametrize("columns, expected", [
+    ({"prompt": ["a", "b", None], "answer": ["1", "2", "3"]}, "row 2: column 'prompt' is null"),
+    ({"prompt": ["a", ""], "answer": ["1", "2"]}, "row 1: column 'prompt' is empty"),
+    ({"prompt": ["a"], "answer": [1]}, "column 'answer' has type int64; it must be a string"),
+    ({"prompt": ["a"], "answer": ["1"], "id": [3]}, "column 'id' has type int64; it must be a string"),
+    ({"prompt": ["a"]}, "missing required column 'answer'"),
+])
+def test_bad_parquet_rows_and_columns_are_named(tmp_path, columns, expected):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table(columns), path)
+    with pytest.raises(DataError, match=expected) as err:
+        load_prompts(path)
+    assert str(err.value).startswith(f"{path}: ")
+
+
+def test_parquet_accepts_categorical_text_and_ignores_other_columns(tmp_path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": pa.array(["a", "b"]).dictionary_encode(), "answer": ["1", "2"],
+                             "score": [0.5, 1.5]}), path)
+    assert load_prompts(path) == [Prompt("train-0", "a", "1"), Prompt("train-1", "b", "2")]
 
 
 def test_file_level_errors_name_the_file(tmp_path):
     with pytest.raises(DataError, match="does not exist") as err:
         load_prompts(tmp_path / "nope.jsonl")
     assert "nope.jsonl" in str(err.value)
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(DataError, match=r"dir\.jsonl: is not a file"):
+        load_prompts(tmp_path / "dir.jsonl")
     (tmp_path / "d.csv").write_text("prompt,answer\n")
     with pytest.raises(DataError, match=r"d\.csv: unknown data file extension '\.csv'"):
         load_prompts(tmp_path / "d.csv")
@@ -73,8 +115,14 @@ def test_file_level_errors_name_the_file(tmp_path):
     with pytest.raises(DataError, match=r"empty\.parquet: the dataset is empty"):
         load_prompts(tmp_path / "empty.parquet")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "p", "answer": \n')
-    with pytest.raises(DataError, match=r"bad\.jsonl: cannot read as jsonl"):
+    with pytest.raises(DataError, match=r"bad\.jsonl: line 1, column 27: not valid JSON: Expecting value"):
         load_prompts(tmp_path / "bad.jsonl")
+    (tmp_path / "array.jsonl").write_text('[{"prompt": "p", "answer": "a"}]\n')
+    with pytest.raises(DataError, match=r"array\.jsonl: line 1: expected a JSON object .* got a list"):
+        load_prompts(tmp_path / "array.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "p", "answer": "a"}\n{"prompt": "\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1\.jsonl: line 2: not UTF-8 text"):
+        load_prompts(tmp_path / "latin1.jsonl")
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
     with pytest.raises(DataError, match=r"bad\.parquet: cannot read as parquet"):
         load_prompts(tmp_path / "bad.parquet")
@@ -174,6 +222,8 @@ def test_load_reward_resolves_and_names_the_spec():
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
         ("pipeline.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
         ("math:pi", "'pi' is a float, not callable"),
+        ("os.path:basename", r"basename\(p\) cannot be called as basename\(prompt, completion_text\)"),
+        ("pipeline.rewards:extract_last_number", "cannot be called as extract_last_number"),
     ]
     for spec, expected in cases:
         with pytest.raises(RewardError, match=expected) as err:
