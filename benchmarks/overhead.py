@@ -41,7 +41,8 @@ import ray  # noqa: E402
 
 from dags.step_graph import Workers, build_prologue_graph, build_step_graph  # noqa: E402
 from dags.tokens import Batch, Gate, Refitted, Resume, StepPlan, Ticket, TrainOut, ValOut  # noqa: E402
-from pipeline.workers import Controller, GeneratorWorker, TrainerWorker  # noqa: E402
+from pipeline.controller import Controller  # noqa: E402
+from pipeline.workers import GeneratorWorker, TrainerWorker  # noqa: E402
 
 if __name__ != "__main__":
     # Imported rather than run: ship this module's actor classes by value, since

@@ -271,7 +271,8 @@ def render(graph: StepGraph, out_path: str | Path, title: str | None = None) -> 
 def viz_workers(num_generators: int, algorithm: str = "grpo") -> Workers:
     """Unstarted actors: ClassNodes only describe an actor, so binding them needs no cluster."""
     import ray
-    from pipeline.workers import Controller, GeneratorWorker, TrainerWorker
+    from pipeline.controller import Controller
+    from pipeline.workers import GeneratorWorker, TrainerWorker
     critic = None
     if algorithm == "ppo":
         from pipeline.critic import CriticWorker

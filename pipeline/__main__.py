@@ -9,7 +9,7 @@ def _train(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
     from pipeline.driver import train
     cfg = load_config(args.config, args.overrides)
-    train(cfg)
+    train(cfg, resume=args.resume)
     return 0
 
 
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run a training job from a YAML recipe")
     p.add_argument("--config", required=True, help="YAML recipe, e.g. examples/sim_grpo.yaml")
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue runs/<name> from its latest complete checkpoint")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.max_age=2 run.name=x")
     p.set_defaults(func=_train)
     p = sub.add_parser("check-events", help="verify the ordering invariants of a run's event log")

@@ -7,14 +7,18 @@ records each transition.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
 from pipeline.engines import TRAJECTORY_SCHEMA
 from pipeline.events import EventLog
+
+
+class Interrupted(RuntimeError):
+    """The driver stopped a wait: a worker died and the step will be recovered."""
 
 
 @dataclass
@@ -23,6 +27,7 @@ class _Entry:
     target: int
     version: int
     table: pa.Table | None = None  # None while the rollout is in flight
+    launch: Any = None             # dags.tokens.Launch: what to relaunch if its generator dies
 
 
 class ReplayBuffer:
@@ -36,13 +41,48 @@ class ReplayBuffer:
         # Rollout threads put while the sample node waits; a condition lets
         # sample sleep until the batches it needs have arrived.
         self._cv = threading.Condition()
+        self._interrupted: str | None = None
+        self._fatal: str | None = None
 
-    def expect(self, batch_id: str, target: int, version: int) -> None:
+    def expect(self, batch_id: str, target: int, version: int, launch: Any = None) -> None:
         with self._cv:
             if batch_id in self._entries:
                 raise ValueError(f"batch {batch_id} launched twice")
-            self._entries[batch_id] = _Entry(batch_id, target, version)
+            self._entries[batch_id] = _Entry(batch_id, target, version, launch=launch)
             self.launched += 1
+
+    def in_flight(self, generator: int) -> list[_Entry]:
+        with self._cv:
+            return [e for e in self._entries.values() if e.table is None
+                    and e.launch is not None and e.launch.generator == generator]
+
+    def relaunch(self, batch_id: str, version: int) -> None:
+        """A batch whose generator died starts again at `version`; it stays one launch."""
+        with self._cv:
+            entry = self._entries[batch_id]
+            if entry.table is not None:
+                raise ValueError(f"batch {batch_id} already arrived; it cannot be relaunched")
+            entry.version = version
+
+    def restore(self, batch_id: str, target: int, version: int, table: pa.Table | None, launch: Any) -> None:
+        """From a checkpoint: counted as launched in the run that launched it, so not here."""
+        with self._cv:
+            self._entries[batch_id] = _Entry(batch_id, target, version, table, launch)
+
+    def interrupt(self, reason: str) -> None:
+        with self._cv:
+            self._interrupted = reason
+            self._cv.notify_all()
+
+    def clear_interrupt(self) -> None:
+        with self._cv:
+            self._interrupted = None
+
+    def fatal(self, reason: str) -> None:
+        """Stop the run at the next take: the error reaches the driver through the sample node."""
+        with self._cv:
+            self._fatal = reason
+            self._cv.notify_all()
 
     def put(self, batch_id: str, version: int, table: pa.Table) -> None:
         with self._cv:
@@ -70,8 +110,14 @@ class ReplayBuffer:
         """The batches for `step`, once none of them is in flight; stale ones are dropped."""
         with self._cv:
             def ready() -> bool:
-                return all(e.table is not None for e in self._entries.values() if e.target == step)
-            if not self._cv.wait_for(ready, timeout=deadline_s):
+                return (self._interrupted is not None or self._fatal is not None
+                        or all(e.table is not None for e in self._entries.values() if e.target == step))
+            done = self._cv.wait_for(ready, timeout=deadline_s)
+            if self._fatal is not None:
+                raise RuntimeError(self._fatal)
+            if self._interrupted is not None:
+                raise Interrupted(f"step {step}: {self._interrupted}")
+            if not done:
                 pending = sorted(e.batch_id for e in self._entries.values()
                                  if e.target == step and e.table is None)
                 raise TimeoutError(f"step {step}: batches {pending} still in flight after {deadline_s:.0f} s "
@@ -93,6 +139,17 @@ class ReplayBuffer:
             for entry in list(self._entries.values()):
                 self._drop(entry, reason)
             self._entries.clear()
+
+    def snapshot(self) -> tuple[list[_Entry], dict]:
+        """Every entry (arrived or in flight) and the counters, for a checkpoint."""
+        with self._cv:
+            entries = [_Entry(e.batch_id, e.target, e.version, e.table, e.launch) for e in self._entries.values()]
+            return entries, {"launched": self.launched, "trained": self.trained, "dropped": dict(self.dropped)}
+
+    def restore_counters(self, counters: dict) -> None:
+        with self._cv:
+            self.launched, self.trained = counters["launched"], counters["trained"]
+            self.dropped = Counter(counters["dropped"])
 
     def accounting(self) -> dict:
         with self._cv:

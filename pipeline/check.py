@@ -103,16 +103,38 @@ def _inv1(events: list[dict]) -> Iterator[Violation]:
                     f"({_t(vs['t'])} to {_t(_end_t(ve))})"), tuple(x for x in (vs, rs, ve) if x))
 
 
+def _relaunches(events: list[dict]) -> dict[str, int]:
+    """A batch whose generator died (or whose run was resumed) is relaunched: one more start is allowed."""
+    count: dict[str, int] = defaultdict(int)
+    for e in _of(events, "relaunch"):
+        count[e.get("batch")] += 1
+    return count
+
+
+def _with_abandoned_ends(events: list[dict]) -> list[dict]:
+    """A relaunch ends the dead worker's rollout of that batch: no data came of it."""
+    out = []
+    for e in events:
+        out.append(e)
+        if e.get("ev") == "relaunch" and e.get("of"):
+            out.append({**e, "ev": "rollout_end", "worker": e["of"], "abandoned": True})
+    return out
+
+
 def _inv2(events: list[dict], drain: bool) -> Iterator[Violation]:
-    rollouts, orphan_ends = _pair(events, "rollout_start", "rollout_end", _by_worker_batch)
+    rollouts, orphan_ends = _pair(_with_abandoned_ends(events), "rollout_start", "rollout_end", _by_worker_batch)
     for e in orphan_ends:
-        yield Violation(2, f"rollout_end of batch {e.get('batch')} on {e.get('worker')} at "
-                           f"{_t(e['t'])} has no rollout_start", (e,))
+        if not e.get("abandoned"):
+            yield Violation(2, f"rollout_end of batch {e.get('batch')} on {e.get('worker')} at "
+                               f"{_t(e['t'])} has no rollout_start", (e,))
+    relaunched = _relaunches(events)
     starts: dict[str, list[dict]] = defaultdict(list)
     for rs, _ in rollouts:
         starts[rs.get("batch")].append(rs)
+    for e in _of(events, "restore"):
+        starts[e.get("batch")].append(e)
     for batch, ss in starts.items():
-        if len(ss) > 1:
+        if len(ss) > 1 + relaunched.get(batch, 0):
             where = ", ".join(f"{s.get('worker')} at {_t(s['t'])}" for s in ss)
             yield Violation(2, f"batch {batch} has {len(ss)} rollout_starts ({where})", tuple(ss))
 
@@ -123,7 +145,7 @@ def _inv2(events: list[dict], drain: bool) -> Iterator[Violation]:
         for fs, fe in _pair(events, "refit_start", "refit_end", _by_worker_step)[0]:
             refits[fs.get("worker")].append((fs, fe))
         for rs, re_ in rollouts:
-            if re_ is not None and re_.get("version") != rs.get("version"):
+            if re_ is not None and not re_.get("abandoned") and re_.get("version") != rs.get("version"):
                 yield Violation(2, (
                     f"batch {rs.get('batch')} on {rs.get('worker')} started with version "
                     f"{rs.get('version')} at {_t(rs['t'])} but ended with version "
@@ -144,11 +166,11 @@ def _inv2(events: list[dict], drain: bool) -> Iterator[Violation]:
                                f"but batch_versions is {versions!r}", (ts,))
             continue
         for batch, version in zip(batches, versions):
-            ss = starts.get(batch, [])
+            ss = [s for s in starts.get(batch, []) if s["t"] <= ts["t"]]
             if not ss:
                 yield Violation(2, f"batch {batch} trained at step {ts.get('step')} "
                                    f"but no rollout of it ever started", (ts,))
-            for s in ss:
+            for s in ss[-1:]:  # the rollout that delivered it: any earlier one was abandoned
                 if s.get("version") != version:
                     yield Violation(2, (
                         f"train_start of step {ts.get('step')} says batch {batch} was generated "
@@ -165,8 +187,9 @@ def _inv3(events: list[dict], run_start: dict | None) -> Iterator[Violation]:
         yield Violation(3, f"run_start has max_age {max_age!r}, not an int", (run_start,))
         return
     rollout_version = {}
-    for rs in _of(events, "rollout_start"):
-        rollout_version.setdefault(rs.get("batch"), rs.get("version"))
+    for rs in events:
+        if rs.get("ev") in ("rollout_start", "restore"):
+            rollout_version[rs.get("batch")] = rs.get("version")
     for ts in _of(events, "train_start"):
         step, versions = ts.get("step"), ts.get("batch_versions") or []
         for i, batch in enumerate(ts.get("batches") or []):
@@ -199,7 +222,7 @@ def _inv4(events: list[dict], finished: bool) -> Iterator[Violation]:
     seen: dict[str, list[dict]] = defaultdict(list)   # every event naming the batch
     for e in events:
         kind = e.get("ev")
-        if kind == "launch":
+        if kind in ("launch", "restore"):
             launches[e.get("batch")].append(e)
         elif kind == "train_start":
             for batch in e.get("batches") or []:
@@ -209,8 +232,9 @@ def _inv4(events: list[dict], finished: bool) -> Iterator[Violation]:
             seen[e.get("batch")].append(e)
             if kind == "drop":
                 uses[e.get("batch")].append(e)
+    relaunched = _relaunches(events)
     for batch, ls in launches.items():
-        if len(ls) > 1:
+        if len(ls) > 1 + relaunched.get(batch, 0):
             yield Violation(4, f"batch {batch} launched {len(ls)} times ("
                                + ", ".join(f"to {e.get('worker')} at {_t(e['t'])}" for e in ls)
                                + ")", tuple(ls))
@@ -248,11 +272,23 @@ def _inv5(events: list[dict], finished: bool) -> Iterator[Violation]:
 
     generators = sorted({e.get("worker") for e in events if e.get("ev") in (
         "launch", "rollout_start", "refit_start", "refit_end")} - NOT_WORKERS)
+    # A generator that died owes no refits from the step it died in; its
+    # replacement owes them from the step whose weights it started with.
+    died_at = {e.get("dead"): e.get("step") for e in _of(events, "generator_died")}
+    restarted = {e.get("worker") for e in _of(events, "worker_start") if (e.get("incarnation") or 0) > 0}
+    first_load = {w: min((e.get("step") for e in ends if isinstance(e.get("step"), int)), default=None)
+                  for w, ends in refit_ends.items()}
     last_step = max((te.get("step") for te in train_ends if isinstance(te.get("step"), int)),
                     default=None)
     for te in train_ends:
         step = te.get("step")
         for worker in generators:
+            if not isinstance(step, int):
+                continue
+            if worker in died_at and isinstance(died_at[worker], int) and step >= died_at[worker]:
+                continue
+            if worker in restarted and (first_load.get(worker) is None or step < first_load[worker]):
+                continue
             loaded = [e for e in refit_ends.get(worker, []) if e.get("step") == step]
             # The last trained step of an unfinished run may still be refitting.
             if not loaded and (finished or step != last_step):
@@ -287,7 +323,9 @@ def _rises_by_one(ends: list[dict], who: str) -> Iterator[Violation]:
 def check_events(events: Iterable[dict]) -> list[Violation]:
     events = sorted(events, key=lambda e: e["t"])
     run_start = next(iter(_of(events, "run_start")), None)
-    finished = bool(_of(events, "run_end"))
+    # A run that stopped on an error leaves batches in flight (they are in its
+    # last checkpoint for --resume); only a clean end proves none was lost.
+    finished = any(e.get("error") is None for e in _of(events, "run_end"))
     drain = run_start is None or run_start.get("refit_mode", "drain") == "drain"
     return [*_inv1(events), *_inv2(events, drain), *_inv3(events, run_start),
             *_inv4(events, finished), *_inv5(events, finished)]
@@ -308,9 +346,9 @@ def main(run_dir: str) -> int:
     violations = check_events(events)
     for v in violations:
         print(format_violation(v))
-    if not any(e.get("ev") == "run_end" for e in events):
-        print("note: no run_end event: the run did not finish, so launched batches "
-              "never trained or dropped are not counted as lost")
+    if not any(e.get("ev") == "run_end" and e.get("error") is None for e in events):
+        print("note: the run did not finish cleanly (no run_end, or it ended on an error), so launched "
+              "batches never trained or dropped are not counted as lost")
     print(f"{len(violations)} violations (invariants 1-5) in {len(events)} events")
     return 1 if violations else 0
 

@@ -1,33 +1,35 @@
 """The driver: start the workers, build the step graph, run it once per step.
 
+    resume?: load the latest complete checkpoint into every worker
     prologue: validate v0 if asked; launch the first max_age + 1 batches
-    for step in steps: run the step graph with StepPlan(step, validate?)
+    for step in steps: run the step graph with StepPlan(step, validate?); checkpoint every N
     finish: account for every batch, write the summary
+
+A generator that dies is replaced and its batches relaunched (pipeline/pool.py);
+any other dead worker stops the run with the checkpoint to resume from.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
-import shutil
 import time
 from pathlib import Path
 
 import ray
-from ray.dag import DAGContext
 import yaml
 
-from dags.step_graph import StepGraph, Workers, build_prologue_graph, build_step_graph
-from dags.tokens import Resume, StepPlan, TrainOut
-from pipeline import backends
+from dags.step_graph import (TRAIN_SUBGRAPHS, Workers, build_finish_graph, build_prologue_graph,
+                             build_step_graph)
+from dags.tokens import StepPlan, TrainOut
+from pipeline import backends, checkpoint
 from pipeline.config import Config
+from pipeline.events import EventLog, merge_events
+from pipeline.metrics import MetricSinks, Progress, step_metrics
+from pipeline.pool import actor_names, begin_run, replace_generator, start_workers, stop_workers
+from pipeline.runner import GraphRunner, PipelineError, WorkerDied
 from pipeline.timeline import write_trace
-from pipeline.events import EventLog, merge_events, unfinished_nodes
-from pipeline.workers import Controller, GeneratorWorker, TrainerWorker
 
-
-class PipelineError(RuntimeError):
-    """A run stopped: the message names the node, worker and step where known."""
+__all__ = ["GraphRunner", "PipelineError", "start_workers", "stop_workers", "train", "resolve_dag_mode"]
 
 
 def validation_due(step: int, cfg: Config) -> bool:
@@ -56,60 +58,6 @@ def _cores(joined_cluster: bool) -> float:
     if joined_cluster:
         return ray.cluster_resources().get("CPU", 1)
     return len(os.sched_getaffinity(0))
-
-
-class GraphRunner:
-    """Executes a StepGraph in classic or compiled mode; every wait has a deadline.
-
-    A compiled runner may serve several runs on the same workers (tests do)."""
-
-    def __init__(self, graph: StepGraph, mode: str, first_deadline_s: float):
-        self.graph, self.mode = graph, mode
-        # The first execution also starts the graph's loops on every actor (seconds on a busy machine).
-        self.first_deadline_s = first_deadline_s
-        self.executions = 0
-        self.compiled = None
-        if mode == "compiled":
-            # Compiled graphs have their own 10 s result timeout; our deadlines are the ones that count.
-            DAGContext.get_current().get_timeout = math.ceil(first_deadline_s) + 1
-            self.compiled = graph.dag.experimental_compile()
-
-    def run(self, plan: StepPlan, deadline_s: float, run_dir: Path) -> dict:
-        if self.executions == 0:
-            deadline_s = max(deadline_s, self.first_deadline_s)
-        self.executions += 1
-        refs = (self.compiled or self.graph.dag).execute(plan)
-        out = {}
-        for name, ref in zip(self.graph.node_names, refs):
-            try:
-                out[name] = ray.get(ref, timeout=deadline_s)
-            except TimeoutError:  # GetTimeoutError, or RayChannelTimeoutError in compiled mode
-                # A compiled graph returns its outputs together, so ask the event log what is stuck.
-                stuck = unfinished_nodes(run_dir, plan.step) or [(name, "?")]
-                where = ", ".join(f"node {n} on worker {w}" for n, w in stuck)
-                raise PipelineError(f"step {plan.step}: {where} did not finish within "
-                                    f"{deadline_s:.0f} s (run.deadline_s)") from None
-            except ray.exceptions.RayActorError as exc:
-                raise PipelineError(f"step {plan.step}: node {name}: its worker died: {_first_line(exc)}") from None
-            except ray.exceptions.RayError as exc:
-                raise PipelineError(_task_error(exc)) from None
-        return out
-
-    def close(self) -> None:
-        if self.compiled is not None:
-            self.compiled.teardown()
-            self.compiled = None
-
-
-def _first_line(exc: BaseException) -> str:
-    return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-
-
-def _task_error(exc: BaseException) -> str:
-    """The worker's own message, without Ray's traceback wrapping."""
-    cause = getattr(exc, "cause", None)
-    text = str(cause) if cause is not None else str(exc)
-    return next((line for line in text.splitlines() if "failed at step" in line), _first_line(cause or exc))
 
 
 def _prepare_run_dir(cfg: Config, say) -> Path:
@@ -145,121 +93,158 @@ def _start_ray(cfg: Config) -> bool:
     return True
 
 
-def start_workers(num_generators: int) -> Workers:
-    # Threaded actors: nodes of a step and the rollout threads' puts reach them concurrently.
-    controller = ray.remote(Controller).options(num_cpus=0.5, max_concurrency=8).remote()
-    # Two threads: `save` between steps must not wait behind a compiled graph's loop.
-    trainer = ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote()
-    generators = tuple(ray.remote(GeneratorWorker).options(num_cpus=0.5, max_concurrency=4).remote(i)
-                       for i in range(num_generators))
-    return Workers(controller, trainer, generators)
+class Execution:
+    """The run's workers and the graph runners over them. A replaced generator
+    is a new actor handle, so the graphs are rebuilt around it."""
 
+    def __init__(self, cfg: Config, workers: Workers, mode: str, run_dir: Path, t0: float, log: EventLog,
+                 step_runner: GraphRunner | None):
+        self.cfg, self.workers, self.mode, self.run_dir, self.t0, self.log = cfg, workers, mode, run_dir, t0, log
+        self.incarnations: dict[int, int] = {}
+        self.replaced = False
+        self.step_runner = step_runner
+        self._build()
 
-def stop_workers(workers: Workers) -> None:
-    for actor in (workers.controller, workers.trainer, *workers.generators):
-        ray.kill(actor)
+    def _build(self) -> None:
+        actors = actor_names(self.workers, self.incarnations)
+        graph = build_step_graph(self.workers, TRAIN_SUBGRAPHS[self.cfg.algorithm])
+        # The node whose TrainOut the ordering sub-graph takes: train (GRPO) or train_done (PPO).
+        self.trained_node = graph.node_names[graph.node_names.index("validation_gate") - 1]
+        if self.step_runner is None or self.replaced:
+            if self.step_runner is not None:
+                self.step_runner.close()
+            self.step_runner = GraphRunner(graph, self.mode, self.cfg.run.startup_deadline_s, actors)
+        self.step_runner.actors = actors
+        self.finish_runner = GraphRunner(build_finish_graph(self.workers), "classic", self.cfg.run.deadline_s, actors)
+        self.prologue_runner = GraphRunner(build_prologue_graph(self.workers), "classic",
+                                           self.cfg.run.deadline_s, actors)
 
+    def run(self, runner_name: str, plan: StepPlan) -> dict:
+        """One execution of the prologue or the step graph, recovering from generator deaths."""
+        while True:
+            runner = getattr(self, runner_name)
+            try:
+                return runner.run(plan, self.cfg.run.deadline_s, self.run_dir)
+            except WorkerDied as died:
+                if not died.worker.startswith("gen") or runner.mode == "compiled":
+                    why = "" if died.worker.startswith("gen") else "; the run cannot go on without it"
+                    if runner.mode == "compiled":
+                        why = "; generator restarts need run.dag_mode classic"
+                    raise PipelineError(f"{died}{why}. Resume from the last complete checkpoint "
+                                        f"with --resume {self.run_dir}") from None
+                # A sample waiting for the dead generator's batches would wait out its deadline.
+                ray.get(self.workers.controller.interrupt.remote(str(died)), timeout=self.cfg.fault.deadline_s)
+                done = runner.settle(self.cfg.fault.deadline_s)
+                self.workers = replace_generator(self.workers, died, self.incarnations, self.cfg,
+                                                 self.run_dir, self.t0, self.log)
+                ray.get(self.workers.controller.clear_interrupt.remote(), timeout=self.cfg.fault.deadline_s)
+                self.replaced = True
+                self._build()
+            # What the interrupted execution finished decides what is left to run.
+            if "resume" in done:
+                return done
+            trained = done.get(self.trained_node) if runner_name == "step_runner" else None
+            if trained is not None:
+                return {**done, **self.run_finish(plan, trained)}
 
-def _begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float) -> Workers:
-    """Set up every worker for this run; a pool may hold more generators than it uses."""
-    used = workers.first(cfg.generation.num_generators)
-    calls = [used.controller.begin_run.remote(cfg, str(run_dir), t0),
-             used.trainer.begin_run.remote(cfg, str(run_dir), t0),
-             *[g.begin_run.remote(cfg, str(run_dir), t0, used.controller) for g in used.generators]]
-    try:
-        ray.get(calls, timeout=cfg.run.startup_deadline_s)
-    except ray.exceptions.GetTimeoutError:
-        raise PipelineError(f"workers did not start within {cfg.run.startup_deadline_s:.0f} s "
-                            "(run.startup_deadline_s)") from None
-    except ray.exceptions.RayError as exc:
-        raise PipelineError(f"a worker failed to start: {_task_error(exc)}") from None
-    return used
+    def run_finish(self, plan: StepPlan, trained: TrainOut) -> dict:
+        try:
+            return self.finish_runner.run((plan, trained), self.cfg.run.deadline_s, self.run_dir)
+        except WorkerDied as died:
+            raise PipelineError(f"{died} while recovering from an earlier death; resume with "
+                                f"--resume {self.run_dir}") from None
+
+    def close(self, external_runner: GraphRunner | None, failed: bool) -> None:
+        if self.step_runner is not None and (self.step_runner is not external_runner or failed):
+            self.step_runner.close()
 
 
 def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunner | None = None,
-          quiet: bool = False) -> dict:
+          quiet: bool = False, resume: str | None = None) -> dict:
     """Run a whole training job; returns the summary (also written to summary.json).
 
+    `resume`: a run directory to continue from its latest complete checkpoint.
     Tests pass `workers` (and a `step_runner` over them) to run many short
     schedules on one set of actors; the caller then owns both."""
     say = (lambda *a: None) if quiet else print
     backends.preflight(cfg)
-    run_dir = _prepare_run_dir(cfg, say)
+    ckpt, start = None, 0
+    if resume is not None:
+        run_dir = Path(resume)
+        ckpt = checkpoint.latest(run_dir)
+        start = checkpoint.read_meta(ckpt, cfg)
+        kept = checkpoint.archive_attempt(run_dir, start)
+        say(f"dagrl: resuming {run_dir} from {ckpt.name} (step {start}); the earlier attempt's logs are in {kept}")
+    else:
+        run_dir = _prepare_run_dir(cfg, say)
+    # Before Ray starts: a sink that cannot open (W&B missing) must leave nothing running.
+    sinks = MetricSinks(run_dir, cfg, start)
+    progress = Progress(cfg.run.steps, start, enabled=not quiet and cfg.metrics.progress)
     t0 = time.time()
     log = EventLog(run_dir, "driver", t0)
-    started_ray = _start_ray(cfg)
-    runner = step_runner
-    summary: dict = {"steps": 0, "error": None}
+    summary: dict = {"steps": start, "start_step": start, "error": None}
     rewards: list[float] = []
     step_times: list[float] = []
     tokens = 0.0
     own_workers = workers is None
+    execution = None
+    started_ray = False
     try:
+        started_ray = _start_ray(cfg)
         if own_workers:
-            workers = start_workers(cfg.generation.num_generators)
-        workers = _begin_run(workers, cfg, run_dir, t0)
+            workers = start_workers(cfg.generation.num_generators, critic=cfg.algorithm == "ppo")
+        workers = begin_run(workers, cfg, run_dir, t0, start, ckpt)
         mode = summary["dag_mode"] = resolve_dag_mode(cfg, _cores(joined_cluster=bool(_ray_address(cfg))))
-        say(f"dagrl: backend={cfg.backend} dag_mode={mode} steps={cfg.run.steps} "
+        if step_runner is not None and step_runner.mode != mode:
+            raise ValueError(f"step_runner is {step_runner.mode} but run.dag_mode resolves to {mode}")
+        say(f"dagrl: {cfg.algorithm} backend={cfg.backend} dag_mode={mode} steps={cfg.run.steps} "
             f"max_age={cfg.grpo.max_age} generators={cfg.generation.num_generators} run_dir={run_dir}")
         if cfg.backend == "sim":
             say("dagrl: simulated workers (backend: sim): no model is trained")
-        log.emit("run_start", max_age=cfg.grpo.max_age, steps=cfg.run.steps, start_step=0, dag_mode=mode,
-                 refit_mode=cfg.generation.refit_mode)
-        prologue = GraphRunner(build_prologue_graph(workers), "classic", cfg.run.deadline_s)
-        prologue_out = prologue.run(StepPlan(-1, cfg.grpo.val_at_start), cfg.run.deadline_s, run_dir)
-        _write_val_metrics(run_dir, prologue_out["resume"])
-        if runner is None:
-            runner = GraphRunner(build_step_graph(workers), mode, cfg.run.startup_deadline_s)
-        elif runner.mode != mode:
-            raise ValueError(f"step_runner is {runner.mode} but run.dag_mode resolves to {mode}")
-        for step in range(cfg.run.steps):
+        log.emit("run_start", max_age=cfg.grpo.max_age, steps=cfg.run.steps, start_step=start, dag_mode=mode,
+                 refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm)
+        execution = Execution(cfg, workers, mode, run_dir, t0, log, step_runner)
+        prologue = execution.run("prologue_runner", StepPlan(start - 1, cfg.grpo.val_at_start and start == 0))
+        if prologue["resume"].val_scores:
+            sinks.write({"step": start - 1, **dict(prologue["resume"].val_scores)})
+        for step in range(start, cfg.run.steps):
             started = time.time()
-            out = runner.run(StepPlan(step, validation_due(step, cfg)), cfg.run.deadline_s, run_dir)
-            elapsed = time.time() - started
-            metrics = _step_metrics(step, elapsed, out["train"], out["resume"])
-            _append_jsonl(run_dir / "metrics.jsonl", metrics)
+            out = execution.run("step_runner", StepPlan(step, validation_due(step, cfg)))
+            metrics = step_metrics(step, time.time() - started, out)
+            sinks.write(metrics)
+            progress.update(metrics)
             rewards.append(metrics["reward_mean"])
-            step_times.append(elapsed)
-            tokens += metrics["response_tokens"]
+            step_times.append(metrics["step_time_s"])
+            tokens += metrics.get("response_tokens", 0.0)
             summary["steps"] = step + 1
-            val = f" val_reward={metrics['val_reward']:.3f}" if "val_reward" in metrics else ""
-            say(f"step {step + 1}/{cfg.run.steps} reward={metrics['reward_mean']:.3f} "
-                f"age={metrics['age_mean']:.1f} loss={metrics.get('loss', float('nan')):.4f} "
-                f"time={elapsed:.2f}s{val}")
             every = cfg.run.checkpoint_every
             if step == cfg.run.steps - 1 or (every and (step + 1) % every == 0):
-                summary["checkpoint"] = _save_checkpoint(workers, run_dir, step, cfg)
-        summary["accounting"] = ray.get(workers.controller.finish.remote(), timeout=cfg.run.deadline_s)
+                summary["checkpoint"] = str(checkpoint.save(execution.workers, run_dir, step + 1, cfg,
+                                                            cfg.run.startup_deadline_s))
+        summary["accounting"] = ray.get(execution.workers.controller.finish.remote(), timeout=cfg.run.deadline_s)
+        summary["generator_restarts"] = dict(sorted((f"gen{i}", n) for i, n in execution.incarnations.items()))
     except BaseException as exc:
         summary["error"] = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
         raise
     finally:
         failed = summary["error"] is not None
+        if execution is not None:
+            workers = execution.workers
         if own_workers and workers is not None and failed:
             stop_workers(workers)  # before teardown: a stuck actor would hold a compiled teardown up
-        if runner is not None and (step_runner is None or failed):
-            runner.close()
+        if execution is not None:
+            execution.close(step_runner, failed)
         if own_workers and workers is not None and not failed:
             stop_workers(workers)
+        progress.close()
+        sinks.close()
         log.emit("run_end", error=summary["error"])
         log.close()
         if started_ray:
             ray.shutdown()
         merge_events(run_dir)
         write_trace(run_dir)
-        wall = time.time() - t0
-        head, tail = rewards[:3], rewards[-3:]
-        summary.update({
-            "wall_s": round(wall, 3),
-            "reward_start": sum(head) / len(head) if head else None,
-            "reward_end": sum(tail) / len(tail) if tail else None,
-            "step_time_mean_s": sum(step_times) / len(step_times) if step_times else None,
-            # Over the steps only: worker start-up (vLLM, DeepSpeed) is not generation.
-            "generated_tokens_per_s": tokens / sum(step_times) if step_times else None,
-            "generation_backend": "sim" if cfg.backend == "sim" else "vllm",
-            "training_backend": "sim" if cfg.backend == "sim" else "deepspeed",
-        })
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        _write_summary(run_dir, summary, t0, rewards, step_times, tokens, cfg)
     say(f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s (start-up included); "
         f"reward {summary['reward_start']:.3f} -> {summary['reward_end']:.3f} (mean of first/last 3 steps); "
         f"step time {summary['step_time_mean_s']:.2f} s; {summary['generated_tokens_per_s']:.0f} generated tokens/s; "
@@ -267,25 +252,17 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
     return summary
 
 
-def _save_checkpoint(workers: Workers, run_dir: Path, step: int, cfg: Config) -> str:
-    """The policy in HF format, written beside its final name and renamed into place."""
-    final = run_dir / "checkpoints" / f"step_{step + 1}"
-    partial = final.with_name(final.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    ray.get(workers.trainer.save.remote(str(partial)), timeout=cfg.run.startup_deadline_s)
-    partial.rename(final)
-    return str(final)
-
-
-def _step_metrics(step: int, elapsed: float, train: TrainOut, resume: Resume) -> dict:
-    return {**dict(train.metrics), **dict(resume.val_scores), "step": step, "step_time_s": round(elapsed, 6)}
-
-
-def _write_val_metrics(run_dir: Path, resume: Resume) -> None:
-    if resume.val_scores:
-        _append_jsonl(run_dir / "metrics.jsonl", {"step": -1, **dict(resume.val_scores)})
-
-
-def _append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+def _write_summary(run_dir: Path, summary: dict, t0: float, rewards: list[float], step_times: list[float],
+                   tokens: float, cfg: Config) -> None:
+    head, tail = rewards[:3], rewards[-3:]
+    summary.update({
+        "wall_s": round(time.time() - t0, 3),
+        "reward_start": sum(head) / len(head) if head else None,
+        "reward_end": sum(tail) / len(tail) if tail else None,
+        "step_time_mean_s": sum(step_times) / len(step_times) if step_times else None,
+        # Over the steps only: worker start-up (vLLM, DeepSpeed) is not generation.
+        "generated_tokens_per_s": tokens / sum(step_times) if step_times else None,
+        "generation_backend": "sim" if cfg.backend == "sim" else "vllm",
+        "training_backend": "sim" if cfg.backend == "sim" else "deepspeed",
+    })
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

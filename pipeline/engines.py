@@ -39,6 +39,8 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("logprobs", pa.list_(pa.float32())),
     ("text", pa.string()),
     ("reward", pa.float32()),
+    # Why the reward function raised on this sample, or "" (see GeneratorWorker._score).
+    ("reward_error", pa.string()),
 ])
 
 

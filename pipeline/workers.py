@@ -1,4 +1,5 @@
-"""The actors behind the step graph's nodes: controller, trainer, generators.
+"""The actors behind the step graph's nodes: trainer and generators (the
+controller is in pipeline/controller.py, the critic in pipeline/critic.py).
 
 `begin_run` sets a worker up for one run (engine, log, version), so a test can
 run many short schedules on one set of actors; the driver calls it once.
@@ -11,16 +12,14 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import threading
+import time
 
 import pyarrow as pa
 import ray
 
-from dags.tokens import (Advantages, Batch, CriticOut, Gate, Launch, Refitted, Resume, StepPlan, Ticket,
-                         TrainOut, ValOut)
+from dags.tokens import Advantages, Batch, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
 from pipeline import backends
-from pipeline.buffer import ReplayBuffer
 from pipeline.config import Config
 from pipeline.engines import TRAJECTORY_SCHEMA, Completion, Prompt
 from pipeline.events import EventLog
@@ -30,7 +29,7 @@ class NodeError(RuntimeError):
     """A graph node failed; the message names the node, the worker and the step."""
 
 
-def _one_thread() -> None:
+def one_thread() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import torch
@@ -58,97 +57,32 @@ def node(name: str):
     return wrap
 
 
-def _reopen_log(worker, run_dir: str, name: str, t0: float) -> EventLog:
+def reopen_log(worker, run_dir: str, name: str, t0: float) -> EventLog:
     """A pooled actor serves many runs: close the last run's log file first."""
     if getattr(worker, "log", None) is not None:
         worker.log.close()
     return EventLog(run_dir, name, t0)
 
 
-class Controller:
-    """Owns the replay buffer, the prompt stream and the launch schedule."""
-
-    def begin_run(self, cfg: Config, run_dir: str, t0: float) -> None:
-        self.cfg = cfg
-        self.log = _reopen_log(self, run_dir, "controller", t0)
-        self.buffer = ReplayBuffer(cfg.grpo.max_age, self.log)
-        self.prompts = backends.train_prompts(cfg)
-        self.rng = random.Random(cfg.run.seed)
-        self.order: list[int] = []
-        self.cursor = 0
-
-    def _next_prompts(self, count: int) -> list[Prompt]:
-        out = []
-        for _ in range(count):
-            if self.cursor >= len(self.order):
-                self.order = list(range(len(self.prompts)))
-                self.rng.shuffle(self.order)
-                self.cursor = 0
-            out.append(self.prompts[self.order[self.cursor]])
-            self.cursor += 1
-        return out
-
-    @node("sample")
-    def sample(self, plan: StepPlan) -> Batch:
-        ids, versions, table = self.buffer.take(plan.step, self.cfg.run.deadline_s)
-        # Held until the next sample: a ref sent through a compiled-graph channel is
-        # not counted as borrowed, so the owner must keep it alive for the consumer.
-        self._live_table = ray.put(table)
-        return Batch(plan.step, tuple(ids), tuple(versions), (self._live_table,))
-
-    @node("validation_gate")
-    def validation_gate(self, plan: StepPlan, train: TrainOut | None = None) -> Gate:
-        return Gate(plan.step, train.version if train is not None else 0, plan.validate)
-
-    @node("resume")
-    def resume(self, *vals: ValOut) -> Resume:
-        # Mutation tests hand this Refitted or Gate tokens instead; both carry step and version.
-        versions = {v.version for v in vals}
-        if len(versions) != 1:
-            raise RuntimeError(f"generators disagree on the weight version: {sorted(versions)}")
-        version, step = versions.pop(), vals[0].step
-        max_age, g = self.cfg.grpo.max_age, self.cfg.generation
-        # The prologue (step -1) fills the pipeline; each step then tops it up.
-        targets = range(0, max_age + 1) if step < 0 else [step + 1 + max_age]
-        launches = []
-        for target in (t for t in targets if t < self.cfg.run.steps):
-            prompts = self._next_prompts(self.cfg.grpo.prompts_per_step)
-            for index in range(g.num_generators):
-                shard = tuple(prompts[index::g.num_generators])
-                if shard:
-                    launch = Launch(f"t{target}.g{index}", target, index, shard)
-                    self.buffer.expect(launch.batch_id, target, version)
-                    launches.append(launch)
-        scores = [dict(v.scores) for v in vals if isinstance(v, ValOut) and v.validated]
-        val = ()
-        if scores:
-            count = sum(s["count"] for s in scores)
-            val = (("val_reward", sum(s["reward_sum"] for s in scores) / max(count, 1)), ("val_count", count))
-        return Resume(step, version, tuple(launches), val)
-
-    @node("train_done")
-    def train_done(self, policy: TrainOut, critic: CriticOut) -> TrainOut:
-        metrics = dict(policy.metrics) | {f"critic/{k}": v for k, v in critic.metrics}
-        return TrainOut(policy.step, policy.version, policy.weights_ref, tuple(sorted(metrics.items())))
-
-    def put(self, batch_id: str, version: int, table: pa.Table) -> None:
-        self.buffer.put(batch_id, version, table)
-
-    def rollout_failed(self, batch_id: str, reason: str) -> None:
-        self.buffer.fail(batch_id, reason)
-
-    def finish(self) -> dict:
-        self.buffer.drop_all("unused_at_end")
-        return self.buffer.accounting()
-
-
 class TrainerWorker:
-    def begin_run(self, cfg: Config, run_dir: str, t0: float, start_version: int = 0) -> None:
-        _one_thread()
+    def begin_run(self, cfg: Config, run_dir: str, t0: float, resume_dir: str | None = None,
+                  start_version: int = 0) -> None:
+        one_thread()
         self.cfg = cfg
-        self.log = _reopen_log(self, run_dir, "trainer", t0)
+        self.log = reopen_log(self, run_dir, "trainer", t0)
+        self.log.emit("worker_start", pid=os.getpid())
         self.engine = backends.training_engine(cfg)
+        if resume_dir is not None:
+            self.engine.load_state(resume_dir)
         self.version = start_version
+        self._live_weights = ray.put((self.version, self.engine.export_weights()))
+
+    def ping(self) -> bool:
+        return True
+
+    def current_weights(self) -> tuple[int, tuple]:
+        """The version and (ObjectRef of (version, weights),), for a generator that starts mid-run."""
+        return self.version, (self._live_weights,)
 
     @node("train")
     def train(self, batch: Batch, advantages: Advantages | None = None) -> TrainOut:
@@ -171,7 +105,9 @@ class TrainerWorker:
         # Kept alive until the next step's refits are done (see Controller.sample).
         self._live_weights = weights_ref = ray.put((self.version, self.engine.export_weights()))
         self.log.emit("train_end", step=batch.step, version=self.version)
-        metrics = {**metrics, "reward_mean": _mean(table.column("reward").to_pylist()),
+        failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
+        metrics = {**metrics, "reward_failures": float(failed),
+                   "reward_mean": _mean(table.column("reward").to_pylist()),
                    "reward_std": _std(table.column("reward").to_pylist()),
                    "age_mean": _mean([batch.step - v for v in batch.versions]),
                    "age_max": float(max(batch.step - v for v in batch.versions)),
@@ -180,6 +116,9 @@ class TrainerWorker:
 
     def save(self, path: str) -> None:
         self.engine.save(path)
+
+    def save_state(self, path: str) -> None:
+        self.engine.save_state(path)
 
 
 class GeneratorWorker:
@@ -190,24 +129,44 @@ class GeneratorWorker:
         self.index = index
         self._rollouts: threading.Thread | None = None
 
-    def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, start_version: int = 0) -> None:
-        _one_thread()
+    def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, incarnation: int = 0,
+                  weights: tuple = ()) -> None:
+        """`weights`: (ObjectRef of (version, state),) when starting mid-run (a
+        restart, a resume); the load is logged as this worker's refit to that version."""
+        one_thread()
         if self._rollouts is not None:
             # A previous run on this actor must not leak rollouts into this one.
             self._rollouts.join(timeout=cfg.run.deadline_s)
             self._rollouts = None
         self.cfg = cfg
-        self.log = _reopen_log(self, run_dir, f"gen{self.index}", t0)
-        self.engine = backends.generation_engine(cfg, self.index)
+        name = f"gen{self.index}" + (f"r{incarnation}" if incarnation else "")
+        self.log = reopen_log(self, run_dir, name, t0)
+        self.log.emit("worker_start", pid=os.getpid(), incarnation=incarnation, generator=self.index)
+        self.engine = backends.generation_engine(cfg, self.index, incarnation)
         self.reward_fn = backends.reward_function(cfg)
         self.val_prompts = backends.val_prompts(cfg)[self.index::cfg.generation.num_generators]
         self.controller = controller
-        self.version = start_version
+        self.version, self._loaded_step = 0, None
+        self._busy_s = 0.0
         self._rollout_error: str | None = None
+        if weights:
+            version, state = ray.get(weights[0])
+            self.log.emit("refit_start", step=version - 1, version=self.version)
+            self.engine.load_weights(state)
+            self.version, self._loaded_step = version, version - 1
+            self.log.emit("refit_end", step=version - 1, version=self.version)
+
+    def ping(self) -> bool:
+        return True
 
     @node("refit")
     def refit(self, train: TrainOut, gate: Gate) -> Refitted:
+        started = time.perf_counter()
         self._drain(gate.step)
+        if self._loaded_step == gate.step and train.version == self.version:
+            # Recovery re-runs a step's tail after a generator restart; whoever
+            # already loaded this step's weights (or started with them) keeps them.
+            return Refitted(self.log.worker, gate.step, self.version, gate.validate)
         if train.version != self.version + 1:
             raise RuntimeError(f"weight sync: trainer sent version {train.version}, "
                                f"generator holds {self.version}; expected {self.version + 1}")
@@ -217,20 +176,25 @@ class GeneratorWorker:
             raise RuntimeError(f"weight sync: the weights in the object store are version {sent_version}, "
                                f"the trainer announced {train.version}")
         self.engine.load_weights(weights)
-        self.version = train.version
+        self.version, self._loaded_step = train.version, gate.step
         self.log.emit("refit_end", step=gate.step, version=self.version)
-        return Refitted(self.log.worker, gate.step, self.version, gate.validate)
+        return Refitted(self.log.worker, gate.step, self.version, gate.validate,
+                        refit_s=time.perf_counter() - started)
 
     @node("validate")
     def validate(self, ready: Refitted | Gate) -> ValOut:
         if not ready.validate or not self.val_prompts:
             return ValOut(self.log.worker, ready.step, self.version, False)
+        started = time.perf_counter()
         self.log.emit("validation_start", step=ready.step, version=self.version)
         groups = self.engine.generate(self.val_prompts, n=1, greedy=True)
-        rewards = [self.reward_fn(p, g[0].text) for p, g in zip(self.val_prompts, groups)]
+        scored = [self._score(p, g[0].text) for p, g in zip(self.val_prompts, groups)]
+        rewards = [r for r, error in scored if not error]
         self.log.emit("validation_end", step=ready.step, version=self.version)
         return ValOut(self.log.worker, ready.step, self.version, True,
-                      (("reward_sum", float(sum(rewards))), ("count", float(len(rewards)))))
+                      (("reward_sum", float(sum(rewards))), ("count", float(len(rewards))),
+                       ("failed", float(len(scored) - len(rewards)))),
+                      validate_s=time.perf_counter() - started)
 
     @node("collect")
     def collect(self, resume: Resume) -> Ticket:
@@ -250,7 +214,8 @@ class GeneratorWorker:
             self._rollouts = threading.Thread(target=self._run_rollouts, args=(mine, self.version),
                                               name=f"rollouts-{self.log.worker}", daemon=True)
             self._rollouts.start()
-        return Ticket(self.log.worker, resume.step, self.version, tuple(l.batch_id for l in mine))
+        busy, self._busy_s = self._busy_s, 0.0
+        return Ticket(self.log.worker, resume.step, self.version, tuple(l.batch_id for l in mine), busy)
 
     def _drain(self, step: int) -> None:
         if self._rollouts is not None:
@@ -265,12 +230,14 @@ class GeneratorWorker:
 
     def _run_rollouts(self, launches: list[Launch], version: int) -> None:
         prompts = [p for launch in launches for p in launch.prompts]
+        started = time.perf_counter()
         try:
             groups = self.engine.generate(prompts, n=self.cfg.grpo.group_size)
             tables, start = [], 0
             for launch in launches:
                 tables.append(self._table(launch, version, groups[start:start + len(launch.prompts)]))
                 start += len(launch.prompts)
+            self._busy_s += time.perf_counter() - started
         except Exception as exc:
             self._rollout_error = f"batches {[l.batch_id for l in launches]}: {type(exc).__name__}: {exc}"
             for launch in launches:
@@ -283,8 +250,33 @@ class GeneratorWorker:
                           target=launch.target)
             ray.get(self.controller.put.remote(launch.batch_id, version, table))
 
+    def _score(self, prompt: Prompt, text: str) -> tuple[float, str]:
+        try:
+            return float(self.reward_fn(prompt, text)), ""
+        except Exception as exc:  # a user's reward function: any error marks this one sample
+            return 0.0, f"prompt {prompt.id}: {type(exc).__name__}: {exc}"
+
+    def _group_rewards(self, launch: Launch, version: int, prompt: Prompt,
+                       group: list[Completion]) -> tuple[list[float], list[str]]:
+        """A sample whose reward raised is scored with the mean of its group's
+        good rewards: its advantage is then zero, so it teaches nothing, and
+        the rest of the group keeps its ranking."""
+        scored = [self._score(prompt, c.text) for c in group]
+        good = [r for r, error in scored if not error]
+        fill = sum(good) / len(good) if good else 0.0
+        for _, error in scored:
+            if error:
+                self.log.emit("reward_failed", step=launch.target, version=version, batch=launch.batch_id,
+                              reason=error)
+        return [fill if error else r for r, error in scored], [error for _, error in scored]
+
     def _table(self, launch: Launch, version: int, groups: list[list[Completion]]) -> pa.Table:
         rows = [(prompt, c) for prompt, group in zip(launch.prompts, groups) for c in group]
+        rewards, errors = [], []
+        for prompt, group in zip(launch.prompts, groups):
+            r, e = self._group_rewards(launch, version, prompt, group)
+            rewards += r
+            errors += e
         n = len(rows)
         return pa.table({
             "batch_id": [launch.batch_id] * n, "target": [launch.target] * n, "version": [version] * n,
@@ -293,7 +285,8 @@ class GeneratorWorker:
             "response_ids": [list(c.response_ids) for _, c in rows],
             "logprobs": [list(c.logprobs) for _, c in rows],
             "text": [c.text for _, c in rows],
-            "reward": [float(self.reward_fn(p, c.text)) for p, c in rows],
+            "reward": rewards,
+            "reward_error": errors,
         }, schema=TRAJECTORY_SCHEMA)
 
 

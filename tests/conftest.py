@@ -59,5 +59,8 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print("\nRay processes left after the suite:")
         for p in left:
-            print(f"  pid {p.pid}: {' '.join(p.cmdline())[:160]}")
+            try:
+                print(f"  pid {p.pid}: {' '.join(p.cmdline())[:160]}")
+            except psutil.NoSuchProcess:  # it exited while we listed it
+                print(f"  pid {p.pid}: (exited meanwhile)")
         session.exitstatus = 1

@@ -81,3 +81,15 @@ def test_overhead_quick(tmp_path):
         "orchestration <= 5 % of step CPU, busy workers",
         "orchestration + Ray background <= 5 % of step CPU, busy workers"}
     assert all(isinstance(t["met"], bool) for t in result["targets"])
+
+
+def test_soak_quick(tmp_path):
+    """The short soak: one schedule per fault kind; this one is behaviour, so it asserts zeros."""
+    result = run_quick("soak", tmp_path, timeout=600)
+    runs = result["runs"]
+    assert {r["fault"] for r in runs} == {"none", "generator_exit", "generator_exit_exhausted",
+                                          "reward_raise", "reward_raise_exhausted"}
+    totals = result["totals"]
+    assert totals["violations"] == 0 and totals["hangs"] == 0, runs
+    assert totals["lost"] == 0 and totals["duplicated"] == 0 and totals["unexpected_outcomes"] == 0, runs
+    assert totals["restarts"] >= 3 and totals["reward_failures"] > 0

@@ -346,7 +346,7 @@ def test_main_notes_unfinished_run(tmp_path, capsys):
     write_jsonl(tmp_path / "events" / "driver.jsonl", log(finished=False))
     assert main(str(tmp_path)) == 0
     out = capsys.readouterr().out
-    assert "note: no run_end" in out and "0 violations" in out
+    assert "note: the run did not finish cleanly" in out and "0 violations" in out
 
 
 def test_main_load_error(tmp_path, capsys):

@@ -1,0 +1,119 @@
+"""Checkpoints: written whole beside their final name, then renamed into place.
+
+    runs/<name>/checkpoints/step_<n>/
+        policy/          HF model + tokenizer (loadable by transformers and vLLM)
+        trainer_state/   policy weights, optimizer, step counter, RNG
+        critic_state/    PPO only: the same for the critic
+        controller/      data position, RNG, counters, buffered batches (Parquet), in-flight launches
+        meta.json        step count and version; written last, so its presence means complete
+
+A rename is atomic on one filesystem, so a killed run leaves either a complete
+`step_<n>` or a `step_<n>.partial` that `latest` never picks.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import ray
+
+from dags.step_graph import Workers
+from pipeline.config import Config
+
+# Keys that fix the shape of the launch schedule and the buffer: a resumed run must keep them.
+FROZEN_KEYS = ("algorithm", "backend", "grpo.max_age", "grpo.prompts_per_step", "grpo.group_size",
+               "generation.num_generators")
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint; the message names the directory or file."""
+
+
+def save(workers: Workers, run_dir: Path, steps_done: int, cfg: Config, timeout_s: float) -> Path:
+    final = run_dir / "checkpoints" / f"step_{steps_done}"
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    calls = [workers.trainer.save.remote(str(partial / "policy")),
+             workers.trainer.save_state.remote(str(partial / "trainer_state")),
+             workers.controller.save_state.remote(str(partial / "controller"))]
+    if workers.critic is not None:
+        calls.append(workers.critic.save_state.remote(str(partial / "critic_state")))
+    ray.get(calls, timeout=timeout_s)
+    (partial / "meta.json").write_text(json.dumps({
+        "steps_done": steps_done, "version": steps_done, "time": time.time(),
+        "config": cfg.to_dict()}, indent=2))
+    if final.exists():  # a resumed run passes a step it had saved before it was killed
+        shutil.rmtree(final)
+    partial.rename(final)
+    return final
+
+
+def latest(run_dir: Path) -> Path:
+    """The newest complete checkpoint of a run; half-written ones are skipped."""
+    if not run_dir.is_dir():
+        raise CheckpointError(f"--resume {run_dir}: no such run directory")
+    found = []
+    for path in (run_dir / "checkpoints").glob("step_*"):
+        if path.suffix == ".partial" or not (path / "meta.json").is_file():
+            continue
+        try:
+            found.append((int(path.name.removeprefix("step_")), path))
+        except ValueError:
+            continue
+    if not found:
+        raise CheckpointError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'} "
+                              "(set run.checkpoint_every to write them)")
+    return max(found)[1]
+
+
+def read_meta(ckpt: Path, cfg: Config) -> int:
+    """Steps done at this checkpoint, after checking it is whole and fits `cfg`."""
+    meta_path = ckpt / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        steps_done = int(meta["steps_done"])
+        saved = meta["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {meta_path} is unreadable: {type(exc).__name__}: {exc}") from None
+    needed = ["controller/controller.json", "trainer_state", "policy"]
+    if cfg.algorithm == "ppo":
+        needed.append("critic_state")
+    missing = [n for n in needed if not (ckpt / n).exists()]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: missing {', '.join(missing)}")
+    try:
+        json.loads((ckpt / "controller/controller.json").read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint file {ckpt / 'controller/controller.json'} is unreadable: {exc}") from None
+    now = cfg.to_dict()
+    for key in FROZEN_KEYS:
+        a, b = _get(saved, key), _get(now, key)
+        if a != b:
+            raise CheckpointError(f"cannot resume {ckpt}: {key} was {a!r} in the run, the config says {b!r}")
+    if steps_done >= cfg.run.steps:
+        raise CheckpointError(f"cannot resume {ckpt}: it is at step {steps_done} and run.steps is "
+                              f"{cfg.run.steps}; raise run.steps to train further")
+    return steps_done
+
+
+def _get(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def archive_attempt(run_dir: Path, steps_done: int) -> Path:
+    """Move the killed attempt's logs aside, so that the resumed run's log is whole by itself."""
+    attempts = run_dir / "attempts"
+    k = 1 + sum(1 for _ in attempts.glob("*")) if attempts.is_dir() else 1
+    dest = attempts / str(k)
+    dest.mkdir(parents=True)
+    for name in ("events", "events.jsonl", "trace.json", "summary.json"):
+        if (run_dir / name).exists():
+            (run_dir / name).rename(dest / name)
+    # Copied, not moved: the resumed run keeps the steps before the checkpoint (MetricSinks drops the rest).
+    if (run_dir / "metrics.jsonl").is_file():
+        shutil.copy2(run_dir / "metrics.jsonl", dest / "metrics.jsonl")
+    return dest

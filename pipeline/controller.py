@@ -1,0 +1,198 @@
+"""The controller actor: replay buffer, prompt stream and launch schedule.
+
+Its graph nodes are sample, validation_gate, resume and train_done; the
+generators' rollout threads call `put` and `rollout_failed`; the driver calls
+`relaunch`, `interrupt` and `save_state` between graph executions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+
+from dags.tokens import Batch, CriticOut, Gate, Launch, Refitted, Resume, StepPlan, TrainOut, ValOut
+from pipeline import backends
+from pipeline.buffer import ReplayBuffer
+from pipeline.config import Config
+from pipeline.engines import Prompt
+from pipeline.workers import reopen_log, node
+
+
+class Controller:
+    def begin_run(self, cfg: Config, run_dir: str, t0: float, start_step: int = 0,
+                  resume_dir: str | None = None) -> None:
+        self.cfg = cfg
+        self.log = reopen_log(self, run_dir, "controller", t0)
+        self.log.emit("worker_start", pid=os.getpid())
+        self.buffer = ReplayBuffer(cfg.grpo.max_age, self.log)
+        self.prompts = backends.train_prompts(cfg)
+        self.rng = random.Random(cfg.run.seed)
+        self.order: list[int] = []
+        self.cursor = 0
+        self.start_step = start_step
+        self.reward_failures = 0
+        self._relaunch_at_start: list[str] = []
+        if resume_dir is not None:
+            self._restore(Path(resume_dir))
+
+    def ping(self) -> bool:
+        return True
+
+    def _next_prompts(self, count: int) -> list[Prompt]:
+        out = []
+        for _ in range(count):
+            if self.cursor >= len(self.order):
+                self.order = list(range(len(self.prompts)))
+                self.rng.shuffle(self.order)
+                self.cursor = 0
+            out.append(self.prompts[self.order[self.cursor]])
+            self.cursor += 1
+        return out
+
+    @node("sample")
+    def sample(self, plan: StepPlan) -> Batch:
+        started = time.perf_counter()
+        ids, versions, table = self.buffer.take(plan.step, self.cfg.run.deadline_s)
+        # Held until the next sample: a ref sent through a compiled-graph channel is
+        # not counted as borrowed, so the owner must keep it alive for the consumer.
+        self._live_table = ray.put(table)
+        return Batch(plan.step, tuple(ids), tuple(versions), (self._live_table,),
+                     wait_s=time.perf_counter() - started)
+
+    @node("validation_gate")
+    def validation_gate(self, plan: StepPlan, train: TrainOut | None = None) -> Gate:
+        return Gate(plan.step, train.version if train is not None else self.start_step, plan.validate)
+
+    @node("train_done")
+    def train_done(self, policy: TrainOut, critic: CriticOut) -> TrainOut:
+        metrics = dict(policy.metrics) | {f"critic/{k}": v for k, v in critic.metrics}
+        return TrainOut(policy.step, policy.version, policy.weights_ref, tuple(sorted(metrics.items())))
+
+    @node("resume")
+    def resume(self, *vals: ValOut) -> Resume:
+        # Mutation tests hand this Refitted or Gate tokens instead; both carry step and version.
+        versions = {v.version for v in vals}
+        if len(versions) != 1:
+            raise RuntimeError(f"generators disagree on the weight version: {sorted(versions)}")
+        version, step = versions.pop(), vals[0].step
+        if step == self.start_step - 1 and self._relaunch_at_start:
+            launches = [self._relaunch(batch_id, version, "resumed from a checkpoint", None)
+                        for batch_id in self._relaunch_at_start]
+            self._relaunch_at_start = []
+        else:
+            launches = self._new_launches(step, version)
+        scores = [dict(v.scores) for v in vals if isinstance(v, ValOut) and v.validated]
+        val = ()
+        if scores:
+            count = sum(s["count"] for s in scores)
+            val = (("val_reward", sum(s["reward_sum"] for s in scores) / max(count, 1)), ("val_count", count))
+        timings = (("refit_s", max((v.refit_s for v in vals if isinstance(v, Refitted)), default=0.0)),
+                   ("validate_s", max((v.validate_s for v in vals if isinstance(v, ValOut)), default=0.0)))
+        return Resume(step, version, tuple(launches), val, timings)
+
+    def _new_launches(self, step: int, version: int) -> list[Launch]:
+        max_age, g = self.cfg.grpo.max_age, self.cfg.generation
+        # The prologue (the step before the first) fills the pipeline; each step then tops it up.
+        first = self.start_step
+        targets = range(first, first + max_age + 1) if step == first - 1 else [step + 1 + max_age]
+        launches = []
+        for target in (t for t in targets if t < self.cfg.run.steps):
+            prompts = self._next_prompts(self.cfg.grpo.prompts_per_step)
+            for index in range(g.num_generators):
+                shard = tuple(prompts[index::g.num_generators])
+                if shard:
+                    launch = Launch(f"t{target}.g{index}", target, index, shard)
+                    self.buffer.expect(launch.batch_id, target, version, launch)
+                    launches.append(launch)
+        return launches
+
+    def _relaunch(self, batch_id: str, version: int, reason: str, dead: str | None) -> Launch:
+        entry = next(e for e in self.buffer.snapshot()[0] if e.batch_id == batch_id)
+        self.buffer.relaunch(batch_id, version)
+        self.log.emit("relaunch", step=entry.target, version=version, batch=batch_id,
+                      target=entry.target, of=dead, reason=reason)
+        return entry.launch
+
+    def relaunch(self, generator: int, version: int, dead_worker: str) -> Resume:
+        """The dead generator's unfinished batches, for its replacement: same ids, same prompts."""
+        launches = [self._relaunch(e.batch_id, version, f"{dead_worker} died", dead_worker)
+                    for e in self.buffer.in_flight(generator)]
+        return Resume(self.start_step - 1, version, tuple(launches))
+
+    def interrupt(self, reason: str) -> None:
+        self.buffer.interrupt(reason)
+
+    def clear_interrupt(self) -> None:
+        self.buffer.clear_interrupt()
+
+    def put(self, batch_id: str, version: int, table: pa.Table) -> None:
+        failed = [e for e in table.column("reward_error").to_pylist() if e]
+        if failed:
+            self.reward_failures += len(failed)
+            limit = self.cfg.reward.max_failures
+            if self.reward_failures > limit:
+                self.buffer.fatal(f"the reward function failed on {self.reward_failures} samples, more than "
+                                  f"reward.max_failures ({limit}); the last: {failed[-1]}")
+        self.buffer.put(batch_id, version, table)
+
+    def rollout_failed(self, batch_id: str, reason: str) -> None:
+        self.buffer.fail(batch_id, reason)
+
+    def finish(self) -> dict:
+        self.buffer.drop_all("unused_at_end")
+        return {**self.buffer.accounting(), "reward_failures": self.reward_failures}
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_state(self, path: str) -> None:
+        """Data position, RNG, counters and every buffered or in-flight batch."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        entries, counters = self.buffer.snapshot()
+        arrived = [e.table for e in entries if e.table is not None]
+        if arrived:
+            pq.write_table(pa.concat_tables(arrived), out / "buffer.parquet")
+        state = {
+            "order": self.order, "cursor": self.cursor, "rng": _jsonable(self.rng.getstate()),
+            "counters": counters, "reward_failures": self.reward_failures,
+            "entries": [{"batch_id": e.batch_id, "target": e.target, "version": e.version,
+                         "arrived": e.table is not None, "generator": e.launch.generator,
+                         "prompts": [p.__dict__ for p in e.launch.prompts]} for e in entries],
+        }
+        (out / "controller.json").write_text(json.dumps(state))
+
+    def _restore(self, path: Path) -> None:
+        state = json.loads((path / "controller.json").read_text())
+        self.order, self.cursor = state["order"], state["cursor"]
+        self.rng.setstate(_tupled(state["rng"]))
+        self.reward_failures = state["reward_failures"]
+        self.buffer.restore_counters(state["counters"])
+        tables = {}
+        if (path / "buffer.parquet").is_file():
+            table = pq.read_table(path / "buffer.parquet")
+            for batch_id in set(table.column("batch_id").to_pylist()):
+                tables[batch_id] = table.filter(pc.equal(table.column("batch_id"), batch_id))
+        for e in state["entries"]:
+            launch = Launch(e["batch_id"], e["target"], e["generator"], tuple(Prompt(**p) for p in e["prompts"]))
+            table = tables.get(e["batch_id"]) if e["arrived"] else None
+            self.buffer.restore(e["batch_id"], e["target"], e["version"], table, launch)
+            if table is not None:
+                self.log.emit("restore", step=e["target"], version=e["version"], batch=e["batch_id"],
+                              target=e["target"])
+            else:
+                self._relaunch_at_start.append(e["batch_id"])
+
+
+def _jsonable(state):
+    return [_jsonable(x) for x in state] if isinstance(state, tuple) else state
+
+
+def _tupled(state):
+    return tuple(_tupled(x) for x in state) if isinstance(state, list) else state

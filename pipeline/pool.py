@@ -1,0 +1,105 @@
+"""The actors of a run: start them, set them up for a run, replace a dead generator.
+
+A replaced generator is a new actor (a new process): it loads the trainer's
+current weights before anything else, then takes over its predecessor's
+unfinished batches through the relaunch graph, with the same ids and prompts.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import ray
+
+from dags.step_graph import Workers, build_relaunch_graph
+from pipeline.config import Config
+from pipeline.controller import Controller
+from pipeline.events import EventLog
+from pipeline.runner import GraphRunner, PipelineError, WorkerDied, task_error
+from pipeline.workers import GeneratorWorker, TrainerWorker
+
+
+def _generator(index: int):
+    return ray.remote(GeneratorWorker).options(num_cpus=0.5, max_concurrency=4).remote(index)
+
+
+def start_workers(num_generators: int, critic: bool = False) -> Workers:
+    # Threaded actors: nodes of a step, the rollout threads' puts and the driver's pings reach them concurrently.
+    controller = ray.remote(Controller).options(num_cpus=0.5, max_concurrency=8).remote()
+    # Two threads: `save` between steps must not wait behind a compiled graph's loop.
+    trainer = ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote()
+    generators = tuple(_generator(i) for i in range(num_generators))
+    critic_actor = None
+    if critic:
+        from pipeline.critic import CriticWorker
+        critic_actor = ray.remote(CriticWorker).options(num_cpus=0.5, max_concurrency=2).remote()
+    return Workers(controller, trainer, generators, critic_actor)
+
+
+def stop_workers(workers: Workers) -> None:
+    for actor in workers.actors().values():
+        ray.kill(actor)
+
+
+def generator_name(index: int, incarnation: int) -> str:
+    return f"gen{index}" + (f"r{incarnation}" if incarnation else "")
+
+
+def actor_names(workers: Workers, incarnations: dict[int, int]) -> dict[str, object]:
+    """Actors by the name their event log uses, for pings and error messages."""
+    named = {"controller": workers.controller, "trainer": workers.trainer}
+    named.update({generator_name(i, incarnations.get(i, 0)): g for i, g in enumerate(workers.generators)})
+    if workers.critic is not None:
+        named["critic"] = workers.critic
+    return named
+
+
+def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_step: int,
+              ckpt: Path | None) -> Workers:
+    """Set up every worker for this run; a pool may hold more generators than it uses."""
+    used = workers.first(cfg.generation.num_generators)
+    resume = (lambda part: str(ckpt / part)) if ckpt is not None else (lambda part: None)
+    setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, resume("controller")),
+             used.trainer.begin_run.remote(cfg, str(run_dir), t0, resume("trainer_state"), start_step)]
+    if used.critic is not None:
+        setup.append(used.critic.begin_run.remote(cfg, str(run_dir), t0, resume("critic_state")))
+    _wait(setup, cfg)
+    weights = ray.get(used.trainer.current_weights.remote())[1] if ckpt is not None else ()
+    _wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights) for g in used.generators], cfg)
+    return used
+
+
+def _wait(calls: list, cfg: Config) -> None:
+    try:
+        ray.get(calls, timeout=cfg.run.startup_deadline_s)
+    except ray.exceptions.GetTimeoutError:
+        raise PipelineError(f"workers did not start within {cfg.run.startup_deadline_s:.0f} s "
+                            "(run.startup_deadline_s)") from None
+    except ray.exceptions.RayError as exc:
+        raise PipelineError(f"a worker failed to start: {task_error(exc)}") from None
+
+
+def replace_generator(workers: Workers, died: WorkerDied, incarnations: dict[int, int], cfg: Config,
+                      run_dir: Path, t0: float, log: EventLog) -> Workers:
+    """Start a new generator in place of a dead one, load the current weights,
+    and relaunch the dead one's unfinished batches on it."""
+    index = next((i for i in range(len(workers.generators))
+                  if generator_name(i, incarnations.get(i, 0)) == died.worker), None)
+    if index is None:
+        raise PipelineError(f"{died}; the run cannot go on without it: resume from the last "
+                            f"checkpoint with --resume {run_dir}")
+    incarnation = incarnations.get(index, 0) + 1
+    log.emit("generator_died", step=died.step, dead=died.worker, detail=died.detail, restart=incarnation)
+    if incarnation > cfg.fault.max_restarts:
+        raise PipelineError(f"{died}; it was restarted {incarnation - 1} times and fault.max_restarts is "
+                            f"{cfg.fault.max_restarts}")
+    ray.kill(workers.generators[index])
+    actor = _generator(index)
+    version, weights = ray.get(workers.trainer.current_weights.remote(), timeout=cfg.fault.deadline_s)
+    _wait([actor.begin_run.remote(cfg, str(run_dir), t0, workers.controller, incarnation, weights)], cfg)
+    incarnations[index] = incarnation
+    workers = workers.replace_generator(index, actor)
+    relaunch = GraphRunner(build_relaunch_graph(workers, index), "classic", cfg.fault.deadline_s,
+                           actor_names(workers, incarnations))
+    relaunch.run((index, version, died.worker), cfg.fault.deadline_s, run_dir)
+    log.emit("generator_restarted", step=died.step, new=generator_name(index, incarnation), version=version)
+    return workers

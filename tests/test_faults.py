@@ -1,0 +1,107 @@
+"""Worker faults on simulated workers: a generator that dies is replaced and
+its batches relaunched; any other death, or too many, is a named error."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.check import check_events, load_events
+from pipeline.config import load_config
+from pipeline.driver import PipelineError, train
+
+
+def sim_config(tmp_path, name: str, **overrides):
+    pairs = [f"run.output_dir={tmp_path}", f"run.name={name}", "run.deadline_s=30", "run.dag_mode=classic",
+             "fault.deadline_s=20", "metrics.tensorboard=false"]
+    pairs += [f"{k.replace('__', '.')}={v}" for k, v in overrides.items()]
+    return load_config(None, pairs)
+
+
+def trained_batches(events):
+    return [b for e in events if e["ev"] == "train_start" for b in e["batches"]]
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(fault_after=st.integers(0, 7), worker=st.integers(0, 1), max_age=st.integers(0, 2),
+       val_period=st.integers(0, 3))
+def test_generator_dies_mid_rollout_and_is_replaced(tmp_path_factory, ray_session, fault_after, worker,
+                                                    max_age, val_period):
+    tmp_path = tmp_path_factory.mktemp("gen_exit")
+    steps = 8
+    cfg = sim_config(tmp_path, "g", run__steps=steps, grpo__max_age=max_age, grpo__val_period=val_period,
+                     generation__num_generators=2, sim__fault="generate_exit", sim__fault_after=fault_after,
+                     sim__fault_worker=worker, sim__generate_s=0.03, sim__train_s=0.01, sim__jitter=0.5)
+    summary = train(cfg, quiet=True)
+    events = load_events(tmp_path / "g")
+    violations = check_events(events)
+    assert violations == [], "\n".join(v.message for v in violations)
+    assert summary["generator_restarts"] == {f"gen{worker}": 1}
+    died = [e for e in events if e["ev"] == "generator_died"]
+    assert [e["dead"] for e in died] == [f"gen{worker}"]
+    # Conservation: every launched prompt group trained exactly once, none dropped.
+    trained = trained_batches(events)
+    assert len(trained) == len(set(trained)) == 2 * steps
+    acc = summary["accounting"]
+    assert acc["balanced"] and acc["trained"] == 2 * steps and acc["dropped"] == 0
+    # The dead generator's unfinished batches restarted on its replacement with the same ids.
+    relaunched = {e["batch"] for e in events if e["ev"] == "relaunch"}
+    assert relaunched and all(b.endswith(f".g{worker}") for b in relaunched)
+    assert {e["batch"] for e in events if e["ev"] == "rollout_start" and e["worker"] == f"gen{worker}r1"} >= relaunched
+
+
+def test_restarts_exhausted_stops_naming_the_worker(tmp_path, ray_session):
+    cfg = sim_config(tmp_path, "x", run__steps=8, generation__num_generators=2, sim__fault="generate_exit",
+                     sim__fault_after=1, sim__fault_worker=1, sim__fault_incarnations=9, fault__max_restarts=1)
+    with pytest.raises(PipelineError, match=r"worker gen1r1 died.*fault.max_restarts is 1"):
+        train(cfg, quiet=True)
+    events = load_events(tmp_path / "x")
+    deaths = [e for e in events if e["ev"] == "generator_died"]
+    assert [e["dead"] for e in deaths] == ["gen1", "gen1r1"]
+    # The error follows the second death within the fault deadline (pings every second).
+    end = next(e for e in events if e["ev"] == "run_end")
+    assert end["t"] - deaths[-1]["t"] < cfg.fault.deadline_s
+    assert "fault.max_restarts" in end["error"]
+
+
+def test_trainer_death_is_an_error_and_resume_completes(tmp_path, ray_session):
+    cfg = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, sim__fault="train_exit",
+                     sim__fault_after=5)
+    started = time.monotonic()
+    with pytest.raises(PipelineError, match=r"worker trainer died.*--resume"):
+        train(cfg, quiet=True)
+    assert time.monotonic() - started < 60
+    run_dir = tmp_path / "t"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    fixed = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2)
+    summary = train(fixed, quiet=True, resume=str(run_dir))
+    assert summary["error"] is None and summary["start_step"] == 4 and summary["steps"] == 8
+    assert check_events(load_events(run_dir)) == []
+    first = [b for b in trained_batches(load_events(run_dir / "attempts" / "1"))]
+    second = trained_batches(load_events(run_dir))
+    # Steps 0-3 from the first attempt, 4-7 from the second: each batch once.
+    kept = [b for b in first if int(b.split(".")[0][1:]) < 4]
+    assert sorted(kept + second) == sorted(f"t{s}.g0" for s in range(8))
+
+
+def test_reward_failures_are_counted_then_stop_the_run(tmp_path, ray_session):
+    cfg = sim_config(tmp_path, "r", run__steps=4, sim__fault="reward_raise", sim__fault_after=7,
+                     reward__max_failures=100)
+    summary = train(cfg, quiet=True)
+    events = load_events(tmp_path / "r")
+    failed = [e for e in events if e["ev"] == "reward_failed"]
+    assert failed and all("injected fault: reward_raise" in e["reason"] for e in failed)
+    assert summary["accounting"]["reward_failures"] == len(failed)
+    assert check_events(events) == []
+    import json
+    metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m.get("reward_failures", 0) for m in metrics if m["step"] >= 0) == len(failed)
+
+    strict = sim_config(tmp_path, "s", run__steps=4, sim__fault="reward_raise", sim__fault_after=7,
+                        reward__max_failures=2)
+    with pytest.raises(PipelineError, match=r"reward function failed on \d+ samples, more than "
+                                             r"reward.max_failures \(2\)"):
+        train(strict, quiet=True)
