@@ -107,6 +107,16 @@ def build_finish_graph(workers: Workers) -> StepGraph:
         return _graph(ordering_subgraph(workers, inputs[0], inputs[1]))
 
 
+def build_relaunch_graph(workers: Workers, generator: int) -> StepGraph:
+    """A replaced generator takes over its dead predecessor's unfinished batches:
+    input (generator index, version, dead worker's name). Run between steps,
+    when no validation runs, by a generator that holds the current weights."""
+    with InputNode() as inputs:
+        resume = workers.controller.relaunch.bind(inputs[0], inputs[1], inputs[2])
+        collect = workers.generators[generator].collect.bind(resume)
+        return _graph([("relaunch", resume), (f"collect[{generator}]", collect)])
+
+
 def build_prologue_graph(workers: Workers) -> StepGraph:
     """Before the first step: validate the initial weights if asked, then fill
     the pipeline with the first max_age + 1 batches at the current version."""

@@ -105,3 +105,35 @@ def test_reward_failures_are_counted_then_stop_the_run(tmp_path, ray_session):
     with pytest.raises(PipelineError, match=r"reward function failed on \d+ samples, more than "
                                              r"reward.max_failures \(2\)"):
         train(strict, quiet=True)
+
+
+def test_controller_death_is_an_error_not_a_hang(tmp_path, ray_session):
+    """The controller owns the replay buffer: killing it mid-run must end the run with its name."""
+    import threading
+
+    import ray
+
+    from pipeline.driver import start_workers, stop_workers
+    from tests._procs import steps_logged
+
+    cfg = sim_config(tmp_path, "c", run__steps=30, sim__generate_s=0.05)
+    workers = start_workers(1)
+    stop = threading.Event()
+
+    def kill_when_running():
+        while not stop.is_set() and steps_logged(tmp_path / "c") < 3:
+            stop.wait(0.1)  # polling the run's files from outside; orders nothing in the run
+        if not stop.is_set():
+            ray.kill(workers.controller)
+
+    killer = threading.Thread(target=kill_when_running, daemon=True)
+    killer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(PipelineError, match=r"worker controller died.*cannot go on without it.*--resume"):
+            train(cfg, workers=workers, quiet=True)
+        assert time.monotonic() - started < cfg.fault.deadline_s + 30
+    finally:
+        stop.set()
+        killer.join(timeout=10)
+        stop_workers(workers)
