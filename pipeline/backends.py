@@ -69,12 +69,35 @@ def preflight(cfg: Config) -> None:
     input is an error naming the path or spec, not a worker's traceback."""
     if cfg.backend == "sim":
         return
-    from pipeline.rewards import load_reward
-    from pipeline.tiny import check_model_dir
-    check_model_dir(cfg.model.path)
-    if not train_prompts(cfg):
-        raise ValueError(f"data.train {cfg.data.train!r} holds no prompts")
-    validates = cfg.grpo.val_period > 0 or cfg.grpo.val_at_start or cfg.grpo.val_at_end
-    if validates and not val_prompts(cfg):
-        raise ValueError(f"data.val {cfg.data.val!r} holds no prompts, but validation is scheduled")
-    load_reward(cfg.data.reward)
+    from pipeline.data import DataError, load_prompts
+    from pipeline.rewards import RewardError, load_reward
+    from pipeline.tiny import ModelError, check_model_dir
+
+    def check(key: str, fn: Callable, *args, **kwargs):
+        # Prefix the recipe key, so the error also says which setting named the bad path or spec.
+        try:
+            return fn(*args, **kwargs)
+        except (DataError, ModelError, RewardError) as exc:
+            raise type(exc)(f"{key}: {exc}") from None
+
+    check("model.path", check_model_dir, cfg.model.path)
+    if cfg.algorithm == "ppo" and cfg.ppo.critic_model:
+        check("ppo.critic_model", check_model_dir, cfg.ppo.critic_model, tokenizer_dir=cfg.model.path)
+    # Empty files are DataErrors inside load_prompts. data.val is read whenever it is
+    # set: the generators load it at start-up even when no validation is scheduled.
+    check("data.train", load_prompts, cfg.data.train, kind="train")
+    if cfg.data.val:
+        check("data.val", load_prompts, cfg.data.val, kind="val")
+    check("data.reward", load_reward, cfg.data.reward)
+
+
+def critic_engine(cfg: Config):
+    """PPO's critic: values of response tokens and a value-loss update."""
+    if cfg.backend == "sim":
+        from pipeline.sim import SimCriticEngine
+        return SimCriticEngine(cfg.sim, seed=cfg.run.seed * 1000 + 998)
+    from pipeline.critic_engine import DeepSpeedCriticEngine
+    t, p = cfg.training, cfg.ppo
+    return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=p.critic_zero_stage,
+                                 dtype=t.dtype, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+                                 lr=p.critic_lr, value_clip=p.value_clip, seed=cfg.run.seed)

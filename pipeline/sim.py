@@ -81,11 +81,20 @@ class SimTrainingEngine:
         self.cfg = cfg
         self.updates = 0
 
-    def train_step(self, table: pa.Table) -> dict[str, float]:
+    def train_step(self, table: pa.Table, advantages: pa.Table | None = None) -> dict[str, float]:
         _maybe_fault(self.cfg, "train", self.updates)
+        if advantages is not None:
+            # The real engine refuses a misaligned table; so must the stand-in.
+            _check_token_column(table, advantages, "advantages")
         self.latency.spend(self.cfg.train_s)
         self.updates += 1
         return {"loss": 1.0 / self.updates, "rows": float(table.num_rows)}
+
+    def save_state(self, path: str) -> None:
+        _write_state(path, {"updates": self.updates})
+
+    def load_state(self, path: str) -> None:
+        self.updates = int(_read_state(path)["updates"])
 
     def export_weights(self) -> dict:
         return {"sim_updates": self.updates}
@@ -117,3 +126,57 @@ def faulty_sim_reward(cfg: SimConfig):
 
 def sim_prompts(count: int, prefix: str) -> list[Prompt]:
     return [Prompt(id=f"{prefix}{i}", text=f"simulated prompt {i}") for i in range(count)]
+
+
+STATE_FILE = "sim_state.json"
+
+
+def _write_state(path: str, state: dict) -> None:
+    Path(path).mkdir(parents=True, exist_ok=True)
+    (Path(path) / STATE_FILE).write_text(json.dumps(state))
+
+
+def _read_state(path: str) -> dict:
+    f = Path(path) / STATE_FILE
+    if not f.is_file():
+        raise FileNotFoundError(f"no simulated engine state in {str(path)!r} (expected {str(f)!r})")
+    return json.loads(f.read_text())
+
+
+def _check_token_column(table: pa.Table, per_token: pa.Table, column: str) -> list[list[float]]:
+    responses = table.column("response_ids").to_pylist()
+    values = per_token.column(column).to_pylist()
+    if len(values) != len(responses) or any(len(v) != len(r) for v, r in zip(values, responses)):
+        raise ValueError(f"{column}: per-token values do not match the batch's response tokens")
+    return values
+
+
+class SimCriticEngine:
+    """A critic without a model: one running estimate of the return, the value
+    of every token. Each update moves it halfway to the batch's mean return,
+    so the values are deterministic and follow the (rising) sim reward."""
+
+    def __init__(self, cfg: SimConfig, *, seed: int):
+        self.latency = _Latency(cfg, seed)
+        self.cfg = cfg
+        self.updates = 0
+        self.estimate = 0.0
+
+    def values(self, table: pa.Table) -> list[list[float]]:
+        return [[self.estimate] * len(r) for r in table.column("response_ids").to_pylist()]
+
+    def train_step(self, table: pa.Table, targets: pa.Table) -> dict[str, float]:
+        returns = [x for row in _check_token_column(table, targets, "returns") for x in row]
+        self.latency.spend(self.cfg.train_s)
+        mean = sum(returns) / len(returns) if returns else self.estimate
+        loss = 0.5 * sum((self.estimate - x) ** 2 for x in returns) / max(len(returns), 1)
+        self.estimate += 0.5 * (mean - self.estimate)
+        self.updates += 1
+        return {"value_loss": loss, "tokens": float(len(returns)), "step": float(self.updates)}
+
+    def save_state(self, path: str) -> None:
+        _write_state(path, {"updates": self.updates, "estimate": self.estimate})
+
+    def load_state(self, path: str) -> None:
+        state = _read_state(path)
+        self.updates, self.estimate = int(state["updates"]), float(state["estimate"])

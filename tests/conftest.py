@@ -41,6 +41,13 @@ def sim_pool(ray_session):
         stop_workers(pool)
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny Llama and its tokenizer, built in code (no hub), once per session."""
+    from pipeline.tiny import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
 def pytest_sessionstart(session):
     session.config._ray_before = {p.pid for p in _ray_processes()}
 

@@ -9,17 +9,10 @@ import signal
 import subprocess
 import sys
 
-import pytest
 
 from pipeline.check import check_events, load_events
 
 from tests._procs import ROOT, events_of, sigkill_tree, start_driver, steps_logged, wait_for
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from pipeline.tiny import build_tiny_model
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
 def test_generator_kill_then_driver_kill_then_resume(tmp_path, tiny_model):

@@ -27,12 +27,6 @@ REPO = Path(__file__).resolve().parent.parent
 RUN = "bad_input"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from pipeline.tiny import build_tiny_model
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
-
-
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -1,0 +1,146 @@
+"""PPO's advantages (GAE) and the clipped value loss.
+
+Pure torch, no engine state, so every number can be checked by hand
+(tests/test_ppo.py). The policy loss is GRPO's (pipeline/grpo.py grpo_loss),
+fed per-token advantages of shape [B, T] instead of one per sequence.
+
+Shapes: B sequences of response tokens, right-padded to T positions. Every
+per-token tensor is [B, T]; `mask` marks the real tokens, which must be a
+prefix of each row (right padding). Token t of a row is the action a_t taken
+in state s_t = (prompt, response[:t]); V_t is the critic's value of s_t.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _check_right_padded(mask: Tensor) -> Tensor:
+    valid = mask.bool()
+    if valid.dim() != 2:
+        raise ValueError(f"mask must be [B, T], got shape {tuple(valid.shape)}")
+    # A hole inside a row would make "the next token" ambiguous for the recursion.
+    if valid.shape[1] > 1 and (valid[:, 1:] & ~valid[:, :-1]).any():
+        raise ValueError("mask must be right-padded: each row's real tokens come first")
+    return valid
+
+
+def last_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """[B] sequence rewards -> [B, T] token rewards: r at each row's last real
+    token, 0 elsewhere. A row without tokens gets nothing (it has no action)."""
+    valid = _check_right_padded(mask)
+    if rewards.shape != (valid.shape[0],):
+        raise ValueError(f"rewards must be [B] = [{valid.shape[0]}], got shape {tuple(rewards.shape)}")
+    lengths = valid.sum(dim=1)
+    out = torch.zeros(valid.shape, dtype=torch.float32, device=mask.device)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    out[rows, lengths[rows] - 1] = rewards.float().to(out.device)[rows]
+    return out
+
+
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float,
+        lam: float) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation over right-padded response tokens.
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        R_t     = A_t + V_t                       (the critic's regression target)
+
+    The episode ends after a row's last real token: V and A there are 0 (the
+    terminal state has no future), whatever the padded positions of `values`
+    hold. With gamma = lam = 1, A_t = sum of rewards from t on - V_t, i.e.
+    R_t is the Monte-Carlo return. Padded positions get A = R = 0.
+    Returns (advantages, returns), both [B, T], no gradient.
+    """
+    valid = _check_right_padded(mask)
+    if token_rewards.shape != valid.shape or values.shape != valid.shape:
+        raise ValueError(f"token_rewards {tuple(token_rewards.shape)} and values {tuple(values.shape)} "
+                         f"must match mask {tuple(valid.shape)}")
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=torch.float32, device=values.device)
+        r = torch.where(valid, token_rewards.float(), zero)
+        v = torch.where(valid, values.float(), zero)
+        T = valid.shape[1]
+        adv = torch.zeros_like(v)
+        next_adv = torch.zeros_like(v[:, 0])
+        next_value = torch.zeros_like(v[:, 0])
+        for t in reversed(range(T)):
+            # next_value / next_adv are 0 past a row's end: padded v is 0 and
+            # padded adv is never written, so the terminal needs no special case.
+            delta = r[:, t] + gamma * next_value - v[:, t]
+            a = torch.where(valid[:, t], delta + gamma * lam * next_adv, zero)
+            adv[:, t] = a
+            next_adv, next_value = a, v[:, t]
+        returns = torch.where(valid, adv + v, zero)
+    return adv, returns
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    valid = mask.bool()
+    return torch.where(valid, x.float(), torch.zeros((), device=x.device)).sum() / valid.sum().clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Population variance over the valid tokens."""
+    mean = masked_mean(x, mask)
+    return masked_mean((x.float() - mean) ** 2, mask)
+
+
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over the valid tokens of the whole batch
+    (population variance); padded positions stay 0. One batch-wide scale keeps
+    the policy step size independent of the reward scale."""
+    valid = mask.bool()
+    mean, var = masked_mean(x, valid), masked_var(x, valid)
+    out = (x.float() - mean) * torch.rsqrt(var + eps)
+    return torch.where(valid, out, torch.zeros((), device=x.device))
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over valid tokens: 1 is a perfect critic, 0 is
+    no better than a constant, negative is worse. nan if the returns are
+    constant: R = A + V carries float32 round-off (~1e-7), so a variance
+    below 1e-12 is no variance, and dividing by it would report -1e16."""
+    var_r = masked_var(returns, mask)
+    if float(var_r) < 1e-12:
+        return float("nan")
+    return float(1.0 - masked_var(returns.float() - values.float(), mask) / var_r)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float,
+               num_tokens: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """PPO's clipped value loss.
+
+        V_clip = V_old + clamp(V - V_old, -clip, clip)
+        loss_t = 0.5 * max((V - R)^2, (V_clip - R)^2)
+        loss   = sum over valid tokens / number of valid tokens
+
+    The max makes the loss pessimistic: moving V more than `clip` away from
+    V_old cannot lower it, so one batch cannot drag the critic far. Where the
+    clipped term wins and V is outside the band, the gradient is 0.
+    `num_tokens` overrides the divisor, as in grpo_loss: micro-batch losses
+    then add up to the batch's token mean.
+
+    Metrics (valid-token means): clip_frac = share of tokens where the clipped
+    term is strictly larger, value_mean, tokens.
+    """
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=values.device)
+    v = values.float()
+    old = old_values.detach().float()
+    ret = returns.detach().float()
+    v_clip = old + torch.clamp(v - old, -clip, clip)
+    unclipped = (v - ret) ** 2
+    clipped = (v_clip - ret) ** 2
+    per_token = 0.5 * torch.maximum(unclipped, clipped)
+    n_valid = valid.sum()
+    denom = float(num_tokens) if num_tokens is not None else n_valid.clamp(min=1)
+    loss = torch.where(valid, per_token, zero).sum() / denom
+    with torch.no_grad():
+        n = n_valid.clamp(min=1).float()
+        metrics = {
+            "clip_frac": float(torch.where(valid, (clipped > unclipped).float(), zero).sum() / n),
+            "value_mean": float(torch.where(valid, v, zero).sum() / n),
+            "tokens": float(n_valid),
+        }
+    return loss, metrics
