@@ -150,17 +150,17 @@ class BenchController(_Switchable, Controller):
 
 
 class BenchTrainer(_Switchable, TrainerWorker):
-    def begin_run(self, cfg, run_dir, t0, start_version=0):
-        super().begin_run(cfg, run_dir, t0, start_version)
+    def begin_run(self, *args, **kwargs):
+        super().begin_run(*args, **kwargs)
         self._maybe_burn()
 
-    def train(self, batch):
-        return TrainOut(batch.step, batch.step + 1) if self.stub else super().train(batch)
+    def train(self, batch, advantages=None):
+        return TrainOut(batch.step, batch.step + 1) if self.stub else super().train(batch, advantages)
 
 
 class BenchGenerator(_Switchable, GeneratorWorker):
-    def begin_run(self, cfg, run_dir, t0, controller, start_version=0):
-        super().begin_run(cfg, run_dir, t0, controller, start_version)
+    def begin_run(self, *args, **kwargs):
+        super().begin_run(*args, **kwargs)
         self._maybe_burn()
 
     def refit(self, train, gate):
