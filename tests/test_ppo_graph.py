@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -165,3 +166,20 @@ def test_ppo_invariants_hold_over_random_schedules(tmp_path, ppo_pool, generator
         prop()
     finally:
         runner.close()
+
+
+def test_critic_warmup_holds_the_policy_but_not_the_versions(tmp_path, ppo_pool):
+    """During ppo.critic_warmup only the critic learns; the version still rises by one a step."""
+    cfg = load_config("examples/sim_ppo.yaml", [f"run.output_dir={tmp_path}", "run.name=warm", "run.steps=5",
+                                                "ppo.critic_warmup=3", "run.dag_mode=classic",
+                                                "generation.num_generators=2", "metrics.tensorboard=false"])
+    train(cfg, workers=ppo_pool, quiet=True)
+    metrics = [json.loads(line) for line in (tmp_path / "warm" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m["step"] >= 0]
+    assert [m.get("policy_frozen") for m in steps] == [1.0, 1.0, 1.0, None, None]
+    # The simulated policy's loss is 1 / updates: its first update is step 3's.
+    assert "loss" not in steps[2] and steps[3]["loss"] == 1.0 and steps[4]["loss"] == 0.5
+    assert all("critic/value_loss" in m for m in steps)
+    events = load_events(tmp_path / "warm")
+    assert check_events(events) == []
+    assert [e["version"] for e in events if e["ev"] == "train_end"] == [1, 2, 3, 4, 5]
