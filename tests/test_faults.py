@@ -137,3 +137,14 @@ def test_controller_death_is_an_error_not_a_hang(tmp_path, ray_session):
         stop.set()
         killer.join(timeout=10)
         stop_workers(workers)
+
+
+def test_compiled_mode_names_the_dead_generator_instead_of_hanging(tmp_path, ray_session):
+    """Compiled graphs do not replace a generator (their channels bind the dead actor);
+    the run must still stop at once, naming it and the way on."""
+    cfg = sim_config(tmp_path, "cg", run__dag_mode="compiled", run__steps=10, sim__fault="generate_exit",
+                     sim__fault_after=4)
+    started = time.monotonic()
+    with pytest.raises(PipelineError, match=r"worker gen0 died.*need run.dag_mode classic.*--resume"):
+        train(cfg, quiet=True)
+    assert time.monotonic() - started < cfg.fault.deadline_s + 30
