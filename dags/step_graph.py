@@ -33,9 +33,10 @@ class Workers:
         gens[index] = actor
         return Workers(self.controller, self.trainer, tuple(gens), self.critic)
 
-    def actors(self) -> dict[str, Any]:
+    def actors(self, generator_name: Callable[[int], str] = "gen{}".format) -> dict[str, Any]:
+        """Every actor by the name its event log uses."""
         named = {"controller": self.controller, "trainer": self.trainer,
-                 **{f"gen{i}": g for i, g in enumerate(self.generators)}}
+                 **{generator_name(i): g for i, g in enumerate(self.generators)}}
         if self.critic is not None:
             named["critic"] = self.critic
         return named

@@ -56,13 +56,15 @@ class ReplayBuffer:
             return [e for e in self._entries.values() if e.table is None
                     and e.launch is not None and e.launch.generator == generator]
 
-    def relaunch(self, batch_id: str, version: int) -> None:
-        """A batch whose generator died starts again at `version`; it stays one launch."""
+    def relaunch(self, batch_id: str, version: int) -> Any:
+        """A batch whose generator died starts again at `version`; it stays one
+        launch. Returns its Launch (ids and prompts unchanged)."""
         with self._cv:
             entry = self._entries[batch_id]
             if entry.table is not None:
                 raise ValueError(f"batch {batch_id} already arrived; it cannot be relaunched")
             entry.version = version
+            return entry.launch
 
     def restore(self, batch_id: str, target: int, version: int, table: pa.Table | None, launch: Any) -> None:
         """From a checkpoint: counted as launched in the run that launched it, so not here."""

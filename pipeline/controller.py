@@ -114,11 +114,10 @@ class Controller:
         return launches
 
     def _relaunch(self, batch_id: str, version: int, reason: str, dead: str | None) -> Launch:
-        entry = next(e for e in self.buffer.snapshot()[0] if e.batch_id == batch_id)
-        self.buffer.relaunch(batch_id, version)
-        self.log.emit("relaunch", step=entry.target, version=version, batch=batch_id,
-                      target=entry.target, of=dead, reason=reason)
-        return entry.launch
+        launch = self.buffer.relaunch(batch_id, version)
+        self.log.emit("relaunch", step=launch.target, version=version, batch=batch_id,
+                      target=launch.target, of=dead, reason=reason)
+        return launch
 
     def relaunch(self, generator: int, version: int, dead_worker: str) -> Resume:
         """The dead generator's unfinished batches, for its replacement: same ids, same prompts."""

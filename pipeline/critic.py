@@ -59,8 +59,7 @@ def compute_advantages(table: pa.Table, values: list[list[float]], *, gamma: flo
         v[i, :len(resp)] = torch.tensor(vals, dtype=torch.float32)
     rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
     adv, ret = gae(last_token_rewards(rewards, mask), v, mask, gamma=gamma, lam=lam)
-    errors = (table.column("reward_error").to_pylist() if "reward_error" in table.column_names
-              else [None] * len(responses))
+    errors = table.column("reward_error").to_pylist()
     good = mask & torch.tensor([not e for e in errors], dtype=torch.bool).unsqueeze(-1)
     adv = torch.where(good, adv, torch.zeros(()))
     ret = torch.where(good, ret, v)

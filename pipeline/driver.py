@@ -25,7 +25,8 @@ from pipeline import backends, checkpoint
 from pipeline.config import Config
 from pipeline.events import EventLog, merge_events
 from pipeline.metrics import MetricSinks, Progress, step_metrics
-from pipeline.pool import actor_names, begin_run, replace_generator, start_workers, stop_workers
+from pipeline.pool import (actor_names, begin_run, generator_index, replace_generator, start_workers,
+                           stop_workers)
 from pipeline.runner import GraphRunner, PipelineError, WorkerDied
 from pipeline.timeline import write_trace
 
@@ -101,16 +102,15 @@ class Execution:
                  step_runner: GraphRunner | None):
         self.cfg, self.workers, self.mode, self.run_dir, self.t0, self.log = cfg, workers, mode, run_dir, t0, log
         self.incarnations: dict[int, int] = {}
-        self.replaced = False
         self.step_runner = step_runner
-        self._build()
+        self._build(new_step_runner=step_runner is None)
 
-    def _build(self) -> None:
+    def _build(self, new_step_runner: bool = True) -> None:
         actors = actor_names(self.workers, self.incarnations)
         graph = build_step_graph(self.workers, TRAIN_SUBGRAPHS[self.cfg.algorithm])
         # The node whose TrainOut the ordering sub-graph takes: train (GRPO) or train_done (PPO).
         self.trained_node = graph.node_names[graph.node_names.index("validation_gate") - 1]
-        if self.step_runner is None or self.replaced:
+        if new_step_runner:
             if self.step_runner is not None:
                 self.step_runner.close()
             self.step_runner = GraphRunner(graph, self.mode, self.cfg.run.startup_deadline_s, actors)
@@ -126,19 +126,18 @@ class Execution:
             try:
                 return runner.run(plan, self.cfg.run.deadline_s, self.run_dir)
             except WorkerDied as died:
-                if not died.worker.startswith("gen") or runner.mode == "compiled":
-                    why = "" if died.worker.startswith("gen") else "; the run cannot go on without it"
-                    if runner.mode == "compiled":
-                        why = "; generator restarts need run.dag_mode classic"
-                    raise PipelineError(f"{died}{why}. Resume from the last complete checkpoint "
+                index = generator_index(died.worker, self.workers, self.incarnations)
+                if index is None or runner.mode == "compiled":
+                    why = ("the run cannot go on without it" if index is None
+                           else "generator restarts need run.dag_mode classic")
+                    raise PipelineError(f"{died}; {why}. Resume from the last complete checkpoint "
                                         f"with --resume {self.run_dir}") from None
                 # A sample waiting for the dead generator's batches would wait out its deadline.
                 ray.get(self.workers.controller.interrupt.remote(str(died)), timeout=self.cfg.fault.deadline_s)
                 done = runner.settle(self.cfg.fault.deadline_s)
-                self.workers = replace_generator(self.workers, died, self.incarnations, self.cfg,
+                self.workers = replace_generator(self.workers, index, died, self.incarnations, self.cfg,
                                                  self.run_dir, self.t0, self.log)
                 ray.get(self.workers.controller.clear_interrupt.remote(), timeout=self.cfg.fault.deadline_s)
-                self.replaced = True
                 self._build()
             # What the interrupted execution finished decides what is left to run.
             if "resume" in done:

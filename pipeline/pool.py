@@ -45,12 +45,14 @@ def generator_name(index: int, incarnation: int) -> str:
 
 
 def actor_names(workers: Workers, incarnations: dict[int, int]) -> dict[str, object]:
-    """Actors by the name their event log uses, for pings and error messages."""
-    named = {"controller": workers.controller, "trainer": workers.trainer}
-    named.update({generator_name(i, incarnations.get(i, 0)): g for i, g in enumerate(workers.generators)})
-    if workers.critic is not None:
-        named["critic"] = workers.critic
-    return named
+    """Actors by the name their event log uses (a replaced generator is gen<i>r<k>)."""
+    return workers.actors(lambda i: generator_name(i, incarnations.get(i, 0)))
+
+
+def generator_index(name: str, workers: Workers, incarnations: dict[int, int]) -> int | None:
+    """Which generator a worker name is, or None for the controller, trainer or critic."""
+    return next((i for i in range(len(workers.generators))
+                 if generator_name(i, incarnations.get(i, 0)) == name), None)
 
 
 def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_step: int,
@@ -78,15 +80,10 @@ def _wait(calls: list, cfg: Config) -> None:
         raise PipelineError(f"a worker failed to start: {task_error(exc)}") from None
 
 
-def replace_generator(workers: Workers, died: WorkerDied, incarnations: dict[int, int], cfg: Config,
-                      run_dir: Path, t0: float, log: EventLog) -> Workers:
+def replace_generator(workers: Workers, index: int, died: WorkerDied, incarnations: dict[int, int],
+                      cfg: Config, run_dir: Path, t0: float, log: EventLog) -> Workers:
     """Start a new generator in place of a dead one, load the current weights,
     and relaunch the dead one's unfinished batches on it."""
-    index = next((i for i in range(len(workers.generators))
-                  if generator_name(i, incarnations.get(i, 0)) == died.worker), None)
-    if index is None:
-        raise PipelineError(f"{died}; the run cannot go on without it: resume from the last "
-                            f"checkpoint with --resume {run_dir}")
     incarnation = incarnations.get(index, 0) + 1
     log.emit("generator_died", step=died.step, dead=died.worker, detail=died.detail, restart=incarnation)
     if incarnation > cfg.fault.max_restarts:

@@ -75,13 +75,15 @@ class TrainerWorker:
         if resume_dir is not None:
             self.engine.load_state(resume_dir)
         self.version = start_version
-        self._live_weights = ray.put((self.version, self.engine.export_weights()))
+        self._live_weights = None  # exported on first need: most runs never replace a generator
 
     def ping(self) -> bool:
         return True
 
     def current_weights(self) -> tuple[int, tuple]:
         """The version and (ObjectRef of (version, weights),), for a generator that starts mid-run."""
+        if self._live_weights is None:
+            self._live_weights = ray.put((self.version, self.engine.export_weights()))
         return self.version, (self._live_weights,)
 
     @node("train")

@@ -19,6 +19,8 @@ from pipeline.engines import TRAJECTORY_SCHEMA
 from pipeline.grpo import grpo_loss
 from pipeline.ppo import explained_variance, gae, last_token_rewards, value_loss, whiten
 from pipeline.sim import SimCriticEngine, SimTrainingEngine
+# The GRPO engine tests' tiny model and prompt-group tables; model_dir is a fixture.
+from test_deepspeed_engine import make_table, max_diff, model_dir, weights  # noqa: F401
 
 torch.set_num_threads(1)
 LN = math.log
@@ -151,20 +153,6 @@ def test_per_token_advantages_in_the_policy_loss():
 
 # --------------------------------------------------------------- compute_advantages
 
-def make_table(groups=3, group_size=2, rewards=None, responses=None, gen_lp=-4.0):
-    """Prompt groups with different prompt and response lengths."""
-    rows = []
-    for g in range(groups):
-        prompt = [1, 2 + g, 3, 4][:2 + g % 3]
-        for j in range(group_size):
-            i = g * group_size + j
-            resp = responses[i] if responses else [5 + j + g] * (2 + j + g)
-            rows.append(dict(batch_id="b0", target=1, version=0, prompt_id=f"p{g}", prompt_ids=prompt,
-                             response_ids=resp, logprobs=[gen_lp] * len(resp), text="",
-                             reward=rewards[i] if rewards else float(j)))
-    return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
-
-
 def test_compute_advantages_aligns_rows_and_whitens():
     # Two rows: lengths 2 and 1, rewards 1 and 0, values 0, gamma = lam = 1:
     #   A = R - V = [[1, 1], [0]]; returns the same; whitened: mean 2/3,
@@ -204,17 +192,6 @@ def per_token(table, values_per_row) -> pa.Table:
 
 # ----------------------------------------------------------- DeepSpeed engines
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
 def policy(model_dir, **kw):
     args = dict(zero_stage=0, dtype="fp32", micro_batch_size=4, lr=1e-3, group_size=2, seed=0)
     return DeepSpeedTrainingEngine(str(model_dir), **{**args, **kw})
@@ -224,14 +201,6 @@ def critic(model_dir, **kw):
     from pipeline.critic_engine import DeepSpeedCriticEngine
     args = dict(zero_stage=0, dtype="fp32", micro_batch_size=4, lr=1e-2, value_clip=0.2, seed=0)
     return DeepSpeedCriticEngine(str(model_dir), **{**args, **kw})
-
-
-def weights(engine):
-    return {k: v.float() for k, v in engine.export_weights().items()}
-
-
-def max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def test_ppo_step_with_group_advantages_per_token_equals_grpo(model_dir):
