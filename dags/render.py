@@ -1,4 +1,4 @@
-"""Draw a StepGraph: DOT and Mermaid as text, PNG and SVG through graphviz `dot`.
+"""Draw a StepGraph: DOT and Mermaid as text, PNG and SVG with matplotlib (dags/draw.py).
 
 Everything is read off the Ray DAG itself (method names, bound actors, return
 annotations), so a new node or token in dags/step_graph.py shows up here
@@ -10,8 +10,6 @@ from __future__ import annotations
 import html
 import importlib
 import inspect
-import shutil
-import subprocess
 import sys
 import types
 import typing
@@ -25,8 +23,6 @@ from ray.dag import (ClassMethodNode, ClassNode, DAGNode, FunctionNode, InputAtt
 from dags.step_graph import TRAIN_SUBGRAPHS, StepGraph, Workers, build_prologue_graph, build_step_graph
 
 FORMATS = (".dot", ".mmd", ".png", ".svg")
-INSTALL_HINT = ("the graphviz `dot` program is needed for PNG/SVG: install graphviz "
-                "(`apt-get install graphviz` or `brew install graphviz`), or write .dot / .mmd instead")
 # An actor class keeps its colour across graphs (step and prologue): the slot
 # comes from a hash of its name, probing on a clash.
 PALETTE = ("#dbe9f6", "#f8d7da", "#fff3bf", "#eadcf3", "#fde3c8", "#d6efd2")
@@ -233,21 +229,6 @@ def to_mermaid(graph: StepGraph, title: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run_dot(dot_text: str, fmt: str) -> bytes:
-    exe = shutil.which("dot")
-    if exe is None:
-        raise RenderError(INSTALL_HINT)
-    args = [exe, f"-T{fmt}"] + (["-Gdpi=150"] if fmt == "png" else [])
-    try:
-        done = subprocess.run(args, input=dot_text.encode(), capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RenderError(f"running {exe} failed: {exc}; {INSTALL_HINT}") from None
-    if done.returncode != 0 or not done.stdout:
-        raise RenderError(f"{exe} -T{fmt} failed (exit {done.returncode}): "
-                          f"{done.stderr.decode(errors='replace').strip()}")
-    return done.stdout
-
-
 def render(graph: StepGraph, out_path: str | Path, title: str | None = None) -> Path:
     """Write the graph in the format its suffix names: .dot .mmd .png .svg."""
     out = Path(out_path)
@@ -257,10 +238,11 @@ def render(graph: StepGraph, out_path: str | Path, title: str | None = None) -> 
                           f"use one of {', '.join(FORMATS)}")
     if suffix == ".mmd":
         data = to_mermaid(graph, title).encode()
-    else:
+    elif suffix == ".dot":
         data = to_dot(graph, title).encode()
-        if suffix != ".dot":
-            data = _run_dot(data.decode(), suffix[1:])
+    else:
+        from dags.draw import draw  # matplotlib: only loaded for pictures
+        data = draw(*describe(graph), suffix[1:], title)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)
     return out

@@ -1,6 +1,8 @@
 """Drawing the step graph: DOT, Mermaid, PNG, SVG, without starting Ray."""
 from __future__ import annotations
 
+import shutil
+import struct
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -81,31 +83,57 @@ def test_mermaid_names_every_node_and_token(tmp_path, generators):
     assert to_mermaid(graph, "my run").startswith("---\ntitle: my run\n---\nflowchart")
 
 
-def test_png_and_svg_are_drawn(tmp_path):
-    graph = graph_for_config(cfg_for(2))
-    png = render(graph, tmp_path / "out" / "g.png")
-    data = png.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
-    svg = render(graph, tmp_path / "g.svg")
-    root = ET.parse(svg).getroot()
-    assert root.tag.endswith("svg")
-    text = svg.read_text()
-    assert all(name in text for name in graph.node_names) and "TrainOut" in text
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return struct.unpack(">II", data[16:24])
 
 
-def test_missing_dot_binary_says_install_graphviz(tmp_path, monkeypatch):
+def svg_texts(path: Path) -> list[str]:
+    root = ET.parse(path).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    return ["".join(el.itertext()) for el in root.iter("{http://www.w3.org/2000/svg}text")]
+
+
+@pytest.mark.parametrize("recipe,generators,prologue", [
+    ("sim_grpo", 1, False), ("sim_grpo", 2, False), ("sim_grpo", 4, False), ("sim_ppo", 2, False),
+    ("sim_grpo", 2, True)])
+def test_png_and_svg_are_drawn(tmp_path, recipe, generators, prologue):
+    cfg = load_config(REPO / f"examples/{recipe}.yaml", [f"generation.num_generators={generators}"])
+    graph = graph_for_config(cfg, prologue=prologue)
+    nodes, edges = describe(graph)
+    width, height = png_size(render(graph, tmp_path / "out" / "g.png", "a title").read_bytes())
+    # 150 dpi, layered top to bottom: these graphs are a few boxes wide and 5 to 10 layers tall.
+    assert 300 < width < 3000 and 800 < height < 4000 and height > width, (width, height)
+    texts = svg_texts(render(graph, tmp_path / "g.svg", "a title"))
+    for n in nodes:  # each node's name and worker, each token, the title: as text, not glyph outlines
+        assert n.name in texts and n.worker in texts, n
+    assert {e.token for e in edges} <= set(texts) and "a title" in texts
+    if not prologue:
+        assert "TrainOut" in texts
+
+
+def test_pictures_need_no_dot_program(tmp_path, monkeypatch):
+    """PNG and SVG come from matplotlib alone: no `dot` on PATH, none looked up, none run."""
+    import dags.draw  # noqa: F401  (matplotlib's font cache is built before PATH goes)
     empty = tmp_path / "empty_bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
-    graph = graph_for_config(cfg_for(1))
-    for suffix in (".png", ".svg"):
-        with pytest.raises(RenderError, match="graphviz") as info:
-            render(graph, tmp_path / f"g{suffix}")
-        assert "apt-get install graphviz" in str(info.value)
-        assert not (tmp_path / f"g{suffix}").exists()
-    # Text formats need no binary.
-    assert render(graph, tmp_path / "g.dot").stat().st_size > 0
-    assert viz_main(REPO / "examples/sim_grpo.yaml", [], [str(tmp_path / "v.png")]) == 1
+    looked_up, ran = [], []
+    real_which, real_popen = shutil.which, subprocess.Popen
+    monkeypatch.setattr(shutil, "which", lambda cmd, *a, **k: looked_up.append(cmd) or real_which(cmd, *a, **k))
+
+    class Popen(real_popen):
+        def __init__(self, args, *a, **k):
+            ran.append(args)
+            super().__init__(args, *a, **k)
+    monkeypatch.setattr(subprocess, "Popen", Popen)
+    graph = graph_for_config(cfg_for(2))
+    assert png_size(render(graph, tmp_path / "g.png").read_bytes())[0] > 300
+    assert "refit[1]" in svg_texts(render(graph, tmp_path / "g.svg"))
+    assert viz_main(REPO / "examples/sim_grpo.yaml", [], [str(tmp_path / "v.png"), str(tmp_path / "v.svg")]) == 0
+    assert (tmp_path / "v.png").stat().st_size > 1000 and (tmp_path / "v.svg").stat().st_size > 1000
+    programs = [Path(str(a if isinstance(a, (str, Path)) else a[0]).split()[0]).name for a in ran]
+    assert "dot" not in looked_up and "dot" not in programs, (looked_up, ran)
 
 
 def test_unknown_suffix_names_the_allowed_ones(tmp_path, capsys):
