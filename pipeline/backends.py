@@ -12,7 +12,9 @@ from pipeline.engines import GenerationEngine, Prompt, TrainingEngine
 
 
 def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> GenerationEngine:
-    # A restarted generator draws a new sample stream, as a new process would.
+    # Only the sim's latency jitter draws from this seed: every rollout sample is
+    # seeded from its batch (pipeline.engines.sample_seeds), so a restarted or
+    # resumed generator replays exactly what its predecessor would have drawn.
     seed = cfg.run.seed * 1000 + index + 100 * incarnation
     if cfg.backend == "sim":
         from pipeline.sim import SimGenerationEngine

@@ -7,6 +7,7 @@ backend (pipeline/sim.py) and the real one (vLLM, DeepSpeed) implement these.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,9 +45,27 @@ TRAJECTORY_SCHEMA = pa.schema([
 ])
 
 
+def sample_seeds(run_seed: int, batch_id: str, prompts: list[Prompt], n: int) -> list[list[int]]:
+    """One sampler seed per (run seed, batch, prompt position, prompt, sample).
+
+    A batch's samples then depend on what the batch is, never on which engine
+    call or which position in a call it landed in, so a run replays exactly
+    whatever the timing. The seeds are hashes, not seed + i: vLLM seeds the
+    i-th sample of a request with seed + i, and consecutive seeds would give
+    two requests overlapping streams.
+    """
+    def seed(i: int, prompt: Prompt, j: int) -> int:
+        key = f"{run_seed}|{batch_id}|{i}|{prompt.id}|{j}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    return [[seed(i, p, j) for j in range(n)] for i, p in enumerate(prompts)]
+
+
 class GenerationEngine(Protocol):
-    def generate(self, prompts: list[Prompt], n: int, greedy: bool = False) -> list[list[Completion]]:
-        """n completions per prompt, in prompt order."""
+    def sample(self, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
+        """len(seeds[i]) completions of prompt i, sample j drawn with seeds[i][j]."""
+
+    def greedy(self, prompts: list[Prompt]) -> list[Completion]:
+        """One greedy completion per prompt."""
 
     def load_weights(self, weights: Any) -> None:
         """Replace the weights in place; caches that depend on them are reset."""

@@ -50,25 +50,24 @@ class SimGenerationEngine:
         # past sim.fault_incarnations) runs clean.
         self.cfg = cfg if faulty else SimConfig(**{**cfg.__dict__, "fault": ""})
         self.latency = _Latency(cfg, seed)
-        self.rng = random.Random(seed + 1)
         self.max_new_tokens = max_new_tokens
         self.weights_version = 0
         self.calls = 0
 
-    def generate(self, prompts: list[Prompt], n: int, greedy: bool = False) -> list[list[Completion]]:
-        if not greedy:
-            _maybe_fault(self.cfg, "generate", self.calls)
-            self.calls += 1
-        self.latency.spend(self.cfg.validate_s if greedy else self.cfg.generate_s)
-        out = []
-        for _ in prompts:
-            group = []
-            for _ in range(n):
-                ids = tuple(self.rng.randrange(256) for _ in range(self.max_new_tokens))
-                logprobs = tuple(-self.rng.random() for _ in ids)
-                group.append(Completion((1, 2, 3), ids, logprobs, f"v{self.weights_version}"))
-            out.append(group)
-        return out
+    def sample(self, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
+        _maybe_fault(self.cfg, "generate", self.calls)
+        self.calls += 1
+        self.latency.spend(self.cfg.generate_s)
+        return [[self._completion(random.Random(seed)) for seed in group] for group in seeds]
+
+    def greedy(self, prompts: list[Prompt]) -> list[Completion]:
+        self.latency.spend(self.cfg.validate_s)
+        return [self._completion(random.Random(p.id)) for p in prompts]
+
+    def _completion(self, rng: random.Random) -> Completion:
+        ids = tuple(rng.randrange(256) for _ in range(self.max_new_tokens))
+        logprobs = tuple(-rng.random() for _ in ids)
+        return Completion((1, 2, 3), ids, logprobs, f"v{self.weights_version}")
 
     def load_weights(self, weights: dict) -> None:
         self.latency.spend(self.cfg.refit_s)

@@ -48,8 +48,6 @@ class VllmGenerationEngine:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
-        self.seed = seed
-        self._calls = 0
         on_cpu = not torch.cuda.is_available()
         if enforce_eager is None:
             # torch.compile of the model costs tens of seconds on 2 cores and
@@ -87,27 +85,26 @@ class VllmGenerationEngine:
         """The prompt's token ids, with the BOS that the tokenizer adds."""
         return list(self.tokenizer(text).input_ids)
 
-    def generate(self, prompts: list[Prompt], n: int, greedy: bool = False) -> list[list[Completion]]:
-        if n < 1:
-            raise ValueError(f"generate: n must be >= 1, got {n}")
-        if not prompts:
-            return []
-        # vLLM refuses n > 1 at temperature 0; greedy samples are identical anyway.
-        greedy = greedy or self.temperature == 0
-        params = self._sampling_params(1 if greedy else n, greedy)
-        inputs = [TokensPrompt(prompt_token_ids=self.encode(p.text)) for p in prompts]
-        outputs = self._generate(inputs, params)
-        result = []
-        for prompt, out in zip(prompts, outputs):
-            prompt_ids = tuple(out.prompt_token_ids)
-            group = []
-            for comp in sorted(out.outputs, key=lambda c: c.index):
-                ids = tuple(comp.token_ids)
-                group.append(Completion(prompt_ids=prompt_ids, response_ids=ids,
-                                        logprobs=tuple(_sampled_logprobs(comp.logprobs, ids, prompt.id)),
-                                        text=comp.text))
-            result.append(group * n if greedy else group)
-        return result
+    def sample(self, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
+        """One request per sample, each with its own seed: vLLM seeds a request
+        of n samples with seed, seed + 1, ..., so n > 1 would let the streams
+        of two requests overlap. The shared prompt is computed once anyway
+        (prefix caching)."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"sample: {len(seeds)} seed lists for {len(prompts)} prompts")
+        if self.temperature == 0:
+            raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
+        requests = [(prompt, self.encode(prompt.text), seed) for prompt, group in zip(prompts, seeds)
+                    for seed in group]
+        params = [self._params(seed) for _, _, seed in requests]
+        outputs = self._generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in requests], params)
+        completions = iter(self._completion(prompt, out) for (prompt, _, _), out in zip(requests, outputs))
+        return [[next(completions) for _ in group] for group in seeds]
+
+    def greedy(self, prompts: list[Prompt]) -> list[Completion]:
+        outputs = self._generate([TokensPrompt(prompt_token_ids=self.encode(p.text)) for p in prompts],
+                                 self._params(None))
+        return [self._completion(p, out) for p, out in zip(prompts, outputs)]
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a full HF-named state dict in place, then drop the prefix cache:
@@ -143,15 +140,18 @@ class VllmGenerationEngine:
         with torch.compiler.set_stance(self._stance):
             return self.llm.generate(inputs, params, use_tqdm=False)
 
-    def _sampling_params(self, n: int, greedy: bool) -> SamplingParams:
-        self._calls += 1
-        common = dict(n=n, max_tokens=self.max_new_tokens, logprobs=0)
-        if greedy:
+    def _params(self, seed: int | None) -> SamplingParams:
+        common = dict(n=1, max_tokens=self.max_new_tokens, logprobs=0)
+        if seed is None:
             return SamplingParams(temperature=0.0, **common)
-        # Seeded per call: the same sequence of calls gives the same samples,
-        # whatever vLLM's global generator state is.
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed * 1_000_003 + self._calls, **common)
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed, **common)
+
+    @staticmethod
+    def _completion(prompt: Prompt, out) -> Completion:
+        comp = out.outputs[0]
+        ids = tuple(comp.token_ids)
+        return Completion(prompt_ids=tuple(out.prompt_token_ids), response_ids=ids,
+                          logprobs=tuple(_sampled_logprobs(comp.logprobs, ids, prompt.id)), text=comp.text)
 
     def close(self) -> None:
         """Shut the in-process engine core down (idempotent)."""

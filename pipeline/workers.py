@@ -21,7 +21,7 @@ import ray
 from dags.tokens import Advantages, Batch, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
 from pipeline import backends
 from pipeline.config import Config
-from pipeline.engines import TRAJECTORY_SCHEMA, Completion, Prompt
+from pipeline.engines import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
 from pipeline.events import EventLog
 
 
@@ -189,8 +189,8 @@ class GeneratorWorker:
             return ValOut(self.log.worker, ready.step, self.version, False)
         started = time.perf_counter()
         self.log.emit("validation_start", step=ready.step, version=self.version)
-        groups = self.engine.generate(self.val_prompts, n=1, greedy=True)
-        scored = [self._score(p, g[0].text) for p, g in zip(self.val_prompts, groups)]
+        completions = self.engine.greedy(self.val_prompts)
+        scored = [self._score(p, c.text) for p, c in zip(self.val_prompts, completions)]
         rewards = [r for r, error in scored if not error]
         self.log.emit("validation_end", step=ready.step, version=self.version)
         return ValOut(self.log.worker, ready.step, self.version, True,
@@ -234,7 +234,9 @@ class GeneratorWorker:
         prompts = [p for launch in launches for p in launch.prompts]
         started = time.perf_counter()
         try:
-            groups = self.engine.generate(prompts, n=self.cfg.grpo.group_size)
+            seeds = [s for launch in launches for s in sample_seeds(
+                self.cfg.run.seed, launch.batch_id, list(launch.prompts), self.cfg.grpo.group_size)]
+            groups = self.engine.sample(prompts, seeds)
             tables, start = [], 0
             for launch in launches:
                 tables.append(self._table(launch, version, groups[start:start + len(launch.prompts)]))

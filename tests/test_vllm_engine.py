@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from pipeline.engines import Prompt
+from pipeline.engines import Prompt, sample_seeds
 from pipeline.tiny import ModelError, build_tiny_model, check_model_dir, model_digest, tiny_prompt
 
 torch.set_num_threads(1)
@@ -62,6 +62,14 @@ def max_gap(model, groups, temperature: float = 1.0) -> float:
                for a, b in zip(c.logprobs, hf_logprobs(model, c.prompt_ids, c.response_ids, temperature)))
 
 
+_draws = iter(range(10**9))
+
+
+def draw(engine, prompts, n):
+    """n samples per prompt, seeded as a fresh batch of a run would be."""
+    return engine.sample(prompts, sample_seeds(0, f"test{next(_draws)}", prompts, n))
+
+
 def prefix_cache_hits(engine) -> int:
     return next(int(m.value) for m in engine.llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
 
@@ -88,25 +96,58 @@ def test_tiny_model_is_deterministic_and_loads_in_transformers(tmp_path, model_d
 
 def test_generate_returns_n_completions_with_logprobs(engine):
     prompts = [Prompt("a", tiny_prompt("0"), "0"), Prompt("b", tiny_prompt("1"), "1")]
-    groups = engine.generate(prompts, 3)
+    groups = draw(engine, prompts, 3)
     assert [len(g) for g in groups] == [3, 3]
     for prompt, group in zip(prompts, groups):
         for c in group:
             assert c.prompt_ids == tuple(engine.encode(prompt.text))
             assert 1 <= len(c.response_ids) <= 16 and len(c.logprobs) == len(c.response_ids)
             assert all(lp <= 0.0 for lp in c.logprobs)
-    greedy = engine.generate(prompts, 2, greedy=True)
-    assert greedy[0][0] == greedy[0][1]
-    assert engine.generate(prompts, 1, greedy=True)[0][0] == greedy[0][0]
-    assert engine.generate([], 2) == []
+    greedy = engine.greedy(prompts)
+    assert len(greedy) == 2 and engine.greedy(prompts[:1])[0] == greedy[0]
+    assert engine.sample([], []) == [] and engine.greedy([]) == []
+
+
+def test_identical_prompts_in_one_call_draw_independent_samples(engine):
+    """The sampler's streams come from (run seed, batch, prompt, sample): eight
+    copies of one prompt in one call, 4 samples each, give 32 different
+    completions (with one seed per call, vLLM gave identical groups)."""
+    prompt = Prompt("same", tiny_prompt("0"), "0")
+    groups = draw(engine, [prompt] * 8, 4)
+    responses = [c.response_ids for g in groups for c in g]
+    assert len(set(responses)) == len(responses) == 32
+
+
+def test_a_batch_draws_the_same_samples_whatever_call_it_lands_in(engine):
+    """Reproducibility: a batch's samples depend on its seeds only, not on
+    which other requests share the engine call, their order, or earlier calls."""
+    prompts = [Prompt(f"p{i}", tiny_prompt(str(i % 2)), str(i % 2)) for i in range(4)]
+    seeds = sample_seeds(7, "t3.g0", prompts, 4)
+    alone = engine.sample(prompts, seeds)
+    others = [Prompt("o", tiny_prompt("1"), "1")] * 3
+    mixed = engine.sample([*others, *prompts[::-1]], [*sample_seeds(7, "t4.g0", others, 4), *seeds[::-1]])
+    assert mixed[3:] == alone[::-1]
+    assert engine.sample(prompts, seeds) == alone
+
+
+def test_sample_seeds_never_repeat_across_batches_prompts_and_samples():
+    prompts = [Prompt(f"p{i}", "x") for i in range(8)] + [Prompt("p0", "x")]  # a prompt twice in a batch
+    seeds = [s for run in (0, 1) for batch in ("t0.g0", "t0.g1", "t1.g0")
+             for group in sample_seeds(run, batch, prompts, 4) for s in group]
+    assert len(set(seeds)) == len(seeds) == 2 * 3 * 9 * 4
+    # vLLM draws sample i of a request from seed + i: no seed may sit next to another.
+    ordered = sorted(seeds)
+    assert min(b - a for a, b in zip(ordered, ordered[1:])) > 1000
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert sample_seeds(0, "t0.g0", prompts, 4) == sample_seeds(0, "t0.g0", prompts, 4)
 
 
 def test_logprobs_match_transformers_through_the_prefix_cache(engine, model_dir):
     model = hf_model(model_dir)
     assert len(engine.encode(LONG_PROMPT.text)) >= 64
-    first = engine.generate([LONG_PROMPT], 2)
+    first = draw(engine, [LONG_PROMPT], 2)
     hits = prefix_cache_hits(engine)
-    second = engine.generate([LONG_PROMPT], 2)
+    second = draw(engine, [LONG_PROMPT], 2)
     assert prefix_cache_hits(engine) >= hits + 64, "the second call should reuse the cached prompt blocks"
     assert max_gap(model, first) < TOL
     assert max_gap(model, second) < TOL
@@ -121,7 +162,7 @@ def test_logprobs_are_of_the_tempered_distribution(engine, model_dir):
     model = hf_model(model_dir)
     engine.temperature = 0.7
     try:
-        groups = engine.generate([LONG_PROMPT], 2)
+        groups = draw(engine, [LONG_PROMPT], 2)
     finally:
         engine.temperature = 1.0
     assert max_gap(model, groups, temperature=0.7) < TOL
@@ -131,24 +172,24 @@ def test_logprobs_are_of_the_tempered_distribution(engine, model_dir):
 def test_refit_loads_new_weights_and_drops_the_prefix_cache(engine, model_dir):
     model = hf_model(model_dir)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    engine.generate([LONG_PROMPT], 2)  # the prompt is now cached under the old weights
+    draw(engine, [LONG_PROMPT], 2)  # the prompt is now cached under the old weights
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
         for p in model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=gen))
     try:
-        assert max_gap(model, engine.generate([LONG_PROMPT], 2)) > 100 * TOL, "stale weights must show"
+        assert max_gap(model, draw(engine, [LONG_PROMPT], 2)) > 100 * TOL, "stale weights must show"
         t0 = time.perf_counter()
         engine.load_weights(model.state_dict())
         print(f"\nload_weights: {1e3 * (time.perf_counter() - t0):.1f} ms")
-        after = engine.generate([LONG_PROMPT], 2)
+        after = draw(engine, [LONG_PROMPT], 2)
         assert max_gap(model, after) < TOL
         c = after[0][0]
         assert max(abs(a - b) for a, b in zip(engine.prompt_logprobs(c.prompt_ids, c.response_ids),
                                                hf_logprobs(model, c.prompt_ids, c.response_ids))) < TOL
     finally:
         engine.load_weights(original)  # later tests see the built model again
-    assert max_gap(hf_model(model_dir), engine.generate([LONG_PROMPT], 1)) < TOL
+    assert max_gap(hf_model(model_dir), draw(engine, [LONG_PROMPT], 1)) < TOL
 
 
 def test_reload_without_cache_reset_serves_stale_prompt_blocks(engine, model_dir):
@@ -157,13 +198,13 @@ def test_reload_without_cache_reset_serves_stale_prompt_blocks(engine, model_dir
     the logprobs of the new ones."""
     model = hf_model(model_dir)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    engine.generate([LONG_PROMPT], 1)
+    draw(engine, [LONG_PROMPT], 1)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)
     try:
         engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(model.state_dict().items())})
-        assert max_gap(model, engine.generate([LONG_PROMPT], 1)) > 100 * TOL
+        assert max_gap(model, draw(engine, [LONG_PROMPT], 1)) > 100 * TOL
     finally:
         engine.load_weights(original)
 
