@@ -79,6 +79,20 @@ class VllmGenerationEngine:
         self._stance = "force_eager" if enforce_eager and on_cpu else None
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self._probe()
+
+    def _probe(self) -> None:
+        """One token from a one-token prompt: some models load but cannot run
+        (on CPU, an attention head size the kernels lack fails only in the first
+        forward pass). Better refused here, with vLLM's reason, than as every
+        rollout of step 0 failing."""
+        try:
+            self._generate([TokensPrompt(prompt_token_ids=[self.tokenizer.bos_token_id or 0])],
+                           SamplingParams(max_tokens=1, temperature=0.0))
+        except Exception as exc:
+            self.close()
+            raise ModelError(f"model directory {self.model_path!r}: vLLM loaded it but cannot run it: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
     # -- GenerationEngine -------------------------------------------------
     def encode(self, text: str) -> list[int]:
