@@ -12,18 +12,17 @@ from pipeline.check import check_events, load_events
 from pipeline.config import load_config
 from pipeline.driver import train
 
-# Measured here with each recipe and its seed, 40 steps:
-#   tiny_grpo.yaml: reward 0.026 (mean of the first 3 steps) -> 0.75 (last 3);
-#                   greedy validation 0.25 (step 10) -> 0.97 (steps 30, 40).
-#   tiny_ppo.yaml:  reward 0.026 -> 0.54; validation 0.0, 0.5, 1.0, 1.0; the
-#                   critic's explained variance ends at 0.81.
+# A smoke test: whether the recipes learn on every seed is measured by
+# benchmarks/seeds.py (results/seeds.json: GRPO and PPO, sync and async,
+# seeds 0-4, every run at greedy validation 1.0 by step 39). Seed 0 is the
+# recipes' own; runs are bitwise reproducible, so this test sees the
+# benchmark's seed-0 curves: GRPO async passes a 0.7 training reward after 29
+# steps, PPO async after 29; validation is 1.0 at step 39 for both.
 # A policy that emits one character whatever the prompt scores 0.5 on
-# validation (the collapse we saw at higher learning rates), so validation must
-# beat that clearly. The runs keep the recipes' validation schedules:
-# validation draws from the engines' seeded samplers, so another period is
-# another (equally valid) trajectory.
-REWARD_MARGIN = 0.3
-VAL_REWARD_MIN = 0.8
+# validation (the collapse seen before the sampler got one seed per sample),
+# so validation must beat that clearly.
+REWARD_MARGIN = 0.5
+VAL_REWARD_MIN = 0.9
 
 
 @pytest.mark.parametrize("recipe", ["tiny_grpo", "tiny_ppo"])
