@@ -1,4 +1,4 @@
-"""Markdown tables of overlap.json and overhead.json, for benchmarks/README.md.
+"""Markdown tables of the results files, for README.md and benchmarks/README.md.
 
     .venv/bin/python benchmarks/tables.py [results dir]
 """
@@ -27,7 +27,7 @@ def machine(r: dict) -> str:
     during = m.get("loadavg_1min_during")
     load = f"load average (1 min) {m['loadavg_start'][0]} at start, {m['loadavg_end'][0]} at end"
     if during:
-        load += f", median {during['median']} / max {during['max']} during"
+        load += f", median {during['median']:.2f} / max {during['max']:.2f} during"
     return (f"{m['cpu_physical']} cores, {m['memory_gib']} GiB, Ray {m['ray']}, Python {m['python']}; {load}; "
             f"commit {m['git_commit'][:8]}{' (dirty)' if m['git_dirty'] else ''}; {r['wall_s']:.0f} s")
 
@@ -89,9 +89,33 @@ def overhead(r: dict) -> str:
     return "\n".join(out)
 
 
+def seeds(r: dict) -> str:
+    """One row per recipe and mode: what every seed reached (benchmarks/seeds.py)."""
+    p, summary = r["params"], r["summary"]
+    rows = []
+    for key, s in summary.items():
+        if not isinstance(s, dict):
+            continue
+        algorithm, mode = key.split("_")
+        ratio = summary.get(f"{algorithm}_async_over_sync_steps") if mode == "async" else None
+        rows.append([algorithm.upper(), mode, f"{s['seeds_val_ge_0.9']} / {len(s['seeds'])}",
+                     ", ".join(f"{v:.2f}" for v in s["final_val"]),
+                     ", ".join("never" if v is None else str(v) for v in s["steps_to_0.7"]),
+                     s["median_steps_to_0.7"], "" if ratio is None else f"{ratio:.2f}"])
+    trl = r["trl_reference"]
+    rows.append(["GRPO (TRL GRPOTrainer)", "sync", f"{len(trl['seeds'])} / {len(trl['seeds'])}",
+                 ", ".join(f"{v:.2f}" for v in trl["final_val"]),
+                 f"{trl['steps_to_0.7']['min']}-{trl['steps_to_0.7']['max']}", "", ""])
+    head = (f"seeds {p['seeds']}, {p['steps']} steps, validation every {p['val_period']} steps; "
+            f"{machine(r)}")
+    return head + "\n\n" + md(["algorithm", "mode", f"final val >= {p['val_bar']}", "final val per seed",
+                                f"steps to {p['reward_bar']} (per seed)", "median", "async / sync"],
+                               rows)
+
+
 def main() -> None:
     d = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS
-    for name, fn in (("overlap", overlap), ("overlap_scale1", overlap), ("overhead", overhead),
+    for name, fn in (("seeds", seeds), ("overlap", overlap), ("overlap_scale1", overlap), ("overhead", overhead),
                      ("overhead_run1", overhead), ("overhead_1gen", overhead)):
         path = d / f"{name}.json"
         if path.is_file():
