@@ -66,38 +66,29 @@ TRAIN_SUBGRAPHS: dict[str, Callable[[Workers, Any], Named]] = {
     "grpo": grpo_train_subgraph, "ppo": ppo_train_subgraph}
 
 
-# Mutations for tests that prove the invariant checks can fail: each removes one
-# ordering edge from the graph. Production code never passes one.
-MUTATIONS = ("no_validate_before_resume", "no_refit_before_resume")
-
-
-def ordering_subgraph(workers: Workers, plan, trained, mutation: str | None = None) -> Named:
+def ordering_subgraph(workers: Workers, plan, trained) -> Named:
     """Everything after training: the part that keeps rollouts away from refits
     and validations. `trained` is the node (or input) carrying the TrainOut."""
     gate = workers.controller.validation_gate.bind(plan, trained)
     refits = [g.refit.bind(trained, gate) for g in workers.generators]
     vals = [g.validate.bind(r) for g, r in zip(workers.generators, refits)]
-    resume_inputs = {None: vals, "no_validate_before_resume": refits,
-                     "no_refit_before_resume": [gate]}[mutation]
-    resume = workers.controller.resume.bind(*resume_inputs)
+    resume = workers.controller.resume.bind(*vals)
     collects = [g.collect.bind(resume) for g in workers.generators]
     return [("validation_gate", gate), *[(f"refit[{i}]", r) for i, r in enumerate(refits)],
             *[(f"validate[{i}]", v) for i, v in enumerate(vals)], ("resume", resume),
             *[(f"collect[{i}]", c) for i, c in enumerate(collects)]]
 
 
-def _graph(named: Named) -> StepGraph:
+def graph_of(named: Named) -> StepGraph:
+    """A StepGraph whose outputs are the named nodes, in this order."""
     return StepGraph(MultiOutputNode([n for _, n in named]), tuple(name for name, _ in named))
 
 
-def build_step_graph(workers: Workers, train_subgraph: Callable = grpo_train_subgraph,
-                     mutation: str | None = None) -> StepGraph:
-    if mutation is not None and mutation not in MUTATIONS:
-        raise ValueError(f"unknown mutation {mutation!r}; known: {MUTATIONS}")
+def build_step_graph(workers: Workers, train_subgraph: Callable = grpo_train_subgraph) -> StepGraph:
     with InputNode() as plan:
         batch = workers.controller.sample.bind(plan)
         train = train_subgraph(workers, batch)
-        return _graph([("sample", batch), *train, *ordering_subgraph(workers, plan, train[-1][1], mutation)])
+        return graph_of([("sample", batch), *train, *ordering_subgraph(workers, plan, train[-1][1])])
 
 
 def build_finish_graph(workers: Workers) -> StepGraph:
@@ -105,17 +96,18 @@ def build_finish_graph(workers: Workers) -> StepGraph:
     replaced: input (plan, TrainOut). Refit, resume and collect are idempotent
     per step, so the generators that got this far are not disturbed."""
     with InputNode() as inputs:
-        return _graph(ordering_subgraph(workers, inputs[0], inputs[1]))
+        return graph_of(ordering_subgraph(workers, inputs[0], inputs[1]))
 
 
 def build_relaunch_graph(workers: Workers, generator: int) -> StepGraph:
     """A replaced generator takes over its dead predecessor's unfinished batches:
-    input (generator index, version, dead worker's name). Run between steps,
-    when no validation runs, by a generator that holds the current weights."""
-    with InputNode() as inputs:
-        resume = workers.controller.relaunch.bind(inputs[0], inputs[1], inputs[2])
+    input a RelaunchPlan (generator index, version, dead worker's name). Run
+    between steps, when no validation runs, by a generator that holds the
+    current weights."""
+    with InputNode() as plan:
+        resume = workers.controller.relaunch.bind(plan)
         collect = workers.generators[generator].collect.bind(resume)
-        return _graph([("relaunch", resume), (f"collect[{generator}]", collect)])
+        return graph_of([("relaunch", resume), (f"collect[{generator}]", collect)])
 
 
 def build_prologue_graph(workers: Workers) -> StepGraph:
@@ -126,5 +118,5 @@ def build_prologue_graph(workers: Workers) -> StepGraph:
         vals = [g.validate.bind(gate) for g in workers.generators]
         resume = workers.controller.resume.bind(*vals)
         collects = [g.collect.bind(resume) for g in workers.generators]
-        return _graph([("validation_gate", gate), *[(f"validate[{i}]", v) for i, v in enumerate(vals)],
-                       ("resume", resume), *[(f"collect[{i}]", c) for i, c in enumerate(collects)]])
+        return graph_of([("validation_gate", gate), *[(f"validate[{i}]", v) for i, v in enumerate(vals)],
+                         ("resume", resume), *[(f"collect[{i}]", c) for i, c in enumerate(collects)]])

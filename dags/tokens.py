@@ -3,17 +3,29 @@
 Small and frozen: a token says what happened upstream, and its presence as an
 argument is what orders the downstream node. Bulk data (trajectories, weights)
 stays in the object store; tokens carry references to it.
+
+Every token also carries `clock`: the vector clock of the node that returned it
+(pipeline/events.py). The node that takes the token merges it, so its events
+are provably after everything upstream; pipeline/check.py proves the ordering
+invariants from these clocks, not from wall-clock times. The node decorator
+(pipeline/workers.py) stamps the tokens nodes return, the driver the plans it
+feeds a graph; code that builds a token leaves it empty.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+# A vector clock: (lane, count) pairs, sorted by lane. A lane is one sequence of
+# events: a node of one worker, a generator's rollout thread, the driver.
+Clock = tuple[tuple[str, int], ...]
+
 
 @dataclass(frozen=True)
 class StepPlan:
     step: int
     validate: bool
+    clock: Clock = ()
 
 
 @dataclass(frozen=True)
@@ -24,6 +36,7 @@ class Batch:
     versions: tuple[int, ...]
     table_ref: tuple[Any, ...] = ()  # (ObjectRef,) wrapped so Ray does not resolve it on the edge
     wait_s: float = 0.0              # how long sample waited for rollouts: exposed generation
+    clock: Clock = ()
 
 
 @dataclass(frozen=True)
@@ -32,12 +45,14 @@ class Advantages:
     step: int
     table_ref: tuple[Any, ...] = ()  # (ObjectRef,) of an Arrow table: advantages, returns, values per token
     metrics: tuple[tuple[str, float], ...] = ()
+    clock: Clock = ()
 
 
 @dataclass(frozen=True)
 class CriticOut:
     step: int
     metrics: tuple[tuple[str, float], ...] = ()
+    clock: Clock = ()
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,7 @@ class TrainOut:
     version: int
     weights_ref: tuple[Any, ...] = ()  # (ObjectRef,) of the exported weights
     metrics: tuple[tuple[str, float], ...] = ()
+    clock: Clock = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,7 @@ class Gate:
     step: int
     version: int
     validate: bool
+    clock: Clock = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,7 @@ class Refitted:
     version: int
     validate: bool
     refit_s: float = 0.0
+    clock: Clock = ()
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,7 @@ class ValOut:
     validated: bool
     scores: tuple[tuple[str, float], ...] = ()
     validate_s: float = 0.0
+    clock: Clock = ()
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,7 @@ class Resume:
     launches: tuple[Launch, ...] = ()
     val_scores: tuple[tuple[str, float], ...] = ()
     timings: tuple[tuple[str, float], ...] = ()  # refit_s / validate_s, the slowest generator's
+    clock: Clock = ()
 
 
 @dataclass(frozen=True)
@@ -98,3 +118,13 @@ class Ticket:
     version: int
     batch_ids: tuple[str, ...] = field(default=())
     busy_s: float = 0.0  # seconds this generator spent generating since its last ticket
+    clock: Clock = ()
+
+
+@dataclass(frozen=True)
+class RelaunchPlan:
+    """The relaunch graph's input: a replaced generator takes over its dead predecessor's batches."""
+    generator: int
+    version: int
+    dead_worker: str
+    clock: Clock = ()

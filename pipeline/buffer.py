@@ -28,6 +28,7 @@ class _Entry:
     version: int
     table: pa.Table | None = None  # None while the rollout is in flight
     launch: Any = None             # dags.tokens.Launch: what to relaunch if its generator dies
+    clock: tuple = ()              # the rollout_end's vector clock, from put
 
 
 class ReplayBuffer:
@@ -43,6 +44,9 @@ class ReplayBuffer:
         self._cv = threading.Condition()
         self._interrupted: str | None = None
         self._fatal: str | None = None
+        # target step -> [(batch id, why dropped)]: a step left with nothing to
+        # train on names what became of its batches.
+        self._drops: dict[int, list[tuple[str, str]]] = {}
 
     def expect(self, batch_id: str, target: int, version: int, launch: Any = None) -> None:
         with self._cv:
@@ -86,7 +90,7 @@ class ReplayBuffer:
             self._fatal = reason
             self._cv.notify_all()
 
-    def put(self, batch_id: str, version: int, table: pa.Table) -> None:
+    def put(self, batch_id: str, version: int, table: pa.Table, clock: tuple = ()) -> None:
         with self._cv:
             entry = self._entries.get(batch_id)
             if entry is None or entry.table is not None:
@@ -94,18 +98,20 @@ class ReplayBuffer:
             if version != entry.version:
                 raise ValueError(f"batch {batch_id} was launched for version {entry.version} "
                                  f"but generated with version {version}")
-            entry.table = table
+            entry.table, entry.clock = table, clock
             self._cv.notify_all()
 
-    def fail(self, batch_id: str, reason: str) -> None:
+    def fail(self, batch_id: str, reason: str, clock: tuple = ()) -> None:
         with self._cv:
             entry = self._entries.pop(batch_id, None)
             if entry is not None:
+                self.log.merge(clock)  # the drop is after the failed rollout's end
                 self._drop(entry, reason)
             self._cv.notify_all()
 
     def _drop(self, entry: _Entry, reason: str) -> None:
         self.dropped[reason.split(":")[0]] += 1
+        self._drops.setdefault(entry.target, []).append((entry.batch_id, reason))
         self.log.emit("drop", step=entry.target, version=entry.version, batch=entry.batch_id, reason=reason)
 
     def take(self, step: int, deadline_s: float) -> tuple[list[str], list[int], pa.Table]:
@@ -124,12 +130,22 @@ class ReplayBuffer:
                                  if e.target == step and e.table is None)
                 raise TimeoutError(f"step {step}: batches {pending} still in flight after {deadline_s:.0f} s "
                                    "(run.deadline_s); is a generator stuck or dead?")
+            # The caller's lane (sample's) waited for these batches: its events are
+            # after their rollout_ends, and so are the stale drops below.
+            self.log.merge(*(e.clock for e in self._entries.values()
+                             if e.target == step or step - e.version > self.max_age))
             for entry in [e for e in self._entries.values() if step - e.version > self.max_age]:
                 del self._entries[entry.batch_id]
                 self._drop(entry, "stale")
             taken = sorted((e for e in self._entries.values() if e.target == step), key=lambda e: e.batch_id)
+            drops = self._drops.pop(step, [])
+            for old in [t for t in self._drops if t < step]:
+                del self._drops[old]
             if not taken:
-                raise RuntimeError(f"step {step}: no trajectories to train on (every batch failed or was stale)")
+                first = f"; the first: batch {drops[0][0]} {drops[0][1]}" if drops else ""
+                more = f" ({len(drops) - 1} more dropped)" if len(drops) > 1 else ""
+                raise RuntimeError(f"step {step}: no trajectories to train on: every batch for this step "
+                                   f"failed or was stale{first}{more}")
             for entry in taken:
                 del self._entries[entry.batch_id]
             self.trained += len(taken)

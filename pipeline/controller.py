@@ -3,6 +3,10 @@
 Its graph nodes are sample, validation_gate, resume and train_done; the
 generators' rollout threads call `put` and `rollout_failed`; the driver calls
 `relaunch`, `interrupt` and `save_state` between graph executions.
+
+Vector clocks (pipeline/events.py): a rollout's clock comes with its `put` and
+is kept with the batch, so `sample`, which waits for the batches it takes,
+logs after their rollout_ends and hands that on in its Batch.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from dags.tokens import Batch, CriticOut, Gate, Launch, Refitted, Resume, StepPlan, TrainOut, ValOut
+from dags.tokens import (Batch, Clock, CriticOut, Gate, Launch, RelaunchPlan, Refitted, Resume, StepPlan,
+                         TrainOut, ValOut)
 from pipeline import backends
 from pipeline.buffer import ReplayBuffer
 from pipeline.config import Config
@@ -27,7 +32,7 @@ from pipeline.workers import reopen_log, node
 
 class Controller:
     def begin_run(self, cfg: Config, run_dir: str, t0: float, start_step: int = 0,
-                  resume_dir: str | None = None) -> None:
+                  resume_dir: str | None = None) -> Clock:
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, "controller", t0)
         self.log.emit("worker_start", pid=os.getpid())
@@ -39,8 +44,11 @@ class Controller:
         self.start_step = start_step
         self.reward_failures = 0
         self._relaunch_at_start: list[str] = []
+        # The last target already launched: a resumed run's checkpoint holds targets up to it.
+        self._launched_through = start_step - 1
         if resume_dir is not None:
             self._restore(Path(resume_dir))
+        return self.log.now()
 
     def ping(self) -> bool:
         return True
@@ -77,17 +85,17 @@ class Controller:
 
     @node("resume")
     def resume(self, *vals: ValOut) -> Resume:
-        # Mutation tests hand this Refitted or Gate tokens instead; both carry step and version.
         versions = {v.version for v in vals}
         if len(versions) != 1:
             raise RuntimeError(f"generators disagree on the weight version: {sorted(versions)}")
         version, step = versions.pop(), vals[0].step
+        launches = []
         if step == self.start_step - 1 and self._relaunch_at_start:
             launches = [self._relaunch(batch_id, version, "resumed from a checkpoint", None)
                         for batch_id in self._relaunch_at_start]
             self._relaunch_at_start = []
-        else:
-            launches = self._new_launches(step, version)
+        # After a resume the prologue launches only the targets its checkpoint did not hold.
+        launches += self._new_launches(step, version)
         scores = [dict(v.scores) for v in vals if isinstance(v, ValOut) and v.validated]
         val = ()
         if scores:
@@ -103,7 +111,7 @@ class Controller:
         first = self.start_step
         targets = range(first, first + max_age + 1) if step == first - 1 else [step + 1 + max_age]
         launches = []
-        for target in (t for t in targets if t < self.cfg.run.steps):
+        for target in (t for t in targets if self._launched_through < t < self.cfg.run.steps):
             prompts = self._next_prompts(self.cfg.grpo.prompts_per_step)
             for index in range(g.num_generators):
                 shard = tuple(prompts[index::g.num_generators])
@@ -119,11 +127,12 @@ class Controller:
                       target=launch.target, of=dead, reason=reason)
         return launch
 
-    def relaunch(self, generator: int, version: int, dead_worker: str) -> Resume:
+    @node("relaunch")
+    def relaunch(self, plan: RelaunchPlan) -> Resume:
         """The dead generator's unfinished batches, for its replacement: same ids, same prompts."""
-        launches = [self._relaunch(e.batch_id, version, f"{dead_worker} died", dead_worker)
-                    for e in self.buffer.in_flight(generator)]
-        return Resume(self.start_step - 1, version, tuple(launches))
+        launches = [self._relaunch(e.batch_id, plan.version, f"{plan.dead_worker} died", plan.dead_worker)
+                    for e in self.buffer.in_flight(plan.generator)]
+        return Resume(self.start_step - 1, plan.version, tuple(launches))
 
     def interrupt(self, reason: str) -> None:
         self.buffer.interrupt(reason)
@@ -131,7 +140,8 @@ class Controller:
     def clear_interrupt(self) -> None:
         self.buffer.clear_interrupt()
 
-    def put(self, batch_id: str, version: int, table: pa.Table) -> None:
+    def put(self, batch_id: str, version: int, table: pa.Table, clock: Clock = ()) -> None:
+        """A rollout's batch; `clock`: its rollout_end's, kept with it for `sample`."""
         failed = [e for e in table.column("reward_error").to_pylist() if e]
         if failed:
             self.reward_failures += len(failed)
@@ -139,12 +149,14 @@ class Controller:
             if self.reward_failures > limit:
                 self.buffer.fatal(f"the reward function failed on {self.reward_failures} samples, more than "
                                   f"reward.max_failures ({limit}); the last: {failed[-1]}")
-        self.buffer.put(batch_id, version, table)
+        self.buffer.put(batch_id, version, table, clock)
 
-    def rollout_failed(self, batch_id: str, reason: str) -> None:
-        self.buffer.fail(batch_id, reason)
+    def rollout_failed(self, batch_id: str, reason: str, clock: Clock = ()) -> None:
+        self.buffer.fail(batch_id, reason, clock)
 
-    def finish(self) -> dict:
+    def finish(self, after: Clock = ()) -> dict:
+        """`after`: the driver's clock; the drops at the end are after the whole run."""
+        self.log.merge(after)
         self.buffer.drop_all("unused_at_end")
         return {**self.buffer.accounting(), "reward_failures": self.reward_failures}
 
@@ -173,6 +185,7 @@ class Controller:
         self.rng.setstate(_tupled(state["rng"]))
         self.reward_failures = state["reward_failures"]
         self.buffer.restore_counters(state["counters"])
+        self._launched_through = max((e["target"] for e in state["entries"]), default=self.start_step - 1)
         tables = {}
         if (path / "buffer.parquet").is_file():
             table = pq.read_table(path / "buffer.parquet")

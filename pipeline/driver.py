@@ -7,12 +7,17 @@
 
 A generator that dies is replaced and its batches relaunched (pipeline/pool.py);
 any other dead worker stops the run with the checkpoint to resume from.
+
+The driver has a lane of the vector clock too (pipeline/events.py): each plan
+it feeds a graph carries the driver's clock, and it merges every token a graph
+returns, so each step is provably after everything the steps before it did.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -119,12 +124,18 @@ class Execution:
         self.prologue_runner = GraphRunner(build_prologue_graph(self.workers), "classic",
                                            self.cfg.run.deadline_s, actors)
 
+    def _absorb(self, out: dict) -> dict:
+        """The driver has seen what these tokens carry: what it runs next is after it."""
+        self.log.merge(*(getattr(token, "clock", ()) for token in out.values()))
+        return out
+
     def run(self, runner_name: str, plan: StepPlan) -> dict:
         """One execution of the prologue or the step graph, recovering from generator deaths."""
         while True:
             runner = getattr(self, runner_name)
             try:
-                return runner.run(plan, self.cfg.run.deadline_s, self.run_dir)
+                return self._absorb(runner.run(replace(plan, clock=self.log.now()), self.cfg.run.deadline_s,
+                                               self.run_dir))
             except WorkerDied as died:
                 index = generator_index(died.worker, self.workers, self.incarnations)
                 if index is None or runner.mode == "compiled":
@@ -134,7 +145,7 @@ class Execution:
                                         f"with --resume {self.run_dir}") from None
                 # A sample waiting for the dead generator's batches would wait out its deadline.
                 ray.get(self.workers.controller.interrupt.remote(str(died)), timeout=self.cfg.fault.deadline_s)
-                done = runner.settle(self.cfg.fault.deadline_s)
+                done = self._absorb(runner.settle(self.cfg.fault.deadline_s))
                 self.workers = replace_generator(self.workers, index, died, self.incarnations, self.cfg,
                                                  self.run_dir, self.t0, self.log)
                 ray.get(self.workers.controller.clear_interrupt.remote(), timeout=self.cfg.fault.deadline_s)
@@ -148,7 +159,8 @@ class Execution:
 
     def run_finish(self, plan: StepPlan, trained: TrainOut) -> dict:
         try:
-            return self.finish_runner.run((plan, trained), self.cfg.run.deadline_s, self.run_dir)
+            return self._absorb(self.finish_runner.run((replace(plan, clock=self.log.now()), trained),
+                                                       self.cfg.run.deadline_s, self.run_dir))
         except WorkerDied as died:
             raise PipelineError(f"{died} while recovering from an earlier death; resume with "
                                 f"--resume {self.run_dir}") from None
@@ -192,7 +204,7 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
         started_ray = _start_ray(cfg)
         if own_workers:
             workers = start_workers(cfg.generation.num_generators, critic=cfg.algorithm == "ppo")
-        workers = begin_run(workers, cfg, run_dir, t0, start, ckpt)
+        workers = begin_run(workers, cfg, run_dir, t0, start, ckpt, log)
         mode = summary["dag_mode"] = resolve_dag_mode(cfg, _cores(joined_cluster=bool(_ray_address(cfg))))
         if step_runner is not None and step_runner.mode != mode:
             raise ValueError(f"step_runner is {step_runner.mode} but run.dag_mode resolves to {mode}")
@@ -220,7 +232,8 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
             if step == cfg.run.steps - 1 or (every and (step + 1) % every == 0):
                 summary["checkpoint"] = str(checkpoint.save(execution.workers, run_dir, step + 1, cfg,
                                                             cfg.run.startup_deadline_s))
-        summary["accounting"] = ray.get(execution.workers.controller.finish.remote(), timeout=cfg.run.deadline_s)
+        summary["accounting"] = ray.get(execution.workers.controller.finish.remote(log.now()),
+                                        timeout=cfg.run.deadline_s)
         summary["generator_restarts"] = dict(sorted((f"gen{i}", n) for i, n in execution.incarnations.items()))
     except BaseException as exc:
         summary["error"] = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"

@@ -3,6 +3,9 @@
 A replaced generator is a new actor (a new process): it loads the trainer's
 current weights before anything else, then takes over its predecessor's
 unfinished batches through the relaunch graph, with the same ids and prompts.
+
+The driver's event log (`log`) merges the clock each call returns: the set-up,
+the trainer's weights and the relaunch are then before the graphs it runs next.
 """
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ from pathlib import Path
 import ray
 
 from dags.step_graph import Workers, build_relaunch_graph
+from dags.tokens import RelaunchPlan
 from pipeline.config import Config
 from pipeline.controller import Controller
 from pipeline.events import EventLog
 from pipeline.runner import GraphRunner, PipelineError, WorkerDied, task_error
+from pipeline.tiny import ModelError
 from pipeline.workers import GeneratorWorker, TrainerWorker
 
 
@@ -56,7 +61,7 @@ def generator_index(name: str, workers: Workers, incarnations: dict[int, int]) -
 
 
 def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_step: int,
-              ckpt: Path | None) -> Workers:
+              ckpt: Path | None, log: EventLog) -> Workers:
     """Set up every worker for this run; a pool may hold more generators than it uses."""
     used = workers.first(cfg.generation.num_generators)
     resume = (lambda part: str(ckpt / part)) if ckpt is not None else (lambda part: None)
@@ -64,19 +69,27 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
              used.trainer.begin_run.remote(cfg, str(run_dir), t0, resume("trainer_state"), start_step)]
     if used.critic is not None:
         setup.append(used.critic.begin_run.remote(cfg, str(run_dir), t0, resume("critic_state")))
-    _wait(setup, cfg)
-    weights = ray.get(used.trainer.current_weights.remote())[1] if ckpt is not None else ()
-    _wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights) for g in used.generators], cfg)
+    log.merge(*_wait(setup, cfg))
+    weights = ()
+    if ckpt is not None:
+        _, weights, clock = ray.get(used.trainer.current_weights.remote())
+        log.merge(clock)
+    log.merge(*_wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights, log.now())
+                      for g in used.generators], cfg))
     return used
 
 
-def _wait(calls: list, cfg: Config) -> None:
+def _wait(calls: list, cfg: Config) -> list:
+    """The calls' results: a begin_run returns its worker's clock (None: logs nothing)."""
     try:
-        ray.get(calls, timeout=cfg.run.startup_deadline_s)
+        return [c or () for c in ray.get(calls, timeout=cfg.run.startup_deadline_s)]
     except ray.exceptions.GetTimeoutError:
         raise PipelineError(f"workers did not start within {cfg.run.startup_deadline_s:.0f} s "
                             "(run.startup_deadline_s)") from None
     except ray.exceptions.RayError as exc:
+        if isinstance(getattr(exc, "cause", None), ModelError):
+            # Bad input found by an engine at start-up (vLLM's probe): name the recipe key.
+            raise ModelError(f"model.path: {exc.cause}") from None
         raise PipelineError(f"a worker failed to start: {task_error(exc)}") from None
 
 
@@ -91,12 +104,15 @@ def replace_generator(workers: Workers, index: int, died: WorkerDied, incarnatio
                             f"{cfg.fault.max_restarts}")
     ray.kill(workers.generators[index])
     actor = _generator(index)
-    version, weights = ray.get(workers.trainer.current_weights.remote(), timeout=cfg.fault.deadline_s)
-    _wait([actor.begin_run.remote(cfg, str(run_dir), t0, workers.controller, incarnation, weights)], cfg)
+    version, weights, clock = ray.get(workers.trainer.current_weights.remote(), timeout=cfg.fault.deadline_s)
+    log.merge(clock)
+    log.merge(*_wait([actor.begin_run.remote(cfg, str(run_dir), t0, workers.controller, incarnation, weights,
+                                             log.now())], cfg))
     incarnations[index] = incarnation
     workers = workers.replace_generator(index, actor)
     relaunch = GraphRunner(build_relaunch_graph(workers, index), "classic", cfg.fault.deadline_s,
                            actor_names(workers, incarnations))
-    relaunch.run((index, version, died.worker), cfg.fault.deadline_s, run_dir)
+    out = relaunch.run(RelaunchPlan(index, version, died.worker, log.now()), cfg.fault.deadline_s, run_dir)
+    log.merge(*(token.clock for token in out.values()))
     log.emit("generator_restarted", step=died.step, new=generator_name(index, incarnation), version=version)
     return workers

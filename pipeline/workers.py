@@ -10,6 +10,7 @@ another node except through its arguments.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -18,7 +19,7 @@ import time
 import pyarrow as pa
 import ray
 
-from dags.tokens import Advantages, Batch, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
+from dags.tokens import Advantages, Batch, Clock, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
 from pipeline import backends
 from pipeline.config import Config
 from pipeline.engines import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
@@ -39,20 +40,26 @@ def one_thread() -> None:
 
 
 def node(name: str):
-    """Log node_start/node_end and name the node, worker and step in any failure."""
+    """Log node_start/node_end and name the node, worker and step in any failure.
+
+    The node logs on its own lane (`<worker>/<node>`, pipeline/events.py),
+    after the clocks of the tokens it takes; the token it returns carries the
+    clock at its node_end. Two nodes of one actor are ordered only if the graph
+    orders them, not because they happened to run one after the other."""
     def wrap(method):
         @functools.wraps(method)
         def run(self, *tokens):
             step = next((t.step for t in tokens if hasattr(t, "step")), None)
-            self.log.emit("node_start", step=step, node=name)
-            try:
-                out = method(self, *tokens)
-            except Exception as exc:
-                self.log.emit("node_error", step=step, node=name, error=f"{type(exc).__name__}: {exc}")
-                raise NodeError(f"node {name!r} on worker {self.log.worker!r} failed at step {step}: "
-                                f"{type(exc).__name__}: {exc}") from exc
-            self.log.emit("node_end", step=step, node=name)
-            return out
+            with self.log.lane(f"{self.log.worker}/{name}", *(getattr(t, "clock", ()) for t in tokens)):
+                self.log.emit("node_start", step=step, node=name)
+                try:
+                    out = method(self, *tokens)
+                except Exception as exc:
+                    self.log.emit("node_error", step=step, node=name, error=f"{type(exc).__name__}: {exc}")
+                    raise NodeError(f"node {name!r} on worker {self.log.worker!r} failed at step {step}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+                self.log.emit("node_end", step=step, node=name)
+                return dataclasses.replace(out, clock=self.log.now())
         return run
     return wrap
 
@@ -66,7 +73,7 @@ def reopen_log(worker, run_dir: str, name: str, t0: float) -> EventLog:
 
 class TrainerWorker:
     def begin_run(self, cfg: Config, run_dir: str, t0: float, resume_dir: str | None = None,
-                  start_version: int = 0) -> None:
+                  start_version: int = 0) -> Clock:
         one_thread()
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, "trainer", t0)
@@ -75,16 +82,23 @@ class TrainerWorker:
         if resume_dir is not None:
             self.engine.load_state(resume_dir)
         self.version = start_version
-        self._live_weights = None  # exported on first need: most runs never replace a generator
+        # (version, ObjectRef of (version, weights) or None, clock of their making): exported
+        # on first need, since most runs never replace a generator. One attribute, so a
+        # reader on the second thread never pairs one step's weights with another's clock.
+        self._live = (start_version, None, self.log.now())
+        return self.log.now()
 
     def ping(self) -> bool:
         return True
 
-    def current_weights(self) -> tuple[int, tuple]:
-        """The version and (ObjectRef of (version, weights),), for a generator that starts mid-run."""
-        if self._live_weights is None:
-            self._live_weights = ray.put((self.version, self.engine.export_weights()))
-        return self.version, (self._live_weights,)
+    def current_weights(self) -> tuple[int, tuple, Clock]:
+        """The version, (ObjectRef of (version, weights),) and the clock of the event that
+        made them, for a generator that starts mid-run: its load is after that event."""
+        version, ref, clock = self._live
+        if ref is None:
+            ref = ray.put((version, self.engine.export_weights()))
+            self._live = (version, ref, clock)
+        return version, (ref,), clock
 
     @node("train")
     def train(self, batch: Batch, advantages: Advantages | None = None) -> TrainOut:
@@ -104,9 +118,10 @@ class TrainerWorker:
         else:
             metrics = self.engine.train_step(table, advantages=ray.get(advantages.table_ref[0]))
         self.version += 1
-        # Kept alive until the next step's refits are done (see Controller.sample).
-        self._live_weights = weights_ref = ray.put((self.version, self.engine.export_weights()))
+        weights_ref = ray.put((self.version, self.engine.export_weights()))
         self.log.emit("train_end", step=batch.step, version=self.version)
+        # Kept alive until the next step's refits are done (see Controller.sample).
+        self._live = (self.version, weights_ref, self.log.now())
         failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
         metrics = {**metrics, "reward_failures": float(failed),
                    "reward_mean": _mean(table.column("reward").to_pylist()),
@@ -123,26 +138,40 @@ class TrainerWorker:
         self.engine.save_state(path)
 
 
+class _Rollouts:
+    """A generator's rollout thread and the clocks it hands back: `collect`
+    waits for `started` (the thread has logged rollout_start and is calling the
+    engine), and the refit's drain joins the thread and merges `end_clock`."""
+
+    def __init__(self, target, args: tuple, name: str):
+        self.started = threading.Event()
+        self.start_clock: Clock = ()
+        self.end_clock: Clock = ()
+        self.thread = threading.Thread(target=target, args=(self, *args), name=name, daemon=True)
+
+
 class GeneratorWorker:
     """One generation engine. Rollouts run on a background thread that the
     next refit joins, so generation overlaps training but never a refit."""
 
     def __init__(self, index: int):
         self.index = index
-        self._rollouts: threading.Thread | None = None
+        self._rollouts: _Rollouts | None = None
 
     def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, incarnation: int = 0,
-                  weights: tuple = ()) -> None:
+                  weights: tuple = (), after: Clock = ()) -> Clock:
         """`weights`: (ObjectRef of (version, state),) when starting mid-run (a
-        restart, a resume); the load is logged as this worker's refit to that version."""
+        restart, a resume); the load is logged as this worker's refit to that version.
+        `after`: the caller's clock (it holds the trainer's, from current_weights)."""
         one_thread()
         if self._rollouts is not None:
             # A previous run on this actor must not leak rollouts into this one.
-            self._rollouts.join(timeout=cfg.run.deadline_s)
+            self._rollouts.thread.join(timeout=cfg.run.deadline_s)
             self._rollouts = None
         self.cfg = cfg
         name = f"gen{self.index}" + (f"r{incarnation}" if incarnation else "")
         self.log = reopen_log(self, run_dir, name, t0)
+        self.log.merge(after)
         self.log.emit("worker_start", pid=os.getpid(), incarnation=incarnation, generator=self.index)
         self.engine = backends.generation_engine(cfg, self.index, incarnation)
         self.reward_fn = backends.reward_function(cfg)
@@ -157,6 +186,7 @@ class GeneratorWorker:
             self.engine.load_weights(state)
             self.version, self._loaded_step = version, version - 1
             self.log.emit("refit_end", step=version - 1, version=self.version)
+        return self.log.now()
 
     def ping(self) -> bool:
         return True
@@ -202,40 +232,67 @@ class GeneratorWorker:
     def collect(self, resume: Resume) -> Ticket:
         if resume.version != self.version:
             raise RuntimeError(f"asked to roll out with version {resume.version}, engine holds {self.version}")
-        if self._rollouts is not None and self._rollouts.is_alive():
+        if self._rollouts is not None and self._rollouts.thread.is_alive():
             raise RuntimeError("collect while rollouts are still in flight: the graph lost its refit edge")
+        return self._start_rollouts(resume, self.version)
+
+    def _start_rollouts(self, resume: Resume, version: int) -> Ticket:
+        """Every launched batch starts here, inside the node, as one engine call: a
+        rollout can only start where the graph puts `collect`, never later from a
+        queue on the rollout thread (that would let it start during a validation).
+        The thread logs rollout_start right before it calls the engine, and this
+        waits for that, so the Ticket's clock is after every rollout_start."""
         mine = [launch for launch in resume.launches if launch.generator == self.index]
-        # Every launched batch starts here, inside the node, as one engine call: a
-        # rollout can only start where the graph puts `collect`, never later from a
-        # queue on the rollout thread (that would let it start during a validation).
         for launch in mine:
-            ev = dict(step=launch.target, version=self.version, batch=launch.batch_id, target=launch.target)
-            self.log.emit("launch", **ev)
-            self.log.emit("rollout_start", **ev)
+            self.log.emit("launch", step=launch.target, version=version, batch=launch.batch_id,
+                          target=launch.target)
         if mine:
-            self._rollouts = threading.Thread(target=self._run_rollouts, args=(mine, self.version),
-                                              name=f"rollouts-{self.log.worker}", daemon=True)
-            self._rollouts.start()
+            rollouts = _Rollouts(self._run_rollouts, (mine, version, self.log.now()),
+                                 name=f"rollouts-{self.log.worker}")
+            self._rollouts = rollouts
+            rollouts.thread.start()
+            if not rollouts.started.wait(timeout=self.cfg.run.deadline_s):
+                raise TimeoutError(f"the rollout thread did not start within {self.cfg.run.deadline_s:.0f} s "
+                                   "(run.deadline_s)")
+            self.log.merge(rollouts.start_clock)
         busy, self._busy_s = self._busy_s, 0.0
-        return Ticket(self.log.worker, resume.step, self.version, tuple(l.batch_id for l in mine), busy)
+        return Ticket(self.log.worker, resume.step, version, tuple(l.batch_id for l in mine), busy)
 
     def _drain(self, step: int) -> None:
-        if self._rollouts is not None:
-            self._rollouts.join(timeout=self.cfg.run.deadline_s)
-            if self._rollouts.is_alive():
+        rollouts = self._rollouts
+        if rollouts is not None:
+            rollouts.thread.join(timeout=self.cfg.run.deadline_s)
+            if rollouts.thread.is_alive():
                 raise TimeoutError(f"rollouts still running after {self.cfg.run.deadline_s:.0f} s "
                                    "(run.deadline_s) while draining for the refit")
-            self._rollouts = None
+            self.log.merge(rollouts.end_clock)  # joined: everything it logged is before this refit
+            if self._rollouts is rollouts:
+                self._rollouts = None
         if self._rollout_error is not None:
             error, self._rollout_error = self._rollout_error, None
             raise RuntimeError(f"a rollout failed before step {step}: {error}")
 
-    def _run_rollouts(self, launches: list[Launch], version: int) -> None:
+    def _run_rollouts(self, rollouts: _Rollouts, launches: list[Launch], version: int, fork: Clock) -> None:
+        """The rollout thread: its own lane, after the collect that started it. Each
+        batch's clock travels with its put (or rollout_failed) to the controller."""
+        with self.log.lane(f"{self.log.worker}/rollouts", fork):
+            try:
+                self._generate(rollouts, launches, version)
+            finally:
+                rollouts.end_clock = self.log.now()
+                rollouts.started.set()  # a thread that failed before its start must not hold collect up
+
+    def _generate(self, rollouts: _Rollouts, launches: list[Launch], version: int) -> None:
         prompts = [p for launch in launches for p in launch.prompts]
         started = time.perf_counter()
         try:
             seeds = [s for launch in launches for s in sample_seeds(
                 self.cfg.run.seed, launch.batch_id, list(launch.prompts), self.cfg.grpo.group_size)]
+            for launch in launches:  # where the engine really starts generating
+                self.log.emit("rollout_start", step=launch.target, version=version, batch=launch.batch_id,
+                              target=launch.target)
+            rollouts.start_clock = self.log.now()
+            rollouts.started.set()
             groups = self.engine.sample(prompts, seeds)
             tables, start = [], 0
             for launch in launches:
@@ -245,14 +302,15 @@ class GeneratorWorker:
         except Exception as exc:
             self._rollout_error = f"batches {[l.batch_id for l in launches]}: {type(exc).__name__}: {exc}"
             for launch in launches:
-                self.log.emit("rollout_end", step=launch.target, version=version, batch=launch.batch_id,
-                              target=launch.target, failed=True)
-                ray.get(self.controller.rollout_failed.remote(launch.batch_id, f"failed: {exc}"))
+                if rollouts.started.is_set():
+                    self.log.emit("rollout_end", step=launch.target, version=version, batch=launch.batch_id,
+                                  target=launch.target, failed=True)
+                ray.get(self.controller.rollout_failed.remote(launch.batch_id, f"failed: {exc}", self.log.now()))
             return
         for launch, table in zip(launches, tables):
             self.log.emit("rollout_end", step=launch.target, version=version, batch=launch.batch_id,
                           target=launch.target)
-            ray.get(self.controller.put.remote(launch.batch_id, version, table))
+            ray.get(self.controller.put.remote(launch.batch_id, version, table, self.log.now()))
 
     def _score(self, prompt: Prompt, text: str) -> tuple[float, str]:
         try:

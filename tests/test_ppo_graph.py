@@ -87,12 +87,16 @@ def test_ordering_subgraph_is_identical_for_grpo_and_ppo(generators):
     assert structure(grpo, grpo_workers)["train"] == ("trainer", "train", ("sample",))
 
 
-@pytest.mark.parametrize("mutation", ["no_validate_before_resume", "no_refit_before_resume"])
-def test_the_structural_comparison_sees_a_missing_edge(mutation):
+@pytest.mark.parametrize("resume_after", ["refit", "gate"])
+def test_the_structural_comparison_sees_a_missing_edge(resume_after):
+    """resume no longer waits for the validations (or for the refits either):
+    tests/mutations.py's validate_not_before_resume and refit_not_before_resume edges."""
+    from mutations import rewired
     grpo_workers, ppo_workers = viz_workers(2, "grpo"), viz_workers(2, "ppo")
-    mutated = build_step_graph(grpo_workers, grpo_train_subgraph, mutation=mutation)
+    mutated = rewired(grpo_workers, resume_after=resume_after)
     ppo = build_step_graph(ppo_workers, ppo_train_subgraph)
     assert ordering_part(mutated, grpo_workers, "grpo") != ordering_part(ppo, ppo_workers, "ppo")
+    assert ordering_part(rewired(grpo_workers), grpo_workers, "grpo") == ordering_part(ppo, ppo_workers, "ppo")
 
 
 # ---------------------------------------------------------------- (b) behaviour

@@ -1,0 +1,274 @@
+"""The ordering half of the event-log checker (pipeline/check.py).
+
+Invariants 1 and 2 are about order: no rollout starts while a validation
+runs; no rollout runs on an engine while its weights change. Event times come
+from different processes, and across hosts their clocks disagree, so this
+module proves order from each event's vector clock (`vc`, pipeline/events.py):
+A happened before B when A's clock is <= B's entry by entry and not equal. A
+clock grows only along the graph's edges, the joins of rollout threads, the
+batches `sample` takes and what the driver hands on, so a pair that no clock
+orders is a pair the run did not order, however the timing fell.
+
+Wall-clock times still give a second opinion. Where an event has no vector
+clock (a log from before them) the wall clock decides, and `Judge.fallbacks`
+counts those decisions. Where both exist and only the wall clock objects, the
+finding is a note, not a violation: a clock skew, or a log from several hosts.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: int
+    message: str
+    events: tuple[dict, ...] = ()
+
+
+def happened_before(a: dict, b: dict) -> bool:
+    """A's vector clock is <= B's entry by entry, and they differ."""
+    va, vb = a["vc"], b["vc"]
+    return va != vb and all(vb.get(lane, 0) >= count for lane, count in va.items())
+
+
+def has_clock(e: dict) -> bool:
+    return isinstance(e.get("vc"), dict)
+
+
+class Judge:
+    """Collects the ordering findings: `violations` (the verdict), `notes`
+    (the wall clock's objections to pairs the vector clocks order) and
+    `fallbacks` (decisions taken by wall clock for lack of a vector clock)."""
+
+    def __init__(self, events: list[dict]):
+        self.violations: list[Violation] = []
+        self.notes: list[Violation] = []
+        self.fallbacks = 0
+        # A dead worker logs nothing more: all its events are before the
+        # driver's generator_died for it (logged once Ray reported it dead),
+        # though the messages that would have carried its clock were lost.
+        self.deaths = {e.get("dead"): e for e in of(events, "generator_died") if has_clock(e)}
+
+    def ended_by_death(self, start: dict, end: dict | None, kind: str) -> dict | None:
+        """`end`, or for an interval its dead worker never ended, its death."""
+        death = self.deaths.get(start.get("worker"))
+        if end is not None or death is None:
+            return end
+        return {**death, "ev": kind, "worker": start.get("worker"), "abandoned": True}
+
+    def before(self, a: dict, b: dict) -> bool:
+        """A happened before B: by their clocks, or A is a dead worker's and B is after its death."""
+        if happened_before(a, b):
+            return True
+        death = None if a.get("abandoned") else self.deaths.get(a.get("worker"))
+        return death is not None and (death is b or happened_before(death, b))
+
+    def order(self, invariant: int, events: Iterable[dict | None], causal_ok: Callable[[], bool],
+              wall_ok: bool, message: str, wall_message: str) -> None:
+        """`causal_ok` says the clocks order the events as the invariant needs;
+        `wall_ok` whether their times do. `message` explains a causal failure,
+        `wall_message` a wall-clock one; both end with the events' times."""
+        evs = tuple(sorted((e for e in events if e is not None), key=lambda e: e["t"]))
+        if all(has_clock(e) for e in evs):
+            if not causal_ok():
+                self.violations.append(Violation(invariant, message, evs))
+            elif not wall_ok:
+                self.notes.append(Violation(invariant, f"{wall_message}; the vector clocks order them, "
+                                                       "so the times are skewed, not the run", evs))
+        else:
+            self.fallbacks += 1
+            if not wall_ok:
+                self.violations.append(Violation(invariant, f"{wall_message} (by wall clock: an event "
+                                                            "has no vector clock)", evs))
+
+    def fail(self, invariant: int, message: str, events: Iterable[dict | None]) -> None:
+        self.violations.append(Violation(invariant, message, tuple(e for e in events if e is not None)))
+
+
+# ----------------------------------------------------------------- helpers
+
+def t_(t: float) -> str:
+    return "end of log" if t == math.inf else f"{t:.3f}s"
+
+
+def end_t(end: dict | None) -> float:
+    # An interval whose end was never logged (killed run, hung worker) is
+    # treated as still open: that is the pessimistic reading.
+    return math.inf if end is None else end["t"]
+
+
+def of(events: Iterable[dict], kind: str) -> list[dict]:
+    return [e for e in events if e.get("ev") == kind]
+
+
+def by_worker_step(e: dict) -> tuple:
+    return e.get("worker"), e.get("step")
+
+
+def by_worker_batch(e: dict) -> tuple:
+    return e.get("worker"), e.get("batch")
+
+
+def pair(events: list[dict], start: str, end: str,
+         key: Callable[[dict], object]) -> tuple[list[list], list[dict]]:
+    """[start, end or None] pairs in start order, and the ends with no start.
+    A key names one worker, so this order is one process's, never a comparison
+    of two hosts' clocks."""
+    pairs: list[list] = []
+    open_by_key: dict[object, list[list]] = defaultdict(list)
+    orphans = []
+    for e in events:
+        if e.get("ev") == start:
+            pairs.append([e, None])
+            open_by_key[key(e)].append(pairs[-1])
+        elif e.get("ev") == end:
+            waiting = open_by_key[key(e)]
+            if waiting:
+                waiting.pop(0)[1] = e
+            else:
+                orphans.append(e)
+    return pairs, orphans
+
+
+def rollouts(events: list[dict]) -> tuple[list[list], list[dict]]:
+    """[rollout_start, rollout_end or None] pairs and orphan ends. A relaunch
+    ends the dead worker's open rollout of that batch: no data came of it (the
+    end is marked abandoned, with the relaunch's time and clock)."""
+    pairs, orphans = pair(events, "rollout_start", "rollout_end", by_worker_batch)
+    for e in of(events, "relaunch"):
+        dead = next((p for p in pairs if p[1] is None and by_worker_batch(p[0]) == (e.get("of"), e.get("batch"))),
+                    None)
+        if e.get("of") and dead is not None:
+            dead[1] = {**e, "ev": "rollout_end", "worker": e["of"], "abandoned": True}
+    return pairs, orphans
+
+
+def _step_key(e: dict) -> tuple:
+    step = e.get("step")
+    return (step if isinstance(step, int) else -math.inf, e["t"])
+
+
+# ------------------------------------------------------------ invariant 1
+
+def rollouts_clear_of_validations(events: list[dict], judge: Judge) -> None:
+    """Invariant 1: for each rollout_start R and each validation (start S, end
+    E) on any worker, E happened before R or R before S."""
+    validations = [(vs, judge.ended_by_death(vs, ve, "validation_end"))
+                   for vs, ve in pair(events, "validation_start", "validation_end", by_worker_step)[0]]
+    for rs in of(events, "rollout_start"):
+        for vs, ve in validations:
+            wall = (f"(wall clock: batch started {t_(rs['t'])}, validation {t_(vs['t'])} "
+                    f"to {t_(end_t(ve))})")
+            what = (f"batch {rs.get('batch')} started on {rs.get('worker')} and the validation of step "
+                    f"{vs.get('step')} on {vs.get('worker')}")
+            judge.order(
+                1, (vs, rs, ve),
+                lambda: judge.before(rs, vs) or (ve is not None and judge.before(ve, rs)),
+                wall_ok=not vs["t"] <= rs["t"] <= end_t(ve),
+                message=(f"{what} are not ordered: the batch started neither after the validation "
+                         f"ended{'' if ve else ' (it never ended)'} nor before it began {wall}"),
+                wall_message=(f"batch {rs.get('batch')} started on {rs.get('worker')} at {t_(rs['t'])} while "
+                              f"validation of step {vs.get('step')} ran on {vs.get('worker')} "
+                              f"({t_(vs['t'])} to {t_(end_t(ve))})"))
+
+
+# ------------------------------------------------------------ invariant 2
+
+def rollouts_clear_of_refits(events: list[dict], pairs: list[list], judge: Judge) -> None:
+    """Invariant 2, drain mode: on one generator, every rollout (start, end)
+    and refit (start, end) are ordered: the rollout ended before the refit
+    started, or started after it ended."""
+    refits: dict[str, list[list]] = defaultdict(list)
+    for fs, fe in pair(events, "refit_start", "refit_end", by_worker_step)[0]:
+        refits[fs.get("worker")].append([fs, judge.ended_by_death(fs, fe, "refit_end")])
+    for rs, re_ in pairs:
+        for fs, fe in refits.get(rs.get("worker"), []):
+            times = (f"(wall clock: rollout {t_(rs['t'])} to {t_(end_t(re_))}, refit {t_(fs['t'])} "
+                     f"to {t_(end_t(fe))})")
+            judge.order(
+                2, (rs, re_, fs, fe),
+                lambda: (re_ is not None and judge.before(re_, fs)) or (fe is not None and judge.before(fe, rs)),
+                # Strict: a refit may begin at the instant the drained rollout ends.
+                wall_ok=not (rs["t"] < end_t(fe) and fs["t"] < end_t(re_)),
+                message=(f"rollout of batch {rs.get('batch')} on {rs.get('worker')} and its refit for step "
+                         f"{fs.get('step')} are not ordered: the rollout neither ended before the refit "
+                         f"began nor started after it ended {times}"),
+                wall_message=(f"rollout of batch {rs.get('batch')} on {rs.get('worker')} ({t_(rs['t'])} to "
+                              f"{t_(end_t(re_))}) overlaps its refit for step {fs.get('step')} "
+                              f"({t_(fs['t'])} to {t_(end_t(fe))})"))
+
+
+def rollouts_run_the_loaded_version(events: list[dict], judge: Judge) -> None:
+    """Invariant 2: a rollout carries the version its engine held: the last
+    refit (in step order) before its start, on its worker, loaded that version.
+    A rollout with no refit before it holds the run's first weights: unchecked."""
+    loads: dict[str, list[dict]] = defaultdict(list)
+    for e in of(events, "refit_end"):
+        loads[e.get("worker")].append(e)
+
+    def mismatch(rs: dict, before: list[dict]) -> dict | None:
+        last = max(before, key=_step_key, default=None)
+        return last if last is not None and last.get("version") != rs.get("version") else None
+
+    def claim(rs: dict, load: dict) -> str:
+        return (f"batch {rs.get('batch')} started on {rs.get('worker')} at {t_(rs['t'])} with version "
+                f"{rs.get('version')}, but the last refit before it there (step {load.get('step')}, "
+                f"{t_(load['t'])}) loaded version {load.get('version')}")
+    for rs in of(events, "rollout_start"):
+        mine = loads.get(rs.get("worker"), [])
+        wrong_by_wall = mismatch(rs, [e for e in mine if e["t"] <= rs["t"]])
+        if has_clock(rs) and all(has_clock(e) for e in mine):
+            wrong = mismatch(rs, [e for e in mine if judge.before(e, rs)])
+            if wrong is not None:
+                judge.fail(2, claim(rs, wrong) + " (by vector clock: the refits that are before it)", (wrong, rs))
+            elif wrong_by_wall is not None:
+                judge.notes.append(Violation(2, f"{claim(rs, wrong_by_wall)} by wall clock; the vector "
+                                                "clocks disagree, so the times are skewed, not the run",
+                                             (wrong_by_wall, rs)))
+        else:
+            judge.fallbacks += 1
+            if wrong_by_wall is not None:
+                judge.fail(2, claim(rs, wrong_by_wall) + " (by wall clock: an event has no vector clock)",
+                           (wrong_by_wall, rs))
+
+
+def delivering_rollout(batch: str, ts: dict, starts: list[list], judge: Judge) -> list[dict] | None:
+    """The rollout_start (or restore) of `batch` whose data train_start `ts`
+    trained on: its end (a restore is its own end) happened before `ts`. Of
+    several, the latest; an abandoned rollout delivered nothing. None when an
+    event has no vector clock: then `by_wall_clock` is the answer."""
+    done = [(s, e) for s, e in starts if e is not None and not e.get("abandoned")]
+    if not (all(has_clock(x) for s, e in done for x in (s, e)) and has_clock(ts)):
+        judge.fallbacks += 1
+        return None
+    before = [(s, e) for s, e in done if judge.before(e, ts)]
+    return [s for s, e in before if not any(judge.before(e, e2) for _, e2 in before)]
+
+
+def by_wall_clock(ts: dict, starts: list[list]) -> list[dict]:
+    """The wall clock's answer: the last start of the batch at or before `ts`'s time."""
+    return [s for s, _ in starts if s["t"] <= ts["t"]][-1:]
+
+
+# ------------------------------------------------------------ invariant 5
+
+def weights_come_from_the_trainer(events: list[dict], judge: Judge, generators: Iterable[str]) -> None:
+    """Invariant 5: a generator's version v is the trainer's v: each refit_end
+    for step s happened after the trainer's train_end of step s."""
+    train_end = {e.get("step"): e for e in of(events, "train_end")}
+    gens = set(generators)
+    for fe in of(events, "refit_end"):
+        te = train_end.get(fe.get("step"))
+        if te is None or fe.get("worker") not in gens:
+            continue  # a resumed run's first weights were made by an earlier attempt
+        judge.order(
+            5, (te, fe), lambda: judge.before(te, fe), wall_ok=te["t"] <= fe["t"],
+            message=(f"{fe.get('worker')} loaded the weights of step {fe.get('step')} (version "
+                     f"{fe.get('version')}) without the trainer's train_end of that step before it: the "
+                     f"weights did not come along the graph's edges (wall clock: trained {t_(te['t'])}, "
+                     f"loaded {t_(fe['t'])})"),
+            wall_message=(f"{fe.get('worker')} finished loading the weights of step {fe.get('step')} at "
+                          f"{t_(fe['t'])}, before the trainer made them ({t_(te['t'])})"))
