@@ -30,8 +30,8 @@ from pipeline import backends, checkpoint
 from pipeline.config import Config
 from pipeline.events import EventLog, merge_events
 from pipeline.metrics import MetricSinks, Progress, step_metrics
-from pipeline.pool import (actor_names, begin_run, generator_index, replace_generator, start_workers,
-                           stop_workers)
+from pipeline.pool import (actor_names, begin_run, generator_index, generator_name, replace_generator,
+                           start_workers, stop_workers)
 from pipeline.runner import GraphRunner, PipelineError, WorkerDied
 from pipeline.timeline import write_trace
 
@@ -104,8 +104,9 @@ class Execution:
     is a new actor handle, so the graphs are rebuilt around it."""
 
     def __init__(self, cfg: Config, workers: Workers, mode: str, run_dir: Path, t0: float, log: EventLog,
-                 step_runner: GraphRunner | None):
+                 step_runner: GraphRunner | None, say=print):
         self.cfg, self.workers, self.mode, self.run_dir, self.t0, self.log = cfg, workers, mode, run_dir, t0, log
+        self.say = say
         self.incarnations: dict[int, int] = {}
         self.step_runner = step_runner
         self._build(new_step_runner=step_runner is None)
@@ -146,8 +147,13 @@ class Execution:
                 # A sample waiting for the dead generator's batches would wait out its deadline.
                 ray.get(self.workers.controller.interrupt.remote(str(died)), timeout=self.cfg.fault.deadline_s)
                 done = self._absorb(runner.settle(self.cfg.fault.deadline_s))
-                self.workers = replace_generator(self.workers, index, died, self.incarnations, self.cfg,
-                                                 self.run_dir, self.t0, self.log)
+                self.say(f"dagrl: step {died.step}: generator {died.worker} died ({died.detail}); "
+                         f"starting restart {self.incarnations.get(index, 0) + 1} of {self.cfg.fault.max_restarts}")
+                self.workers, relaunched = replace_generator(self.workers, index, died, self.incarnations,
+                                                             self.cfg, self.run_dir, self.t0, self.log)
+                self.say(f"dagrl: step {died.step}: {generator_name(index, self.incarnations[index])} replaced "
+                         f"{died.worker} and relaunched {len(relaunched)} unfinished batches "
+                         f"{list(relaunched)}; the step goes on")
                 ray.get(self.workers.controller.clear_interrupt.remote(), timeout=self.cfg.fault.deadline_s)
                 self._build()
             # What the interrupted execution finished decides what is left to run.
@@ -214,7 +220,7 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
             say("dagrl: simulated workers (backend: sim): no model is trained")
         log.emit("run_start", max_age=cfg.grpo.max_age, steps=cfg.run.steps, start_step=start, dag_mode=mode,
                  refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm)
-        execution = Execution(cfg, workers, mode, run_dir, t0, log, step_runner)
+        execution = Execution(cfg, workers, mode, run_dir, t0, log, step_runner, say)
         prologue = execution.run("prologue_runner", StepPlan(start - 1, cfg.grpo.val_at_start and start == 0))
         if prologue["resume"].val_scores:
             sinks.write({"step": start - 1, **dict(prologue["resume"].val_scores)})

@@ -94,9 +94,10 @@ def _wait(calls: list, cfg: Config) -> list:
 
 
 def replace_generator(workers: Workers, index: int, died: WorkerDied, incarnations: dict[int, int],
-                      cfg: Config, run_dir: Path, t0: float, log: EventLog) -> Workers:
+                      cfg: Config, run_dir: Path, t0: float, log: EventLog) -> tuple[Workers, tuple[str, ...]]:
     """Start a new generator in place of a dead one, load the current weights,
-    and relaunch the dead one's unfinished batches on it."""
+    and relaunch the dead one's unfinished batches on it; returns the workers
+    and the ids of the relaunched batches."""
     incarnation = incarnations.get(index, 0) + 1
     log.emit("generator_died", step=died.step, dead=died.worker, detail=died.detail, restart=incarnation)
     if incarnation > cfg.fault.max_restarts:
@@ -115,4 +116,4 @@ def replace_generator(workers: Workers, index: int, died: WorkerDied, incarnatio
     out = relaunch.run(RelaunchPlan(index, version, died.worker, log.now()), cfg.fault.deadline_s, run_dir)
     log.merge(*(token.clock for token in out.values()))
     log.emit("generator_restarted", step=died.step, new=generator_name(index, incarnation), version=version)
-    return workers
+    return workers, tuple(sorted(launch.batch_id for launch in out["relaunch"].launches))

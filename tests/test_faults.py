@@ -53,6 +53,20 @@ def test_generator_dies_mid_rollout_and_is_replaced(tmp_path_factory, ray_sessio
     assert {e["batch"] for e in events if e["ev"] == "rollout_start" and e["worker"] == f"gen{worker}r1"} >= relaunched
 
 
+def test_a_restart_is_told_on_the_console(tmp_path, ray_session, capsys):
+    """Which worker died at which step, restart k of n, which batches were relaunched."""
+    cfg = sim_config(tmp_path, "say", run__steps=4, generation__num_generators=2, sim__fault="generate_exit",
+                     sim__fault_after=1, sim__fault_worker=1, sim__generate_s=0.03, metrics__progress="false")
+    train(cfg)
+    out = capsys.readouterr().out
+    relaunched = sorted({e["batch"] for e in load_events(tmp_path / "say") if e["ev"] == "relaunch"})
+    died = [line for line in out.splitlines() if "generator gen1 died" in line]
+    assert len(died) == 1 and "starting restart 1 of 2" in died[0], out
+    step = died[0].split("step ")[1].split(":")[0]
+    assert (f"dagrl: step {step}: gen1r1 replaced gen1 and relaunched {len(relaunched)} unfinished batches "
+            f"{relaunched}; the step goes on") in out, out
+
+
 def test_restarts_exhausted_stops_naming_the_worker(tmp_path, ray_session):
     cfg = sim_config(tmp_path, "x", run__steps=8, generation__num_generators=2, sim__fault="generate_exit",
                      sim__fault_after=1, sim__fault_worker=1, sim__fault_incarnations=9, fault__max_restarts=1)
