@@ -144,6 +144,8 @@ class _Rollouts:
     engine), and the refit's drain joins the thread and merges `end_clock`."""
 
     def __init__(self, target, args: tuple, name: str):
+        # A hand-shake inside the collect node, not an ordering between nodes:
+        # collect returns only once its own thread has logged rollout_start.
         self.started = threading.Event()
         self.start_clock: Clock = ()
         self.end_clock: Clock = ()
