@@ -107,7 +107,6 @@ class Resume:
     version: int
     launches: tuple[Launch, ...] = ()
     val_scores: tuple[tuple[str, float], ...] = ()
-    timings: tuple[tuple[str, float], ...] = ()  # refit_s / validate_s, the slowest generator's
     clock: Clock = ()
 
 

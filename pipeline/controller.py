@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from dags.tokens import (Batch, Clock, CriticOut, Gate, Launch, RelaunchPlan, Refitted, Resume, StepPlan,
+from dags.tokens import (Batch, Clock, CriticOut, Gate, Launch, RelaunchPlan, Resume, StepPlan,
                          TrainOut, ValOut)
 from pipeline import backends
 from pipeline.buffer import ReplayBuffer
@@ -101,9 +101,7 @@ class Controller:
         if scores:
             count = sum(s["count"] for s in scores)
             val = (("val_reward", sum(s["reward_sum"] for s in scores) / max(count, 1)), ("val_count", count))
-        timings = (("refit_s", max((v.refit_s for v in vals if isinstance(v, Refitted)), default=0.0)),
-                   ("validate_s", max((v.validate_s for v in vals if isinstance(v, ValOut)), default=0.0)))
-        return Resume(step, version, tuple(launches), val, timings)
+        return Resume(step, version, tuple(launches), val)
 
     def _new_launches(self, step: int, version: int) -> list[Launch]:
         max_age, g = self.cfg.grpo.max_age, self.cfg.generation

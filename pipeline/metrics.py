@@ -55,26 +55,19 @@ def step_metrics(step: int, elapsed_s: float, out: dict[str, object]) -> dict[st
         if timed:
             record["trainer_idle"] = _clamp01(1.0 - train_metrics["time_s"] / elapsed_s)
 
-    resume = out.get("resume")
-    # Resume carries the slowest generator's timings too, for graphs whose
-    # outputs do not include the per-generator nodes.
-    fallback = dict(getattr(resume, "timings", ()))
     refits = _nodes(out, "refit")
     if refits:
         record["refit_s"] = max(float(r.refit_s) for r in refits)
-    elif "refit_s" in fallback:
-        record["refit_s"] = float(fallback["refit_s"])
     vals = _nodes(out, "validate")
     if vals:
         record["validate_s"] = max(float(v.validate_s) for v in vals)
-    elif "validate_s" in fallback:
-        record["validate_s"] = float(fallback["validate_s"])
 
     tickets = _nodes(out, "collect")
     if tickets and timed:
         record["generator_idle"] = sum(_clamp01(1.0 - t.busy_s / elapsed_s) for t in tickets) / len(tickets)
     if "response_tokens" in train_metrics and timed:
         record["generated_tokens_per_s"] = train_metrics["response_tokens"] / elapsed_s
+    resume = out.get("resume")
     if resume is not None:
         record.update({k: float(v) for k, v in resume.val_scores})
     return record

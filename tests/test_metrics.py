@@ -78,12 +78,6 @@ def test_step_metrics_on_prologue_outputs():
     assert not {"wait_s", "train_s", "trainer_idle", "loss", "generated_tokens_per_s"} & set(m)
 
 
-def test_step_metrics_falls_back_to_resume_timings():
-    out = {"resume": Resume(2, 3, (), (), (("refit_s", 0.4), ("validate_s", 0.0)))}
-    m = step_metrics(2, 1.0, out)
-    assert m["refit_s"] == 0.4 and m["validate_s"] == 0.0
-
-
 def _scalars(log_dir, tag: str) -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(log_dir))
