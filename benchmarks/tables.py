@@ -116,7 +116,7 @@ def seeds(r: dict) -> str:
 def main() -> None:
     d = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS
     for name, fn in (("seeds", seeds), ("overlap", overlap), ("overlap_scale1", overlap), ("overhead", overhead),
-                     ("overhead_run1", overhead), ("overhead_1gen", overhead)):
+                     ("overhead_1gen", overhead)):
         path = d / f"{name}.json"
         if path.is_file():
             print(f"\n### {name}\n")
