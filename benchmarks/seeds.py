@@ -110,12 +110,12 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def _median_with_never(values: list[int | None]) -> float | None:
-    ordered = sorted(values, key=lambda v: float("inf") if v is None else v)
-    mid = ordered[len(ordered) // 2] if len(ordered) % 2 else None
-    if len(ordered) % 2 == 0 and ordered:
-        a, b = ordered[len(ordered) // 2 - 1], ordered[len(ordered) // 2]
-        mid = None if a is None or b is None else (a + b) / 2
-    return mid
+    """The median, a seed that never got there counting as infinitely many steps;
+    None when the median itself is never."""
+    if not values:
+        return None
+    mid = statistics.median(float("inf") if v is None else v for v in values)
+    return None if mid == float("inf") else mid
 
 
 def main(argv: list[str] | None = None) -> dict:

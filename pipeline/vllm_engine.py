@@ -108,8 +108,8 @@ class VllmGenerationEngine:
             raise ValueError(f"sample: {len(seeds)} seed lists for {len(prompts)} prompts")
         if self.temperature == 0:
             raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
-        requests = [(prompt, self.encode(prompt.text), seed) for prompt, group in zip(prompts, seeds)
-                    for seed in group]
+        requests = [(prompt, ids, seed) for prompt, ids, group in
+                    zip(prompts, (self.encode(p.text) for p in prompts), seeds) for seed in group]
         params = [self._params(seed) for _, _, seed in requests]
         outputs = self._generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in requests], params)
         completions = iter(self._completion(prompt, out) for (prompt, _, _), out in zip(requests, outputs))
