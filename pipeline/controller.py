@@ -23,7 +23,7 @@ import ray
 
 from dags.tokens import (Batch, Clock, CriticOut, Gate, Launch, RelaunchPlan, Resume, StepPlan,
                          TrainOut, ValOut)
-from pipeline import backends
+from pipeline import backends, spans
 from pipeline.buffer import ReplayBuffer
 from pipeline.config import Config
 from pipeline.engines import Prompt
@@ -67,10 +67,12 @@ class Controller:
     @node("sample")
     def sample(self, plan: StepPlan) -> Batch:
         started = time.perf_counter()
-        ids, versions, table = self.buffer.take(plan.step, self.cfg.run.deadline_s)
-        # Held until the next sample: a ref sent through a compiled-graph channel is
-        # not counted as borrowed, so the owner must keep it alive for the consumer.
-        self._live_table = ray.put(table)
+        with spans.span("buffer.take"):
+            ids, versions, table = self.buffer.take(plan.step, self.cfg.run.deadline_s)
+        with spans.span("batch.put"):
+            # Held until the next sample: a ref sent through a compiled-graph channel is
+            # not counted as borrowed, so the owner must keep it alive for the consumer.
+            self._live_table = ray.put(table)
         return Batch(plan.step, tuple(ids), tuple(versions), (self._live_table,),
                      wait_s=time.perf_counter() - started)
 

@@ -21,7 +21,7 @@ import ray
 import torch
 
 from dags.tokens import Advantages, Batch, CriticOut
-from pipeline import backends
+from pipeline import backends, spans
 from pipeline.config import Config
 from pipeline.ppo import explained_variance, gae, last_token_rewards, masked_mean, masked_var, whiten
 from pipeline.workers import one_thread, reopen_log, node
@@ -83,6 +83,7 @@ class CriticWorker:
             old.close()  # a pooled actor: free the last run's optimizer state first
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, "critic", t0)
+        spans.take()
         self.engine = backends.critic_engine(cfg)
         if resume_dir is not None:
             self.engine.load_state(resume_dir)
@@ -91,6 +92,7 @@ class CriticWorker:
         self._live_advantages = None
         # save_state arrives on the second thread; it must not see half an update.
         self._lock = threading.Lock()
+        self.log.emit("worker_ready", spans=spans.take())
 
     def ping(self) -> bool:
         """The driver's liveness probe (pipeline/runner.py dead_actors); takes no lock,

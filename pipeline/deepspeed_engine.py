@@ -25,6 +25,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.grpo import group_advantages, grpo_loss
+from pipeline.spans import span
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -339,7 +340,8 @@ class DeepSpeedTrainingEngine:
         """
         t0 = time.perf_counter()
         ppo = advantages is not None
-        rows = _rows(table, 1 if ppo else self.group_size)
+        with span("train.rows"):
+            rows = _rows(table, 1 if ppo else self.group_size)
         rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float32)
         keys = {"gen": "logprobs"}
         if ppo:
@@ -356,9 +358,11 @@ class DeepSpeedTrainingEngine:
             # One optimizer step per table, however many micro-batches it takes
             # (deepspeed's own counter would step every grad_accum micro-batches).
             self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
-            batch = collate([rows[i] for i in idx], self.device, keys)
+            with span("train.collate"):
+                batch = collate([rows[i] for i in idx], self.device, keys)
             adv = batch["adv"] if ppo else group_adv[idx.start:idx.stop].to(self.device)
-            lp = self._logprobs(self.engine, batch)
+            with span("train.forward"):
+                lp = self._logprobs(self.engine, batch)
             ref = None
             if self.ref is not None:
                 with torch.no_grad():
@@ -368,11 +372,13 @@ class DeepSpeedTrainingEngine:
             loss, m = grpo_loss(lp, lp.detach(), batch["gen"], adv, batch["mask"],
                                 clip_eps=self.clip_eps, kl_coef=self.kl_coef, ref_logprobs=ref,
                                 is_clip=self.is_clip, num_tokens=max(tokens, 1))
-            self.engine.backward(loss, scale_wrt_gas=False)
+            with span("train.backward"):
+                self.engine.backward(loss, scale_wrt_gas=False)
             sums["loss"] += loss.item()
             for key in ("clip_frac", "is_weight", "kl", "ratio"):
                 sums[key] += m[key] * m["tokens"]
-        grad_norm = step_with_grad_norm(self.engine, self.zero_stage, self.dtype)
+        with span("train.optimizer"):
+            grad_norm = step_with_grad_norm(self.engine, self.zero_stage, self.dtype)
         n = max(tokens, 1)
         return {
             "loss": sums["loss"],

@@ -1,0 +1,256 @@
+"""Where a step and the start-up go, on the tiny recipe, from the run's own event log.
+
+Runs `python -m pipeline train --config examples/tiny_grpo.yaml` as a user
+does (a fresh process, a local Ray), once async (max_age 1) and once sync
+(max_age 0), without validation or checkpoints, and reads back:
+
+  step chain   one generator makes a step a chain of nodes: the driver's hand-off
+               (previous execution's last output -> this sample), sample, train,
+               validation_gate, refit, validate, resume, collect, and the Ray
+               dispatch gap before each; medians over the steady steps
+  spans        inside each node and rollout (pipeline/spans.py): vLLM request
+               set-up, generate, completions; reward and table building; the
+               put to the controller; the trainer's rows, collate, forward,
+               backward, optimizer, weight export and object-store put; the
+               refit's drain, weight get, reload and prefix-cache reset
+  start-up     process launch -> train() (interpreter, imports), preflight,
+               ray.init, each worker's start (import, engine build), the prologue
+  leaves       (--leaves) vLLM's own time per engine call under cProfile, bucketed
+               (scheduler, model forward, sampler, output processing, request
+               set-up), and the cost of one event-log write
+
+    .venv/bin/python benchmarks/step_profile.py              # 80 steps each, about 2 minutes
+    .venv/bin/python benchmarks/step_profile.py --steps 20   # quicker, noisier
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, machine_info, print_table, sample_load, write_result  # noqa: E402
+
+RECIPE = ROOT / "examples" / "tiny_grpo.yaml"
+# The GRPO step graph with one generator, in order, with the node each one waits for last.
+CHAIN = ("sample", "train", "validation_gate", "refit", "validate", "resume", "collect")
+WARMUP_STEPS = 3
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def median(values) -> float | None:
+    values = list(values)
+    return round(statistics.median(values), 6) if values else None
+
+
+def run_recipe(out_dir: Path, name: str, max_age: int, steps: int, seed: int, extra: list[str]) -> dict:
+    """One `python -m pipeline train` process; returns its run directory and launch time."""
+    cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(RECIPE),
+           f"run.output_dir={out_dir}", f"run.name={name}", f"run.steps={steps}", f"run.seed={seed}",
+           f"grpo.max_age={max_age}", "run.checkpoint_every=0", "grpo.val_period=0", "grpo.val_at_end=false",
+           "metrics.progress=false", *extra]
+    launched = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {"run_dir": out_dir / name, "launched": launched, "exit_s": time.time() - launched}
+
+
+def step_chain(events: list[dict], steps: range) -> dict:
+    """Median seconds of each node of the chain and of the dispatch gap before it."""
+    nodes: dict[tuple[str, int], list[float]] = {}
+    for e in events:
+        if e["ev"] in ("node_start", "node_end") and e.get("step") is not None:
+            nodes.setdefault((e["node"], e["step"]), [0.0, 0.0])[e["ev"] == "node_end"] = e["t"]
+    parts = defaultdict(list)
+    for s in steps:
+        if any((n, s) not in nodes for n in CHAIN) or ("collect", s - 1) not in nodes:
+            continue
+        before = nodes[("collect", s - 1)][1]
+        for n in CHAIN:
+            start, end = nodes[(n, s)]
+            # refit waits for train and for validation_gate; the later of the two is its cause.
+            cause = max(nodes[("train", s)][1], nodes[("validation_gate", s)][1]) if n == "refit" else before
+            parts[f"gap before {n}"].append(start - cause)
+            parts[n].append(end - start)
+            before = end
+        parts["step (collect to collect)"].append(nodes[("collect", s)][1] - nodes[("collect", s - 1)][1])
+    out = {k: median(v) for k, v in parts.items()}
+    out["dispatch total"] = round(sum(v for k, v in out.items() if k.startswith("gap")), 6)
+    return out
+
+
+def span_medians(events: list[dict], steps: range) -> dict:
+    """{node or 'rollout': {span: median seconds}} over the steady steps."""
+    found = defaultdict(lambda: defaultdict(list))
+    for e in events:
+        if e.get("spans") and e.get("step") in steps:
+            where = e["node"] if e["ev"] == "node_end" else e["ev"].split("_")[0]
+            for name, seconds in e["spans"].items():
+                found[where][name].append(seconds)
+    return {where: {name: median(v) for name, v in spans.items()} for where, spans in found.items()}
+
+
+def startup(events: list[dict], summary: dict, launched: float) -> dict:
+    """Seconds from process launch to the first step, and what each worker spent starting."""
+    t0 = summary["t0"]
+    phases = dict(summary["startup"])
+    out = {"launch to first step": round(t0 + _first(events, "startup") - launched, 3),
+           "launch to train() (interpreter, imports, config)": round(summary["train_entered_at"] - launched, 3),
+           **{f"driver: {k[:-2]}": v for k, v in phases.items() if k != "to_first_step_s"}}
+    # Worker times count from t0: Ray is up and the run directory made.
+    for e in events:
+        if e["ev"] == "worker_start":
+            out[f"{e['worker']}: process up"] = round(e["t"], 3)
+        if e["ev"] == "worker_ready":
+            for name, seconds in e["spans"].items():
+                out[f"{e['worker']}: {name}"] = round(seconds, 3)
+            out[f"{e['worker']}: ready"] = round(e["t"], 3)
+    out["prologue and first dispatch"] = round(_first(events, "startup") - max(
+        e["t"] for e in events if e["ev"] == "worker_ready"), 3)
+    return out
+
+
+def _first(events: list[dict], ev: str) -> float:
+    return next(e["t"] for e in events if e["ev"] == ev)
+
+
+def profile_run(run: dict) -> dict:
+    run_dir = run["run_dir"]
+    events = read_jsonl(run_dir / "events.jsonl")
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] >= 0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steady = range(WARMUP_STEPS, len(metrics))
+    steps_wall = [m["step_time_s"] for m in metrics[WARMUP_STEPS:]]
+    return {
+        "step_time_s": median(steps_wall),
+        "step_time_all_steps_s": median(m["step_time_s"] for m in metrics),
+        "events_per_step": round(sum(1 for e in events if e.get("step") in steady) / max(len(steady), 1), 1),
+        "chain_s": step_chain(events, steady),
+        "spans_s": span_medians(events, steady),
+        "startup_s": startup(events, summary, run["launched"]),
+        "process_exit_s": round(run["exit_s"], 3),
+        "reward_start_end": [summary["reward_start"], summary["reward_end"]],
+    }
+
+
+# --- leaves ----------------------------------------------------------------------------------
+
+VLLM_BUCKETS = {  # cProfile cumulative time of these vLLM functions, per engine call
+    "scheduler": ("scheduler.py", "schedule"),
+    "scheduler update": ("scheduler.py", "update_from_output"),
+    "model forward": ("gpu_model_runner.py", "_model_forward"),
+    "input preparation": ("gpu_model_runner.py", "_prepare_inputs"),
+    "sampler": ("gpu_model_runner.py", "_sample"),
+    "output processing": ("output_processor.py", "process_outputs"),
+    "request set-up": ("offline.py", "_render_and_add_requests"),
+}
+
+
+def leaves(calls: int = 20) -> dict:
+    """vLLM per-call cost split by cProfile, and one event-log write, in this process."""
+    import cProfile
+    import pstats
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    torch.set_num_threads(1)
+    from pipeline.engines import Prompt, sample_seeds
+    from pipeline.events import EventLog
+    from pipeline.vllm_engine import VllmGenerationEngine
+
+    engine = VllmGenerationEngine(ROOT / "models" / "tiny", max_new_tokens=16)
+    prompts = [Prompt(f"p{i}", "repeat: 1 1 1 1 1 1 1 1") for i in range(8)]
+    seeds = sample_seeds(0, "profile", prompts, 4)
+    for _ in range(3):
+        engine.sample(prompts, seeds)
+    walls = []
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        t = time.perf_counter()
+        engine.sample(prompts, seeds)
+        walls.append(time.perf_counter() - t)
+    prof.enable()
+    for _ in range(calls):
+        engine.sample(prompts, seeds)
+    prof.disable()
+    table = pstats.Stats(prof).stats
+    total = sum(ct for (f, _, fn), (_, _, _, ct, _) in table.items() if fn == "sample" and "vllm_engine" in f)
+    buckets = {name: sum(ct for (f, _, fn), (_, _, _, ct, _) in table.items() if f.endswith(file) and fn == func)
+               for name, (file, func) in VLLM_BUCKETS.items()}
+    engine.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = EventLog(tmp, "bench", time.time())
+        n = 5000
+        t = time.perf_counter()
+        for i in range(n):
+            log.emit("node_end", step=i, node="refit", spans={"drain": 0.001, "vllm.reload_weights": 0.01})
+        emit_s = (time.perf_counter() - t) / n
+        log.close()
+    return {
+        "vllm_sample_call_s": median(walls),
+        "requests_per_call": 32, "max_new_tokens": 16,
+        # Shares of the profiled call; cProfile slows Python code, so shares, not seconds.
+        "vllm_share_of_call": {k: round(v / total, 3) for k, v in buckets.items()},
+        "event_log_write_s": round(emit_s, 7),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--leaves", action="store_true", help="also profile vLLM and the event log in-process")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra recipe override")
+    ap.add_argument("--out", type=Path, help="directory for step_profile.json (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    info = machine_info()
+    started = time.time()
+    result = {"benchmark": "step_profile", "machine": info,
+              "params": {"recipe": str(RECIPE.relative_to(ROOT)), "steps": args.steps, "seed": args.seed,
+                         "warmup_steps_left_out": WARMUP_STEPS, "overrides": args.set,
+                         "validation": "none", "checkpoints": "none"},
+              "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="dagrl_step_profile_") as tmp:
+        for name, age in (("async", 1), ("sync", 0)):
+            sample_load(info)
+            run = run_recipe(Path(tmp), name, age, args.steps, args.seed, args.set)
+            result["runs"][name] = profile_run(run)
+            r = result["runs"][name]
+            print(f"{name}: step {r['step_time_s']:.3f} s, launch to first step "
+                  f"{r['startup_s']['launch to first step']:.1f} s", flush=True)
+    if args.leaves:
+        result["leaves"] = leaves()
+    result["wall_s"] = round(time.time() - started, 1)
+    report(result)
+    path = write_result("step_profile", result, args.out)
+    print(f"\nwrote {path}")
+    return result
+
+
+def report(result: dict) -> None:
+    runs = result["runs"]
+    names = list(runs)
+    keys = list(runs[names[0]]["chain_s"])
+    print_table(["step chain (median s)", *names], [[k, *(runs[n]["chain_s"].get(k) for n in names)] for k in keys])
+    rows = [[f"{where}: {span}", *(runs[n]["spans_s"].get(where, {}).get(span) for n in names)]
+            for where, spans in runs[names[0]]["spans_s"].items() for span in spans]
+    print_table(["span (median s per node call)", *names], rows)
+    print_table(["start-up (s)", *names], [[k, *(runs[n]["startup_s"].get(k) for n in names)]
+                                          for k in runs[names[0]]["startup_s"]])
+    if "leaves" in result:
+        print(json.dumps(result["leaves"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
