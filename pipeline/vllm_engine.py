@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is 4
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin cores other workers share
 
+import gc  # noqa: E402
 import json  # noqa: E402
 from typing import Any, Iterable, Mapping, Sequence  # noqa: E402
 
@@ -22,6 +22,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from pipeline.engines import Completion, Prompt  # noqa: E402
+from pipeline.spans import span  # noqa: E402
 from pipeline.tiny import ModelError, check_model_dir  # noqa: E402
 
 
@@ -37,10 +38,13 @@ class VllmGenerationEngine:
     def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, max_new_tokens: int = 16,
                  temperature: float = 1.0, top_p: float = 1.0, max_model_len: int | None = 512,
                  dtype: str = "float32", block_size: int = 32, enforce_eager: bool | None = None,
-                 **llm_kwargs: Any) -> None:
+                 kv_cache_seqs: int = 64, **llm_kwargs: Any) -> None:
+        """`kv_cache_seqs`: on CPU, the KV cache holds this many sequences of
+        max_model_len tokens (more requests than that queue inside vLLM)."""
         path = check_model_dir(model_path)
         self.model_path = str(path)
-        positions = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+        config = json.loads((path / "config.json").read_text())
+        positions = config.get("max_position_embeddings")
         if max_model_len is not None and positions:
             # The KV cache is sized for max_model_len; more than the model can
             # attend to is a vLLM start-up error, so take the smaller.
@@ -59,13 +63,24 @@ class VllmGenerationEngine:
             model=self.model_path, tokenizer=self.model_path, seed=seed, dtype=dtype,
             max_model_len=max_model_len, enable_prefix_caching=True, block_size=block_size,
             enforce_eager=enforce_eager, logprobs_mode="processed_logprobs")
-        if not on_cpu:
+        if on_cpu:
+            # vLLM's CPU default is 4 GiB, allocated and zeroed at start-up, and
+            # reset_prefix_cache walks every block of it after each refit.
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(config, max_model_len or positions or 2048,
+                                                             kv_cache_seqs, dtype)
+        else:
             kwargs["gpu_memory_utilization"] = 0.3
         kwargs.update(llm_kwargs)
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the
         # whole process (it assumes it pinned the threads); with nobind nothing
         # was pinned, and code sharing this process must still set threads.
         set_num_threads = torch.set_num_threads
+        # vLLM runs full garbage collections while it starts (after loading the
+        # weights, before freezing its heap): 1.2 s of the tiny model's 2.9 s on
+        # CPU, nearly all of it walking the objects that importing torch and
+        # vLLM made. Frozen first, they are skipped; they live as long as the
+        # process anyway, which is what vLLM's own freeze assumes of them.
+        gc.freeze()
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:
@@ -108,12 +123,15 @@ class VllmGenerationEngine:
             raise ValueError(f"sample: {len(seeds)} seed lists for {len(prompts)} prompts")
         if self.temperature == 0:
             raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
-        requests = [(prompt, ids, seed) for prompt, ids, group in
-                    zip(prompts, (self.encode(p.text) for p in prompts), seeds) for seed in group]
-        params = [self._params(seed) for _, _, seed in requests]
-        outputs = self._generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in requests], params)
-        completions = iter(self._completion(prompt, out) for (prompt, _, _), out in zip(requests, outputs))
-        return [[next(completions) for _ in group] for group in seeds]
+        with span("vllm.requests"):
+            requests = [(prompt, ids, seed) for prompt, ids, group in
+                        zip(prompts, (self.encode(p.text) for p in prompts), seeds) for seed in group]
+            params = [self._params(seed) for _, _, seed in requests]
+        with span("vllm.generate"):
+            outputs = self._generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in requests], params)
+        with span("vllm.completions"):
+            completions = iter(self._completion(prompt, out) for (prompt, _, _), out in zip(requests, outputs))
+            return [[next(completions) for _ in group] for group in seeds]
 
     def greedy(self, prompts: list[Prompt]) -> list[Completion]:
         outputs = self._generate([TokensPrompt(prompt_token_ids=self.encode(p.text)) for p in prompts],
@@ -130,8 +148,11 @@ class VllmGenerationEngine:
             if ("embed_tokens" in name or name.startswith("lm_head")) and tensor.shape[0] != self.vocab_size:
                 raise ModelError(f"load_weights into {self.model_path!r}: {name} has {tensor.shape[0]} rows "
                                  f"but the model's (unpadded) vocab_size is {self.vocab_size}")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
-        if not self.llm.reset_prefix_cache():
+        with span("vllm.reload_weights"):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        with span("vllm.reset_prefix_cache"):
+            reset = self.llm.reset_prefix_cache()
+        if not reset:
             raise RuntimeError(f"vLLM engine for {self.model_path!r}: reset_prefix_cache failed "
                                "(requests still running?)")
 
@@ -155,17 +176,27 @@ class VllmGenerationEngine:
             return self.llm.generate(inputs, params, use_tqdm=False)
 
     def _params(self, seed: int | None) -> SamplingParams:
-        common = dict(n=1, max_tokens=self.max_new_tokens, logprobs=0)
+        # detokenize=False: vLLM's incremental detokenizer decodes every token of
+        # every request, and each sampled token's logprob entry, at every engine
+        # step (a fifth of a tiny model's call); _completion decodes each
+        # completion once instead, to the same text.
+        common = dict(n=1, max_tokens=self.max_new_tokens, logprobs=0, detokenize=False)
         if seed is None:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed, **common)
 
-    @staticmethod
-    def _completion(prompt: Prompt, out) -> Completion:
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text vLLM's detokenizer would give: special tokens skipped, and a
+        trailing incomplete UTF-8 sequence (decoded as U+FFFD) left out, as vLLM
+        holds such bytes back waiting for the rest."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+
+    def _completion(self, prompt: Prompt, out) -> Completion:
         comp = out.outputs[0]
         ids = tuple(comp.token_ids)
         return Completion(prompt_ids=tuple(out.prompt_token_ids), response_ids=ids,
-                          logprobs=tuple(_sampled_logprobs(comp.logprobs, ids, prompt.id)), text=comp.text)
+                          logprobs=tuple(_sampled_logprobs(comp.logprobs, ids, prompt.id)),
+                          text=self.decode(ids))
 
     def close(self) -> None:
         """Shut the in-process engine core down (idempotent)."""
@@ -173,6 +204,17 @@ class VllmGenerationEngine:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+
+
+def kv_cache_bytes(config: dict, max_model_len: int, seqs: int, dtype: str) -> int:
+    """Bytes of keys and values for `seqs` sequences of max_model_len tokens, at least 16 MiB."""
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads", 1)
+    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // heads
+    per_token = 2 * text.get("num_hidden_layers", 1) * text.get("num_key_value_heads", heads) * head_dim
+    kind = getattr(torch, str(dtype), None)
+    width = torch.finfo(kind).bits // 8 if isinstance(kind, torch.dtype) else 4  # "auto": assume fp32
+    return max(per_token * width * max_model_len * seqs, 16 * 2**20)
 
 
 def _sampled_logprobs(logprobs: Any, ids: tuple[int, ...], prompt_id: str) -> list[float]:

@@ -20,7 +20,7 @@ import pyarrow as pa
 import ray
 
 from dags.tokens import Advantages, Batch, Clock, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
-from pipeline import backends
+from pipeline import backends, spans, weights
 from pipeline.config import Config
 from pipeline.engines import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
 from pipeline.events import EventLog
@@ -52,13 +52,14 @@ def node(name: str):
             step = next((t.step for t in tokens if hasattr(t, "step")), None)
             with self.log.lane(f"{self.log.worker}/{name}", *(getattr(t, "clock", ()) for t in tokens)):
                 self.log.emit("node_start", step=step, node=name)
+                spans.take()  # this thread's spans from before the node are not the node's
                 try:
                     out = method(self, *tokens)
                 except Exception as exc:
                     self.log.emit("node_error", step=step, node=name, error=f"{type(exc).__name__}: {exc}")
                     raise NodeError(f"node {name!r} on worker {self.log.worker!r} failed at step {step}: "
                                     f"{type(exc).__name__}: {exc}") from exc
-                self.log.emit("node_end", step=step, node=name)
+                self.log.emit("node_end", step=step, node=name, spans=spans.take())
                 return dataclasses.replace(out, clock=self.log.now())
         return run
     return wrap
@@ -75,6 +76,7 @@ class TrainerWorker:
     def begin_run(self, cfg: Config, run_dir: str, t0: float, resume_dir: str | None = None,
                   start_version: int = 0) -> Clock:
         one_thread()
+        spans.take()
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, "trainer", t0)
         self.log.emit("worker_start", pid=os.getpid())
@@ -86,6 +88,7 @@ class TrainerWorker:
         # on first need, since most runs never replace a generator. One attribute, so a
         # reader on the second thread never pairs one step's weights with another's clock.
         self._live = (start_version, None, self.log.now())
+        self.log.emit("worker_ready", spans=spans.take())
         return self.log.now()
 
     def ping(self) -> bool:
@@ -96,7 +99,7 @@ class TrainerWorker:
         made them, for a generator that starts mid-run: its load is after that event."""
         version, ref, clock = self._live
         if ref is None:
-            ref = ray.put((version, self.engine.export_weights()))
+            ref = ray.put((version, weights.pack(self.engine.export_weights())))
             self._live = (version, ref, clock)
         return version, (ref,), clock
 
@@ -110,7 +113,8 @@ class TrainerWorker:
                                f"the trainer's weights (version {self.version})")
         self.log.emit("train_start", step=batch.step, version=self.version,
                       batches=list(batch.batch_ids), batch_versions=list(batch.versions))
-        table = ray.get(batch.table_ref[0])
+        with spans.span("batch.get"):
+            table = ray.get(batch.table_ref[0])
         if advantages is None:
             metrics = self.engine.train_step(table)
         elif batch.step < self.cfg.ppo.critic_warmup:
@@ -118,7 +122,10 @@ class TrainerWorker:
         else:
             metrics = self.engine.train_step(table, advantages=ray.get(advantages.table_ref[0]))
         self.version += 1
-        weights_ref = ray.put((self.version, self.engine.export_weights()))
+        with spans.span("export_weights"):
+            exported = weights.pack(self.engine.export_weights())
+        with spans.span("weights.put"):
+            weights_ref = ray.put((self.version, exported))
         self.log.emit("train_end", step=batch.step, version=self.version)
         # Kept alive until the next step's refits are done (see Controller.sample).
         self._live = (self.version, weights_ref, self.log.now())
@@ -159,17 +166,22 @@ class GeneratorWorker:
     def __init__(self, index: int):
         self.index = index
         self._rollouts: _Rollouts | None = None
+        self._puts: list = []   # the controller's answers to batches put, not yet checked
 
     def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, incarnation: int = 0,
-                  weights: tuple = (), after: Clock = ()) -> Clock:
-        """`weights`: (ObjectRef of (version, state),) when starting mid-run (a
+                  start_weights: tuple = (), after: Clock = ()) -> Clock:
+        """`start_weights`: (ObjectRef of (version, state),) when starting mid-run (a
         restart, a resume); the load is logged as this worker's refit to that version.
         `after`: the caller's clock (it holds the trainer's, from current_weights)."""
         one_thread()
+        spans.take()
         if self._rollouts is not None:
             # A previous run on this actor must not leak rollouts into this one.
             self._rollouts.thread.join(timeout=cfg.run.deadline_s)
             self._rollouts = None
+        if self._puts:
+            # ... nor a late put land in this run's buffer under a batch id the runs share.
+            ray.wait(self._puts, num_returns=len(self._puts), timeout=cfg.run.deadline_s)
         self.cfg = cfg
         name = f"gen{self.index}" + (f"r{incarnation}" if incarnation else "")
         self.log = reopen_log(self, run_dir, name, t0)
@@ -182,12 +194,14 @@ class GeneratorWorker:
         self.version, self._loaded_step = 0, None
         self._busy_s = 0.0
         self._rollout_error: str | None = None
-        if weights:
-            version, state = ray.get(weights[0])
+        self._puts = []
+        if start_weights:
+            version, stored = ray.get(start_weights[0])
             self.log.emit("refit_start", step=version - 1, version=self.version)
-            self.engine.load_weights(state)
+            self.engine.load_weights(weights.unpack(stored))
             self.version, self._loaded_step = version, version - 1
             self.log.emit("refit_end", step=version - 1, version=self.version)
+        self.log.emit("worker_ready", spans=spans.take())
         return self.log.now()
 
     def ping(self) -> bool:
@@ -196,7 +210,13 @@ class GeneratorWorker:
     @node("refit")
     def refit(self, train: TrainOut, gate: Gate) -> Refitted:
         started = time.perf_counter()
-        self._drain(gate.step)
+        fetched = None
+        if train.version == self.version + 1:
+            # Fetched before the drain, while rollouts may still run: only the load changes the engine.
+            with spans.span("weights.get"):
+                fetched = ray.get(train.weights_ref[0])
+        with spans.span("drain"):
+            self._drain(gate.step)
         if self._loaded_step == gate.step and train.version == self.version:
             # Recovery re-runs a step's tail after a generator restart; whoever
             # already loaded this step's weights (or started with them) keeps them.
@@ -205,11 +225,11 @@ class GeneratorWorker:
             raise RuntimeError(f"weight sync: trainer sent version {train.version}, "
                                f"generator holds {self.version}; expected {self.version + 1}")
         self.log.emit("refit_start", step=gate.step, version=self.version)
-        sent_version, weights = ray.get(train.weights_ref[0])
+        sent_version, stored = fetched
         if sent_version != train.version:
             raise RuntimeError(f"weight sync: the weights in the object store are version {sent_version}, "
                                f"the trainer announced {train.version}")
-        self.engine.load_weights(weights)
+        self.engine.load_weights(weights.unpack(stored))
         self.version, self._loaded_step = train.version, gate.step
         self.log.emit("refit_end", step=gate.step, version=self.version)
         return Refitted(self.log.worker, gate.step, self.version, gate.validate,
@@ -251,8 +271,9 @@ class GeneratorWorker:
         if mine:
             rollouts = _Rollouts(self._run_rollouts, (mine, version, self.log.now()),
                                  name=f"rollouts-{self.log.worker}")
-            self._rollouts = rollouts
+            # Started before it is published: a drain that finds it can always join it.
             rollouts.thread.start()
+            self._rollouts = rollouts
             if not rollouts.started.wait(timeout=self.cfg.run.deadline_s):
                 raise TimeoutError(f"the rollout thread did not start within {self.cfg.run.deadline_s:.0f} s "
                                    "(run.deadline_s)")
@@ -270,6 +291,7 @@ class GeneratorWorker:
             self.log.merge(rollouts.end_clock)  # joined: everything it logged is before this refit
             if self._rollouts is rollouts:
                 self._rollouts = None
+        self._check_puts()
         if self._rollout_error is not None:
             error, self._rollout_error = self._rollout_error, None
             raise RuntimeError(f"a rollout failed before step {step}: {error}")
@@ -301,6 +323,7 @@ class GeneratorWorker:
                 tables.append(self._table(launch, version, groups[start:start + len(launch.prompts)]))
                 start += len(launch.prompts)
             self._busy_s += time.perf_counter() - started
+            profile = spans.take()
         except Exception as exc:
             self._rollout_error = f"batches {[l.batch_id for l in launches]}: {type(exc).__name__}: {exc}"
             for launch in launches:
@@ -310,9 +333,18 @@ class GeneratorWorker:
                 ray.get(self.controller.rollout_failed.remote(launch.batch_id, f"failed: {exc}", self.log.now()))
             return
         for launch, table in zip(launches, tables):
+            # The engine call's spans go with the first batch: they are one call's, not per batch.
             self.log.emit("rollout_end", step=launch.target, version=version, batch=launch.batch_id,
-                          target=launch.target)
-            ray.get(self.controller.put.remote(launch.batch_id, version, table, self.log.now()))
+                          target=launch.target, spans=profile)
+            profile = {}
+            # Not waited for here: the refit that drains this thread would wait out the
+            # round trip too, and sample waits for the batch anyway. _check_puts reads the answers.
+            self._puts.append(self.controller.put.remote(launch.batch_id, version, table, self.log.now()))
+
+    def _check_puts(self) -> None:
+        """Raise a put the controller refused; keep the ones still on their way for the next drain."""
+        done, self._puts = ray.wait(self._puts, num_returns=len(self._puts), timeout=0) if self._puts else ([], [])
+        ray.get(done)
 
     def _score(self, prompt: Prompt, text: str) -> tuple[float, str]:
         try:
@@ -337,21 +369,23 @@ class GeneratorWorker:
     def _table(self, launch: Launch, version: int, groups: list[list[Completion]]) -> pa.Table:
         rows = [(prompt, c) for prompt, group in zip(launch.prompts, groups) for c in group]
         rewards, errors = [], []
-        for prompt, group in zip(launch.prompts, groups):
-            r, e = self._group_rewards(launch, version, prompt, group)
-            rewards += r
-            errors += e
+        with spans.span("reward"):
+            for prompt, group in zip(launch.prompts, groups):
+                r, e = self._group_rewards(launch, version, prompt, group)
+                rewards += r
+                errors += e
         n = len(rows)
-        return pa.table({
-            "batch_id": [launch.batch_id] * n, "target": [launch.target] * n, "version": [version] * n,
-            "prompt_id": [p.id for p, _ in rows],
-            "prompt_ids": [list(c.prompt_ids) for _, c in rows],
-            "response_ids": [list(c.response_ids) for _, c in rows],
-            "logprobs": [list(c.logprobs) for _, c in rows],
-            "text": [c.text for _, c in rows],
-            "reward": rewards,
-            "reward_error": errors,
-        }, schema=TRAJECTORY_SCHEMA)
+        with spans.span("table"):
+            return pa.table({
+                "batch_id": [launch.batch_id] * n, "target": [launch.target] * n, "version": [version] * n,
+                "prompt_id": [p.id for p, _ in rows],
+                "prompt_ids": [list(c.prompt_ids) for _, c in rows],
+                "response_ids": [list(c.response_ids) for _, c in rows],
+                "logprobs": [list(c.logprobs) for _, c in rows],
+                "text": [c.text for _, c in rows],
+                "reward": rewards,
+                "reward_error": errors,
+            }, schema=TRAJECTORY_SCHEMA)
 
 
 def _mean(xs: list[float]) -> float:

@@ -108,6 +108,25 @@ def test_generate_returns_n_completions_with_logprobs(engine):
     assert engine.sample([], []) == [] and engine.greedy([]) == []
 
 
+def test_completion_text_is_what_vllms_detokenizer_gives(engine):
+    """Rollouts skip vLLM's per-step detokenizer and decode each completion once;
+    the reward must see the same text vLLM would have produced, including on an
+    untrained model's stray bytes (a trailing partial UTF-8 sequence is held back)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    prompts = [Prompt(f"p{i}", text) for i, text in enumerate(
+        [tiny_prompt("0"), tiny_prompt("1"), "hello world", "a"])]
+    seeds = list(range(120))
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=s) for s in seeds]
+    inputs = [TokensPrompt(prompt_token_ids=engine.encode(prompts[s % 4].text)) for s in seeds]
+    reference = engine.llm.generate(inputs, params, use_tqdm=False)
+    assert sum(o.outputs[0].text != engine.tokenizer.decode(o.outputs[0].token_ids) for o in reference) > 0
+    assert [engine.decode(o.outputs[0].token_ids) for o in reference] == [o.outputs[0].text for o in reference]
+    ours = engine.sample(prompts, [seeds[i::4] for i in range(4)])
+    assert [c.text for group in ours for c in group] == [
+        reference[s].outputs[0].text for i in range(4) for s in seeds[i::4]]
+
+
 def test_identical_prompts_in_one_call_draw_independent_samples(engine):
     """The sampler's streams come from (run seed, batch, prompt, sample): eight
     copies of one prompt in one call, 4 samples each, give 32 different
