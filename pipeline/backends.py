@@ -5,10 +5,12 @@ processes that run them.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from pipeline.config import Config
 from pipeline.engines import GenerationEngine, Prompt, TrainingEngine
+from pipeline.spans import span
 
 
 def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> GenerationEngine:
@@ -21,23 +23,30 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
         faulty = index == cfg.sim.fault_worker and incarnation < cfg.sim.fault_incarnations
         return SimGenerationEngine(cfg.sim, seed=seed, max_new_tokens=cfg.generation.max_new_tokens,
                                    faulty=faulty)
-    from pipeline.vllm_engine import VllmGenerationEngine
+    with span("import vllm"):
+        from pipeline.vllm_engine import VllmGenerationEngine
     g = cfg.generation
-    return VllmGenerationEngine(cfg.model.path, seed=seed, max_new_tokens=g.max_new_tokens,
-                                temperature=g.temperature, top_p=g.top_p)
+    # One collect starts at most max_age + 1 batches: size the KV cache for all their samples at once.
+    prompts = -(-cfg.grpo.prompts_per_step // g.num_generators)
+    requests = prompts * cfg.grpo.group_size * (cfg.grpo.max_age + 1)
+    with span("vllm.start"):
+        return VllmGenerationEngine(cfg.model.path, seed=seed, max_new_tokens=g.max_new_tokens,
+                                    temperature=g.temperature, top_p=g.top_p, kv_cache_seqs=max(requests, 32))
 
 
 def training_engine(cfg: Config) -> TrainingEngine:
     if cfg.backend == "sim":
         from pipeline.sim import SimTrainingEngine
         return SimTrainingEngine(cfg.sim, seed=cfg.run.seed * 1000 + 999)
-    from pipeline.deepspeed_engine import DeepSpeedTrainingEngine
+    with span("import deepspeed"):
+        from pipeline.deepspeed_engine import DeepSpeedTrainingEngine
     t, g = cfg.training, cfg.grpo
-    return DeepSpeedTrainingEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
-                                   micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, lr=t.lr,
-                                   clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
-                                   group_size=g.group_size, seed=cfg.run.seed,
-                                   temperature=cfg.generation.temperature)
+    with span("deepspeed.start"):
+        return DeepSpeedTrainingEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
+                                       micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+                                       lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
+                                       group_size=g.group_size, seed=cfg.run.seed,
+                                       temperature=cfg.generation.temperature)
 
 
 def reward_function(cfg: Config) -> Callable[[Prompt, str], float]:
@@ -66,14 +75,19 @@ def val_prompts(cfg: Config) -> list[Prompt]:
     return load_prompts(cfg.data.val, kind="val")
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config) -> Future | None:
     """Check the model, data and reward before any worker starts, so that bad
-    input is an error naming the path or spec, not a worker's traceback."""
+    input is an error naming the path or spec, not a worker's traceback.
+
+    The quick checks raise here. Whether transformers can load the model's
+    config and tokenizer takes seconds of imports, so it runs on a thread while
+    the caller starts Ray: the returned future's result() raises what it found,
+    and must be called before any worker starts (None: nothing to wait for)."""
     if cfg.backend == "sim":
-        return
+        return None
     from pipeline.data import DataError, load_prompts
     from pipeline.rewards import RewardError, load_reward
-    from pipeline.tiny import ModelError, check_model_dir
+    from pipeline.tiny import ModelError, check_model_files, check_model_loads
 
     def check(key: str, fn: Callable, *args, **kwargs):
         # Prefix the recipe key, so the error also says which setting named the bad path or spec.
@@ -82,9 +96,11 @@ def preflight(cfg: Config) -> None:
         except (DataError, ModelError, RewardError) as exc:
             raise type(exc)(f"{key}: {exc}") from None
 
-    check("model.path", check_model_dir, cfg.model.path)
+    models = [("model.path", cfg.model.path, None)]
     if cfg.algorithm == "ppo" and cfg.ppo.critic_model:
-        check("ppo.critic_model", check_model_dir, cfg.ppo.critic_model, tokenizer_dir=cfg.model.path)
+        models.append(("ppo.critic_model", cfg.ppo.critic_model, cfg.model.path))
+    for key, path, tokenizer_dir in models:
+        check(key, check_model_files, path, tokenizer_dir=tokenizer_dir)
     # Empty files are DataErrors inside load_prompts. data.val is read whenever it is
     # set: the generators load it at start-up even when no validation is scheduled.
     check("data.train", load_prompts, cfg.data.train, kind="train")
@@ -92,14 +108,26 @@ def preflight(cfg: Config) -> None:
         check("data.val", load_prompts, cfg.data.val, kind="val")
     check("data.reward", load_reward, cfg.data.reward)
 
+    def loads() -> None:
+        for key, path, tokenizer_dir in models:
+            check(key, check_model_loads, path, tokenizer_dir=tokenizer_dir)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="preflight")
+    try:
+        return pool.submit(loads)
+    finally:
+        pool.shutdown(wait=False)
+
 
 def critic_engine(cfg: Config):
     """PPO's critic: values of response tokens and a value-loss update."""
     if cfg.backend == "sim":
         from pipeline.sim import SimCriticEngine
         return SimCriticEngine(cfg.sim, seed=cfg.run.seed * 1000 + 998)
-    from pipeline.critic_engine import DeepSpeedCriticEngine
+    with span("import deepspeed"):
+        from pipeline.critic_engine import DeepSpeedCriticEngine
     t, p = cfg.training, cfg.ppo
-    return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=p.critic_zero_stage,
-                                 dtype=t.dtype, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                                 lr=p.critic_lr, value_clip=p.value_clip, seed=cfg.run.seed)
+    with span("deepspeed.start"):
+        return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=p.critic_zero_stage,
+                                     dtype=t.dtype, micro_batch_size=t.micro_batch_size,
+                                     grad_accum=t.grad_accum, lr=p.critic_lr, value_clip=p.value_clip,
+                                     seed=cfg.run.seed)

@@ -184,33 +184,48 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
     Tests pass `workers` (and a `step_runner` over them) to run many short
     schedules on one set of actors; the caller then owns both."""
     say = (lambda *a: None) if quiet else print
-    backends.preflight(cfg)
-    ckpt, start = None, 0
-    if resume is not None:
-        run_dir = Path(resume)
-        ckpt = checkpoint.latest(run_dir)
-        start = checkpoint.read_meta(ckpt, cfg)
-        kept = checkpoint.archive_attempt(run_dir, start)
-        say(f"dagrl: resuming {run_dir} from {ckpt.name} (step {start}); the earlier attempt's logs are in {kept}")
-    else:
-        run_dir = _prepare_run_dir(cfg, say)
-    # Before Ray starts: a sink that cannot open (W&B missing) must leave nothing running.
-    sinks = MetricSinks(run_dir, cfg, start)
+    entered = time.time()
+    model_check = backends.preflight(cfg)
+    startup = {"preflight_s": time.time() - entered}
+    # Ray starts while the model check imports transformers; neither needs the other.
+    started_ray = _start_ray(cfg)
+    startup["ray_init_s"] = time.time() - entered - startup["preflight_s"]
+    try:
+        if model_check is not None:
+            waited = time.time()
+            model_check.result()
+            startup["model_check_wait_s"] = time.time() - waited
+        ckpt, start = None, 0
+        if resume is not None:
+            run_dir = Path(resume)
+            ckpt = checkpoint.latest(run_dir)
+            start = checkpoint.read_meta(ckpt, cfg)
+            kept = checkpoint.archive_attempt(run_dir, start)
+            say(f"dagrl: resuming {run_dir} from {ckpt.name} (step {start}); "
+                f"the earlier attempt's logs are in {kept}")
+        else:
+            run_dir = _prepare_run_dir(cfg, say)
+        sinks = MetricSinks(run_dir, cfg, start)
+    except BaseException:
+        # Bad input, or a sink that cannot open (W&B missing): leave nothing running.
+        if started_ray:
+            ray.shutdown()
+        raise
     progress = Progress(cfg.run.steps, start, enabled=not quiet and cfg.metrics.progress)
     t0 = time.time()
     log = EventLog(run_dir, "driver", t0)
-    summary: dict = {"steps": start, "start_step": start, "error": None}
+    # Epoch seconds, so that a benchmark can relate the event log's `t` to its own clock.
+    summary: dict = {"steps": start, "start_step": start, "error": None, "train_entered_at": entered, "t0": t0}
     rewards: list[float] = []
     step_times: list[float] = []
     tokens = 0.0
     own_workers = workers is None
     execution = None
-    started_ray = False
     try:
-        started_ray = _start_ray(cfg)
         if own_workers:
             workers = start_workers(cfg.generation.num_generators, critic=cfg.algorithm == "ppo")
         workers = begin_run(workers, cfg, run_dir, t0, start, ckpt, log)
+        startup["workers_s"] = time.time() - t0
         mode = summary["dag_mode"] = resolve_dag_mode(cfg, _cores(joined_cluster=bool(_ray_address(cfg))))
         if step_runner is not None and step_runner.mode != mode:
             raise ValueError(f"step_runner is {step_runner.mode} but run.dag_mode resolves to {mode}")
@@ -222,6 +237,9 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
                  refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm)
         execution = Execution(cfg, workers, mode, run_dir, t0, log, step_runner, say)
         prologue = execution.run("prologue_runner", StepPlan(start - 1, cfg.grpo.val_at_start and start == 0))
+        startup["to_first_step_s"] = time.time() - entered
+        summary["startup"] = {k: round(v, 3) for k, v in startup.items()}
+        log.emit("startup", **summary["startup"])
         if prologue["resume"].val_scores:
             sinks.write({"step": start - 1, **dict(prologue["resume"].val_scores)})
         for step in range(start, cfg.run.steps):

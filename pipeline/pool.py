@@ -28,11 +28,12 @@ def _generator(index: int):
 
 
 def start_workers(num_generators: int, critic: bool = False) -> Workers:
+    # Generators first: vLLM's import and engine start are the longest of any worker's.
+    generators = tuple(_generator(i) for i in range(num_generators))
     # Threaded actors: nodes of a step, the rollout threads' puts and the driver's pings reach them concurrently.
     controller = ray.remote(Controller).options(num_cpus=0.5, max_concurrency=8).remote()
     # Two threads: `save` between steps must not wait behind a compiled graph's loop.
     trainer = ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote()
-    generators = tuple(_generator(i) for i in range(num_generators))
     critic_actor = None
     if critic:
         from pipeline.critic import CriticWorker
@@ -69,11 +70,15 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
              used.trainer.begin_run.remote(cfg, str(run_dir), t0, resume("trainer_state"), start_step)]
     if used.critic is not None:
         setup.append(used.critic.begin_run.remote(cfg, str(run_dir), t0, resume("critic_state")))
+    if ckpt is None:
+        # A fresh run's generators start from the model directory, as the trainer does: all start at once.
+        setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, (), log.now())
+                  for g in used.generators]
+        log.merge(*_wait(setup, cfg))
+        return used
     log.merge(*_wait(setup, cfg))
-    weights = ()
-    if ckpt is not None:
-        _, weights, clock = ray.get(used.trainer.current_weights.remote())
-        log.merge(clock)
+    _, weights, clock = ray.get(used.trainer.current_weights.remote())
+    log.merge(clock)
     log.merge(*_wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights, log.now())
                       for g in used.generators], cfg))
     return used

@@ -167,14 +167,9 @@ def _weight_files(p: Path) -> list[Path]:
     return sorted([*p.glob("*.safetensors"), *p.glob("pytorch_model*.bin")])
 
 
-def check_model_dir(path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
-    """Raise ModelError naming `path` unless it holds a loadable HF model
-    (config.json, weights, a tokenizer) whose vocabulary covers the tokenizer.
-
-    `tokenizer_dir`: where the token ids come from, if not from this directory.
-    A critic reads the policy's token ids, so it needs no tokenizer of its own
-    but an embedding table that covers the policy's tokenizer.
-    """
+def check_model_files(path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
+    """The quick part of check_model_dir: the directory, its files, the
+    weights' headers and config.json's JSON."""
     p = Path(path)
     if not p.exists():
         # Relative paths are read from the working directory, not from the recipe's.
@@ -195,8 +190,9 @@ def check_model_dir(path: str | Path, *, tokenizer_dir: str | Path | None = None
     from safetensors import safe_open
     for f in (w for w in weights if w.suffix == ".safetensors"):
         # Reads only the header, which also records the size: a truncated copy fails here.
+        # "np", not "pt": the same header check without importing torch.
         try:
-            with safe_open(str(f), "pt"):
+            with safe_open(str(f), "np"):
                 pass
         except Exception as exc:  # noqa: BLE001 - SafetensorError has no importable base class
             raise ModelError(f"model directory {str(p)!r}: {f.name} is not a readable safetensors file "
@@ -212,6 +208,27 @@ def check_model_dir(path: str | Path, *, tokenizer_dir: str | Path | None = None
     if model_vocab is not None and (isinstance(model_vocab, bool) or not isinstance(model_vocab, int)):
         raise ModelError(f"model directory {str(p)!r}: config.json's vocab_size is {model_vocab!r}, "
                          "not an integer")
+    return p
+
+
+def check_model_dir(path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
+    """Raise ModelError naming `path` unless it holds a loadable HF model
+    (config.json, weights, a tokenizer) whose vocabulary covers the tokenizer.
+
+    `tokenizer_dir`: where the token ids come from, if not from this directory.
+    A critic reads the policy's token ids, so it needs no tokenizer of its own
+    but an embedding table that covers the policy's tokenizer.
+    """
+    check_model_files(path, tokenizer_dir=tokenizer_dir)
+    return check_model_loads(path, tokenizer_dir=tokenizer_dir)
+
+
+def check_model_loads(path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
+    """The part of check_model_dir that needs transformers (seconds of imports):
+    its config and tokenizer load, and the vocabulary covers the tokenizer."""
+    p = Path(path)
+    config = json.loads((p / "config.json").read_text())
+    model_vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     from transformers import AutoConfig, AutoTokenizer
     try:
         AutoConfig.from_pretrained(str(p))

@@ -61,10 +61,10 @@ def train_cli(tmp_path: Path, config: Path, *overrides: str, capsys) -> tuple[in
 
 def test_the_good_recipe_passes_every_check(tmp_path, recipe, tiny_model):
     """Without this, every test below could pass because of some other fault."""
-    backends.preflight(load_config(write(tmp_path, recipe)))
+    backends.preflight(load_config(write(tmp_path, recipe))).result()
     recipe.update(algorithm="ppo", ppo={"critic_model": str(tiny_model)})
     recipe["grpo"]["group_size"] = 1  # fine for PPO, which needs no group
-    backends.preflight(load_config(write(tmp_path, recipe)))
+    backends.preflight(load_config(write(tmp_path, recipe))).result()
     assert not (tmp_path / "runs").exists()
 
 
