@@ -26,3 +26,19 @@ train: setup models/tiny/config.json
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# TRL's GRPOTrainer as a baseline (benchmarks/trl_grpo.py), in its own venv so its
+# transformers pin cannot disturb dagrl's.
+TRL_VENV := .venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
+
+.PHONY: trl-venv
+trl-venv: $(TRL_STAMP)
+
+$(TRL_STAMP): benchmarks/requirements-trl.txt
+	python3.11 -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q -U pip wheel
+	# CPU torch first (the wheel on disk): an unpinned torch pulls a CUDA build.
+	$(TRL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/python -m pip install -q -r benchmarks/requirements-trl.txt
+	touch $(TRL_STAMP)

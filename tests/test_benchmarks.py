@@ -93,3 +93,25 @@ def test_soak_quick(tmp_path):
     assert totals["violations"] == 0 and totals["hangs"] == 0, runs
     assert totals["lost"] == 0 and totals["duplicated"] == 0 and totals["unexpected_outcomes"] == 0, runs
     assert totals["restarts"] >= 3 and totals["reward_failures"] > 0
+
+
+def test_vs_trl_figures_from_step_times():
+    """benchmarks/vs_trl.py's reading of a run, on made-up step times: start-up is
+    launch to the first step, time to 0.7 runs from the first step's start to the
+    end of the first step whose 3-step mean reaches 0.7, and ratios are per seed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import vs_trl
+    begin = [10.0 + 0.1 * k for k in range(8)]
+    end = [b + 0.08 for b in begin]
+    rewards = [0.1, 0.2, 0.6, 0.7, 0.9, 0.9, 1.0, 1.0]
+    fig = vs_trl.curve(begin, end, rewards)
+    assert fig["startup_s"] == 10.0 and fig["step_time_s"] == pytest.approx(0.08)
+    assert fig["steps_to_threshold"] == 5 and fig["time_to_threshold_s"] == pytest.approx(0.48)
+    never = vs_trl.curve(begin, end, [0.1] * 8)
+    assert never["steps_to_threshold"] is None and never["time_to_threshold_s"] is None
+    runs = {"dagrl_async": [dict(fig, seed=0)], "dagrl_sync": [dict(never, seed=0)],
+            "trl": [dict(fig, startup_s=5.0, step_time_s=0.1, time_to_threshold_s=0.6, seed=0)]}
+    summary = vs_trl.summarise(runs)
+    assert summary["dagrl_async_over_trl"] == {"step_time_s": 0.8, "time_to_threshold_s": 0.8, "startup_s": 2.0}
+    assert summary["dagrl_sync_over_trl"]["time_to_threshold_s"] is None
+    assert [t["met"] for t in summary["targets"]] == [True, True, True]
