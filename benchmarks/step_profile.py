@@ -53,9 +53,15 @@ def median(values) -> float | None:
     return round(statistics.median(values), 6) if values else None
 
 
+def build_model(out_dir: Path) -> Path:
+    """The recipe's tiny model, built fresh (a clean checkout has no models/tiny until `make train`)."""
+    from pipeline.tiny import build_tiny_model
+    return build_tiny_model(out_dir / "model")
+
+
 def run_recipe(out_dir: Path, name: str, max_age: int, steps: int, seed: int, extra: list[str]) -> dict:
     """One `python -m pipeline train` process; returns its run directory and launch time."""
-    cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(RECIPE),
+    cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(RECIPE), f"model.path={out_dir / 'model'}",
            f"run.output_dir={out_dir}", f"run.name={name}", f"run.steps={steps}", f"run.seed={seed}",
            f"grpo.max_age={max_age}", "run.checkpoint_every=0", "grpo.val_period=0", "grpo.val_at_end=false",
            "metrics.progress=false", *extra]
@@ -157,7 +163,7 @@ VLLM_BUCKETS = {  # cProfile cumulative time of these vLLM functions, per engine
 }
 
 
-def leaves(calls: int = 20) -> dict:
+def leaves(model: Path, calls: int = 20) -> dict:
     """vLLM per-call cost split by cProfile, and one event-log write, in this process."""
     import cProfile
     import pstats
@@ -169,7 +175,7 @@ def leaves(calls: int = 20) -> dict:
     from pipeline.events import EventLog
     from pipeline.vllm_engine import VllmGenerationEngine
 
-    engine = VllmGenerationEngine(ROOT / "models" / "tiny", max_new_tokens=16)
+    engine = VllmGenerationEngine(model, max_new_tokens=16)
     prompts = [Prompt(f"p{i}", "repeat: 1 1 1 1 1 1 1 1") for i in range(8)]
     seeds = sample_seeds(0, "profile", prompts, 4)
     for _ in range(3):
@@ -222,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "validation": "none", "checkpoints": "none"},
               "runs": {}}
     with tempfile.TemporaryDirectory(prefix="dagrl_step_profile_") as tmp:
+        model = build_model(Path(tmp))
         for name, age in (("async", 1), ("sync", 0)):
             sample_load(info)
             run = run_recipe(Path(tmp), name, age, args.steps, args.seed, args.set)
@@ -229,8 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
             r = result["runs"][name]
             print(f"{name}: step {r['step_time_s']:.3f} s, launch to first step "
                   f"{r['startup_s']['launch to first step']:.1f} s", flush=True)
-    if args.leaves:
-        result["leaves"] = leaves()
+        if args.leaves:
+            result["leaves"] = leaves(model)
     result["wall_s"] = round(time.time() - started, 1)
     report(result)
     path = write_result("step_profile", result, args.out)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, machine_info, print_table, sample_load, write_result  # noqa: E402
-from step_profile import read_jsonl, run_recipe  # noqa: E402
+from step_profile import build_model, read_jsonl, run_recipe  # noqa: E402
 
 THRESHOLD, WINDOW = 0.7, 3
 TARGETS = {"step_time_ratio": 1.0, "time_to_threshold_ratio": 1.0, "startup_s": 15.0}
@@ -76,7 +76,7 @@ def run_dagrl(tmp: Path, name: str, max_age: int, steps: int, seed: int) -> dict
 
 def run_trl(tmp: Path, python: Path, steps: int, seed: int) -> dict:
     out = tmp / f"trl_{seed}.json"
-    cmd = [str(python), str(ROOT / "benchmarks" / "trl_grpo.py"), "--model", "models/tiny",
+    cmd = [str(python), str(ROOT / "benchmarks" / "trl_grpo.py"), "--model", str(tmp / "model"),
            "--train", "data/tiny_train.jsonl", "--steps", str(steps), "--seed", str(seed), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.time()
     runs: dict[str, list[dict]] = {"dagrl_async": [], "dagrl_sync": [], "trl": []}
     with tempfile.TemporaryDirectory(prefix="dagrl_vs_trl_") as tmp:
+        build_model(Path(tmp))  # the same folder for both trainers
         for n, seed in enumerate(args.seeds):
             jobs = [("dagrl_async", lambda: run_dagrl(Path(tmp), f"async_{seed}", 1, args.steps, seed)),
                     ("dagrl_sync", lambda: run_dagrl(Path(tmp), f"sync_{seed}", 0, args.steps, seed)),
