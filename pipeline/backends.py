@@ -38,10 +38,9 @@ def training_engine(cfg: Config) -> TrainingEngine:
     if cfg.backend == "sim":
         from pipeline.sim import SimTrainingEngine
         return SimTrainingEngine(cfg.sim, seed=cfg.run.seed * 1000 + 999)
-    with span("import deepspeed"):
-        from pipeline.deepspeed_engine import DeepSpeedTrainingEngine
+    from pipeline.deepspeed_engine import DeepSpeedTrainingEngine
     t, g = cfg.training, cfg.grpo
-    with span("deepspeed.start"):
+    with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
         return DeepSpeedTrainingEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
                                        micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
                                        lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
@@ -123,10 +122,9 @@ def critic_engine(cfg: Config):
     if cfg.backend == "sim":
         from pipeline.sim import SimCriticEngine
         return SimCriticEngine(cfg.sim, seed=cfg.run.seed * 1000 + 998)
-    with span("import deepspeed"):
-        from pipeline.critic_engine import DeepSpeedCriticEngine
+    from pipeline.critic_engine import DeepSpeedCriticEngine
     t, p = cfg.training, cfg.ppo
-    with span("deepspeed.start"):
+    with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
         return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=p.critic_zero_stage,
                                      dtype=t.dtype, micro_batch_size=t.micro_batch_size,
                                      grad_accum=t.grad_accum, lr=p.critic_lr, value_clip=p.value_clip,
