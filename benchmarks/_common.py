@@ -26,6 +26,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def first_crossing(rewards: list[float], threshold: float, window: int) -> int | None:
+    """The first step k >= window - 1 whose mean of rewards[k - window + 1 .. k] is >= threshold."""
+    for k in range(window - 1, len(rewards)):
+        if sum(rewards[k - window + 1:k + 1]) / window >= threshold:
+            return k
+    return None
+
+
 def stats(values: list[float]) -> dict:
     """Median and spread of one figure over repeats (or over steps)."""
     vals = [float(v) for v in values]

@@ -33,7 +33,6 @@ overlap gains less than it would where each worker owns its device.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -42,7 +41,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, machine_info, print_table, start_ray, stats, write_result  # noqa: E402
+from _common import (ROOT, first_crossing, machine_info, print_table, read_jsonl, start_ray,  # noqa: E402
+                     stats, write_result)
 
 RECIPE = ROOT / "examples" / "tiny_grpo.yaml"
 MODES = {0: "sync", 1: "async"}           # grpo.max_age -> name
@@ -52,10 +52,6 @@ PARTS = ("sample", "train", "validation_gate", "drain", "load", "validate", "res
 
 
 # --- reading one run --------------------------------------------------------------------------
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
 
 def _spans(events: list[dict], start_ev: str, end_ev: str, key) -> dict:
     """{key(event): (start t, end t)} pairing start/end events with the same key."""
@@ -84,17 +80,9 @@ def _busy_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> 
     return total
 
 
-def first_crossing(rewards: list[float], threshold: float, window: int) -> int | None:
-    """The first step k >= window - 1 whose mean of rewards[k - window + 1 .. k] is >= threshold."""
-    for k in range(window - 1, len(rewards)):
-        if sum(rewards[k - window + 1:k + 1]) / window >= threshold:
-            return k
-    return None
-
-
 def analyse_run(run_dir: Path, threshold: float, window: int) -> dict:
-    metrics = [m for m in _read_jsonl(run_dir / "metrics.jsonl") if m["step"] >= 0]
-    events = _read_jsonl(run_dir / "events.jsonl")
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] >= 0]
+    events = read_jsonl(run_dir / "events.jsonl")
     nodes = _spans(events, "node_start", "node_end", lambda e: (e["node"], e["step"], e["worker"]))
     loads = _spans(events, "refit_start", "refit_end", lambda e: (e["step"], e["worker"]))
     vals = _spans(events, "validation_start", "validation_end", lambda e: (e["step"], e["worker"]))

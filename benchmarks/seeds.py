@@ -25,7 +25,6 @@ this project; its figures are recorded below with how they were taken.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, machine_info, print_table, sample_load, shutdown_ray, start_ray, write_result  # noqa: E402
+from _common import (ROOT, first_crossing, machine_info, print_table, read_jsonl, sample_load,  # noqa: E402
+                     shutdown_ray, start_ray, write_result)
 
 RECIPES = {"grpo": ROOT / "examples" / "tiny_grpo.yaml", "ppo": ROOT / "examples" / "tiny_ppo.yaml"}
 MODES = {0: "sync", 1: "async"}
@@ -49,14 +49,12 @@ TRL_REFERENCE = {"source": "issue 'A fresh clone is green, a run is reproducible
 
 def steps_to(rewards: list[float], bar: float = REWARD_BAR, window: int = WINDOW) -> int | None:
     """Steps taken (1-based) until the running mean of the last `window` rewards reaches `bar`."""
-    for k in range(window - 1, len(rewards)):
-        if sum(rewards[k - window + 1:k + 1]) / window >= bar:
-            return k + 1
-    return None
+    k = first_crossing(rewards, bar, window)
+    return None if k is None else k + 1
 
 
 def read_run(run_dir: Path) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     val = [(r["step"], r["val_reward"]) for r in rows if "val_reward" in r]
     first_val_ok = next((step + 1 for step, v in val if v >= VAL_BAR), None)

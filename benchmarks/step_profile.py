@@ -36,16 +36,12 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, machine_info, print_table, sample_load, write_result  # noqa: E402
+from _common import ROOT, machine_info, print_table, read_jsonl, sample_load, write_result  # noqa: E402
 
 RECIPE = ROOT / "examples" / "tiny_grpo.yaml"
 # The GRPO step graph with one generator, in order, with the node each one waits for last.
 CHAIN = ("sample", "train", "validation_gate", "refit", "validate", "resume", "collect")
 WARMUP_STEPS = 3
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def median(values) -> float | None:

@@ -30,23 +30,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, machine_info, print_table, sample_load, write_result  # noqa: E402
-from step_profile import build_model, read_jsonl, run_recipe  # noqa: E402
+from _common import (ROOT, first_crossing, machine_info, print_table, read_jsonl, sample_load,  # noqa: E402
+                     write_result)
+from step_profile import build_model, run_recipe  # noqa: E402
 
 THRESHOLD, WINDOW = 0.7, 3
 TARGETS = {"step_time_ratio": 1.0, "time_to_threshold_ratio": 1.0, "startup_s": 15.0}
 
 
-def first_crossing(rewards: list[float]) -> int | None:
-    for k in range(WINDOW - 1, len(rewards)):
-        if sum(rewards[k - WINDOW + 1:k + 1]) / WINDOW >= THRESHOLD:
-            return k
-    return None
-
-
 def curve(launched_to_begin: list[float], launched_to_end: list[float], rewards: list[float]) -> dict:
     """The figures of one run, from each step's begin and end (seconds since launch) and reward."""
-    k = first_crossing(rewards)
+    k = first_crossing(rewards, THRESHOLD, WINDOW)
     steps = [b - a for a, b in zip(launched_to_begin, launched_to_end)]
     return {"startup_s": round(launched_to_begin[0], 3),
             "step_time_s": round(statistics.median(steps[1:]), 4),

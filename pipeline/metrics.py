@@ -32,7 +32,7 @@ def step_metrics(step: int, elapsed_s: float, out: dict[str, object]) -> dict[st
 
       wait_s          sample's wait for rollouts: generation the overlap did not hide
       train_s         the trainer's own training time (TrainOut metric time_s)
-      refit_s         the slowest generator's refit (drain + weight load)
+      refit_s         the slowest generator's refit (weight fetch, drain, weight load)
       validate_s      the slowest generator's validation
       trainer_idle    1 - train_s / step_time_s
       generator_idle  mean over generators of 1 - busy_s / step_time_s

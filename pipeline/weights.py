@@ -10,6 +10,7 @@ benchmarks/step_profile.py's spans). Anything that is not a dict of tensors
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +33,7 @@ class FlatWeights:
         out = {}
         for name, dtype_name, shape, offset in self.entries:
             dtype = getattr(torch, dtype_name)
-            count = 1
-            for dim in shape:
-                count *= dim
-            size = count * torch.empty((), dtype=dtype).element_size()
+            size = math.prod(shape) * dtype.itemsize
             out[name] = raw[offset:offset + size].view(dtype).view(shape)
         return out
 
