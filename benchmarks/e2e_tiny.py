@@ -1,6 +1,6 @@
 """The real CPU stack on the tiny task: synchronous (max_age 0) against async (max_age 1).
 
-Each run is `pipeline.driver.train` on examples/tiny_grpo.yaml (vLLM-CPU
+Each run is `pipeline.run.driver.train` on examples/tiny_grpo.yaml (vLLM-CPU
 generating, DeepSpeed-CPU training, one generator) with a freshly built tiny
 model. Sync and async run back to back in one process on one local Ray, with
 the same seed within a repeat and the order alternating between repeats, so
@@ -41,8 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, first_crossing, machine_info, print_table, read_jsonl, start_ray,  # noqa: E402
-                     stats, write_result)
+from _common import ROOT, first_crossing, machine_info, print_table, read_jsonl, start_ray, stats, write_result  # noqa: E402
 
 RECIPE = ROOT / "examples" / "tiny_grpo.yaml"
 MODES = {0: "sync", 1: "async"}           # grpo.max_age -> name
@@ -162,8 +161,8 @@ def analyse_run(run_dir: Path, threshold: float, window: int) -> dict:
 
 def run_once(model: Path, out_dir: Path, name: str, max_age: int, steps: int, seed: int,
              dag_mode: str, extra: list[str]) -> Path:
-    from pipeline.config import load_config
-    from pipeline.driver import train
+    from pipeline.io.config import load_config
+    from pipeline.run.driver import train
     cfg = load_config(RECIPE, [
         f"model.path={model}", f"data.train={ROOT / 'data' / 'tiny_train.jsonl'}",
         f"data.val={ROOT / 'data' / 'tiny_val.jsonl'}", f"grpo.max_age={max_age}",
@@ -180,8 +179,8 @@ def default_dag_mode() -> str:
     """What `auto` would choose if Ray were told the real core count: Ray is started
     with 8 logical CPUs (so that fractional actors never wait), which alone would
     make `auto` choose compiled graphs, whose channels spin a core each."""
-    from pipeline.config import load_config
-    from pipeline.driver import resolve_dag_mode
+    from pipeline.io.config import load_config
+    from pipeline.run.driver import resolve_dag_mode
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return resolve_dag_mode(load_config(RECIPE, ["run.dag_mode=auto"]), cores)
 
@@ -208,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--steps {steps} must be at least --window {args.window}")
 
     import ray
-    from pipeline.tiny import build_tiny_model, model_digest
+
+    from pipeline.io.tiny import build_tiny_model, model_digest
 
     info = machine_info()
     dag_mode = args.dag_mode or default_dag_mode()

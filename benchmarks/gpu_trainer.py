@@ -5,7 +5,7 @@ A Llama model of a few hundred million parameters is built from a config
 the same way. On the same synthetic batch, with the same micro-batch size,
 ZeRO stage, dtype and DeepSpeed config:
 
-  worker  pipeline.deepspeed_engine.DeepSpeedTrainingEngine.train_step(table):
+  worker  pipeline.engines.deepspeed_policy.DeepSpeedTrainingEngine.train_step(table):
           the GRPO worker as the pipeline runs it (an Arrow table in
           TRAJECTORY_SCHEMA -> rows, collation and host-to-device copies every
           step, the GRPO loss and its metrics)
@@ -133,7 +133,8 @@ def build_rows(size: dict, vary: float, seed: int) -> list[dict]:
 
 def to_table(rows: list[dict]):
     import pyarrow as pa
-    from pipeline.engines import TRAJECTORY_SCHEMA
+
+    from pipeline.engines.interface import TRAJECTORY_SCHEMA
     return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
 
 
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = not args.cpu_smoke
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
-    from pipeline.deepspeed_engine import DeepSpeedTrainingEngine
+    from pipeline.engines.deepspeed_policy import DeepSpeedTrainingEngine
 
     info = machine_info(cuda)
     meter = Meter(cuda)

@@ -35,14 +35,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ray  # noqa: E402
 from _common import CpuWindow, machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
 
-import ray  # noqa: E402
-
-from dags.step_graph import Workers, build_prologue_graph, build_step_graph  # noqa: E402
+from dags.step_graph import build_prologue_graph, build_step_graph  # noqa: E402
 from dags.tokens import Batch, Gate, Refitted, Resume, StepPlan, Ticket, TrainOut, ValOut  # noqa: E402
-from pipeline.controller import Controller  # noqa: E402
-from pipeline.workers import GeneratorWorker, TrainerWorker  # noqa: E402
+from pipeline.actors.controller import Controller  # noqa: E402
+from pipeline.actors.generator import GeneratorWorker  # noqa: E402
+from pipeline.actors.trainer import TrainerWorker
+from pipeline.run.pool import Workers
 
 if __name__ != "__main__":
     # Imported rather than run: ship this module's actor classes by value, since
@@ -81,7 +82,7 @@ class Stepper:
     its actor loops spin even between executions and would load the other modes."""
 
     def __init__(self, workers: Workers, mode: str, run_dir: Path):
-        from pipeline.driver import GraphRunner
+        from pipeline.run.driver import GraphRunner
         self.workers, self.mode, self.run_dir = workers, mode, run_dir
         self.runner = None if mode == "hand" else GraphRunner(build_step_graph(workers), mode,
                                                              first_deadline_s=120)
@@ -117,7 +118,7 @@ class CpuBurn:
 class _Switchable:
     """configure(stub=True): every node returns its token at once, nothing else runs.
     configure(busy=True) before begin_run: the engine burns CPU instead of sleeping.
-    Otherwise the worker is the plain sim worker of pipeline/workers.py."""
+    Otherwise the worker is the plain sim worker of pipeline/actors/."""
     stub = False
     busy = False
 
@@ -174,7 +175,7 @@ class BenchGenerator(_Switchable, GeneratorWorker):
 
 
 def start_pool(num_generators: int) -> Workers:
-    """pipeline.driver.start_workers, with the same actor options, on the switchable workers."""
+    """pipeline.run.driver.start_workers, with the same actor options, on the switchable workers."""
     return Workers(ray.remote(BenchController).options(num_cpus=0.5, max_concurrency=8).remote(),
                    ray.remote(BenchTrainer).options(num_cpus=0.5, max_concurrency=2).remote(),
                    tuple(ray.remote(BenchGenerator).options(num_cpus=0.5, max_concurrency=4).remote(i)
@@ -231,10 +232,10 @@ def measure_sim(w: Workers, mode: str, lat: dict, steps: int, warm: int, max_age
     """One run of `steps` steps. The CPU window covers steps warm..steps-1: compiling a
     graph and starting its loops are set-up, not per-step cost. The workers' compute
     in the window is the CPU their CpuBurn logged inside it (pro rata at the edges)."""
-    from pipeline.check import check_events, load_events
-    from pipeline.config import load_config
-    from pipeline.driver import GraphRunner
-    from pipeline.events import EventLog, merge_events
+    from pipeline.io.config import load_config
+    from pipeline.run.driver import GraphRunner
+    from pipeline.run.events import EventLog, merge_events
+    from pipeline.tools.check import check_events, load_events
     cfg = load_config(None, [f"sim.generate_s={lat['G']}", f"sim.train_s={lat['T']}",
                              f"sim.refit_s={lat['R']}", "sim.validate_s=0", "sim.jitter=0",
                              f"grpo.max_age={max_age}", "grpo.val_period=0", f"run.steps={steps}",
@@ -299,8 +300,8 @@ def rotate(seq, k):
 
 
 def auto_mode_here(num_generators: int, cpus: float) -> str:
-    from pipeline.config import load_config
-    from pipeline.driver import resolve_dag_mode
+    from pipeline.io.config import load_config
+    from pipeline.run.driver import resolve_dag_mode
     return resolve_dag_mode(load_config(None, [f"generation.num_generators={num_generators}"]), cpus)
 
 
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in ("compiled", "classic"):
             figures[part][f"{mode}_over_hand"] = stats(
                 [a["step_ms"] / b["step_ms"] for a, b in zip(raw[part][mode], raw[part]["hand"])])
-    auto = {"rule": "compiled iff cluster CPUs >= 2 * (graph actors + 1) (pipeline/driver.py resolve_dag_mode)",
+    auto = {"rule": "compiled iff cluster CPUs >= 2 * (graph actors + 1) (pipeline/run/driver.py resolve_dag_mode)",
             "ray_logical_cpus": cluster_cpus, "physical_cores": info["cpu_physical"],
             "auto_with_these_logical_cpus": auto_mode_here(args.generators, cluster_cpus),
             "auto_with_physical_cores": auto_mode_here(args.generators, info["cpu_physical"] or 1),

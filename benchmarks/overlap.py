@@ -40,8 +40,8 @@ def times_for(ratio: float, scale: float) -> tuple[float, float]:
 
 
 def run_once(cfg_overrides: list[str], pool, runner, out_dir: Path, name: str) -> list[float]:
-    from pipeline.config import load_config
-    from pipeline.driver import train
+    from pipeline.io.config import load_config
+    from pipeline.run.driver import train
     cfg = load_config(None, [*cfg_overrides, f"run.output_dir={out_dir}", f"run.name={name}"])
     summary = train(cfg, workers=pool, step_runner=runner, quiet=True)
     if summary["error"] or not summary["accounting"]["balanced"]:
@@ -73,9 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else ([1.0] if args.quick else list(RATIOS))
     steps = SKIP_FIRST + measured + SKIP_LAST
 
-    import ray
     from dags.step_graph import build_step_graph
-    from pipeline.driver import GraphRunner, start_workers, stop_workers
+    from pipeline.run.driver import GraphRunner, start_workers, stop_workers
 
     info = machine_info()
     params = {"quick": args.quick, "scale_s": scale, "refit_s": refit, "ratios_G_over_T": ratios,

@@ -2,7 +2,7 @@
 
 For each recipe (examples/tiny_grpo.yaml, examples/tiny_ppo.yaml), each mode
 (grpo.max_age 0 = sync, 1 = async) and each run.seed, one full run of
-`pipeline.driver.train` on the real CPU stack (vLLM-CPU generating,
+`pipeline.run.driver.train` on the real CPU stack (vLLM-CPU generating,
 DeepSpeed-CPU training), one local Ray for all of them. The model folder is
 the same for every run (the tiny model built with its default seed): the seed
 varies data order, sampling and the trainer's RNG, as it would for a user.
@@ -32,8 +32,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, first_crossing, machine_info, print_table, read_jsonl, sample_load,  # noqa: E402
-                     shutdown_ray, start_ray, write_result)
+from _common import (  # noqa: E402
+    ROOT,
+    first_crossing,
+    machine_info,
+    print_table,
+    read_jsonl,
+    sample_load,
+    shutdown_ray,
+    start_ray,
+    write_result,
+)
 
 RECIPES = {"grpo": ROOT / "examples" / "tiny_grpo.yaml", "ppo": ROOT / "examples" / "tiny_ppo.yaml"}
 MODES = {0: "sync", 1: "async"}
@@ -66,8 +75,8 @@ def read_run(run_dir: Path) -> dict:
 
 def run_once(algorithm: str, max_age: int, seed: int, steps: int, val_period: int, model: Path,
              out_dir: Path, extra: list[str]) -> dict:
-    from pipeline.config import load_config
-    from pipeline.driver import train
+    from pipeline.io.config import load_config
+    from pipeline.run.driver import train
     name = f"{algorithm}_{MODES[max_age]}_s{seed}"
     cfg = load_config(RECIPES[algorithm], [
         f"model.path={model}", f"data.train={ROOT / 'data' / 'tiny_train.jsonl'}",
@@ -135,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or (3 if args.quick else 80)
     val_period = args.val_period if args.val_period is not None else (0 if args.quick else 10)
 
-    from pipeline.tiny import build_tiny_model, model_digest
+    from pipeline.io.tiny import build_tiny_model, model_digest
 
     info = machine_info()
     t_start = time.time()

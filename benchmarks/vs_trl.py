@@ -30,8 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, first_crossing, machine_info, print_table, read_jsonl, sample_load,  # noqa: E402
-                     write_result)
+from _common import ROOT, first_crossing, machine_info, print_table, read_jsonl, sample_load, write_result  # noqa: E402
 from step_profile import build_model, run_recipe  # noqa: E402
 
 THRESHOLD, WINDOW = 0.7, 3

@@ -11,35 +11,19 @@ is `ordering_subgraph`, shared by both and by the recovery graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from ray.dag import InputNode, MultiOutputNode
 
 Named = list[tuple[str, Any]]   # (node name, DAG node) in topological order
 
 
-@dataclass(frozen=True)
-class Workers:
-    controller: Any          # sample, validation_gate, resume, train_done
+class Workers(Protocol):
+    """The actor handles a graph binds (pipeline/run/pool.py holds the live ones)."""
+    controller: Any          # sample, validation_gate, resume, train_done, relaunch
     trainer: Any             # train
     generators: tuple        # refit, validate, collect
-    critic: Any = None       # PPO only: advantages, train
-
-    def first(self, num_generators: int) -> "Workers":
-        return Workers(self.controller, self.trainer, self.generators[:num_generators], self.critic)
-
-    def replace_generator(self, index: int, actor: Any) -> "Workers":
-        gens = list(self.generators)
-        gens[index] = actor
-        return Workers(self.controller, self.trainer, tuple(gens), self.critic)
-
-    def actors(self, generator_name: Callable[[int], str] = "gen{}".format) -> dict[str, Any]:
-        """Every actor by the name its event log uses."""
-        named = {"controller": self.controller, "trainer": self.trainer,
-                 **{generator_name(i): g for i, g in enumerate(self.generators)}}
-        if self.critic is not None:
-            named["critic"] = self.critic
-        return named
+    critic: Any              # PPO only: critic_values, critic_train
 
 
 @dataclass(frozen=True)

@@ -6,30 +6,30 @@ import sys
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pipeline.config import load_config
-    from pipeline.driver import train
+    from pipeline.io.config import load_config
+    from pipeline.run.driver import train
     cfg = load_config(args.config, args.overrides)
     train(cfg, resume=args.resume)
     return 0
 
 
 def _check_events(args: argparse.Namespace) -> int:
-    from pipeline.check import main
+    from pipeline.tools.check import main
     return main(args.run_dir)
 
 
 def _viz(args: argparse.Namespace) -> int:
-    from dags.render import viz_main
+    from pipeline.tools.render import viz_main
     return viz_main(args.config, args.overrides, args.out)
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from pipeline.timeline import timeline_main
+    from pipeline.tools.timeline import timeline_main
     return timeline_main(args.run_dir, args.out)
 
 
 def _build_tiny(args: argparse.Namespace) -> int:
-    from pipeline.tiny import main
+    from pipeline.io.tiny import main
     return main(["--out", args.out, "--seed", str(args.seed)])
 
 
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_build_tiny)
     args = parser.parse_args(argv)
-    from pipeline.config import ConfigError
-    from pipeline.driver import PipelineError
+    from pipeline.io.config import ConfigError
+    from pipeline.run.driver import PipelineError
     try:
         return args.func(args)
     except (ConfigError, PipelineError, FileNotFoundError, ValueError) as exc:

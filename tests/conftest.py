@@ -33,7 +33,7 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def sim_pool(ray_session):
-    from pipeline.driver import start_workers, stop_workers
+    from pipeline.run.driver import start_workers, stop_workers
     pool = start_workers(3)
     try:
         yield pool
@@ -44,7 +44,7 @@ def sim_pool(ray_session):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The tiny Llama and its tokenizer, built in code (no hub), once per session."""
-    from pipeline.tiny import build_tiny_model
+    from pipeline.io.tiny import build_tiny_model
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 

@@ -8,7 +8,7 @@ builds none of them. Some need a generator without one of its own guards
 otherwise that guard, not the checker, would stop the run. `MutantGenerator`
 is that worker; with nothing configured it is the production GeneratorWorker.
 
-`expect` is the invariant (pipeline/check.py) the mutation breaks. Its
+`expect` is the invariant (pipeline/tools/check.py) the mutation breaks. Its
 checker must find that violation in the log of a run that went to its end.
 """
 from __future__ import annotations
@@ -22,11 +22,14 @@ import ray
 import ray.cloudpickle
 from ray.dag import InputNode
 
-from dags.step_graph import StepGraph, Workers, build_step_graph, graph_of
+from dags.step_graph import StepGraph, build_step_graph, graph_of
 from dags.tokens import Refitted, Resume, StepPlan, Ticket
-from pipeline.controller import Controller
-from pipeline.runner import GraphRunner
-from pipeline.workers import GeneratorWorker, TrainerWorker, node
+from pipeline.actors.controller import Controller
+from pipeline.actors.generator import GeneratorWorker
+from pipeline.actors.node import node
+from pipeline.actors.trainer import TrainerWorker
+from pipeline.run.pool import Workers
+from pipeline.run.runner import GraphRunner
 
 # The actors below are defined in a test module that Ray's workers cannot
 # import by name: ship the classes by value.
@@ -74,7 +77,7 @@ class MutantGenerator(GeneratorWorker):
 
 
 def start_mutant_workers(num_generators: int) -> Workers:
-    """pipeline.pool.start_workers with MutantGenerator actors (the same options)."""
+    """pipeline.run.pool.start_workers with MutantGenerator actors (the same options)."""
     return Workers(ray.remote(Controller).options(num_cpus=0.5, max_concurrency=8).remote(),
                    ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote(),
                    tuple(ray.remote(MutantGenerator).options(num_cpus=0.5, max_concurrency=4).remote(i)

@@ -16,10 +16,10 @@ import time
 import pyarrow as pa
 import pytest
 
-from pipeline.buffer import ReplayBuffer
-from pipeline.controller import Controller
-from pipeline.engines import TRAJECTORY_SCHEMA
-from pipeline.events import EventLog
+from pipeline.actors.controller import Controller
+from pipeline.actors.replay_buffer import ReplayBuffer
+from pipeline.engines.interface import TRAJECTORY_SCHEMA
+from pipeline.run.events import EventLog
 
 
 def rows(batch_id: str, target: int, version: int, n: int = 2) -> pa.Table:
@@ -155,10 +155,10 @@ def test_a_stale_drop_in_a_simulated_run_passes_the_checker(tmp_path, ray_sessio
     import ray
     from ray import cloudpickle
 
-    from dags.step_graph import Workers
-    from pipeline.check import check_events, load_events
-    from pipeline.config import load_config
-    from pipeline.driver import start_workers, stop_workers, train
+    from pipeline.io.config import load_config
+    from pipeline.run.driver import start_workers, stop_workers, train
+    from pipeline.run.pool import Workers
+    from pipeline.tools.check import check_events, load_events
 
     # The subclass lives in this test module, which Ray's workers cannot import by name.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -13,12 +13,12 @@ import json
 import random
 
 import pytest
+from hand_logs import add, find, log, without_clocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hand_logs import add, find, log, without_clocks
-from pipeline.check import Violation, check_events, check_report, format_violation, load_events, main
-from pipeline.check_order import Judge
+from pipeline.tools.check import Violation, check_events, check_report, format_violation, load_events, main
+from pipeline.tools.check_order import Judge
 
 
 def invariants(events) -> list[int]:

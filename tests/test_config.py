@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pipeline.config import ConfigError, load_config
+from pipeline.io.config import ConfigError, load_config
 
 
 def test_recipe_and_overrides(tmp_path):

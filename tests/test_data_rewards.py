@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.data import GSM8K_TEMPLATE, DataError, load_prompts
-from pipeline.engines import Prompt
-from pipeline.rewards import RewardError, extract_last_number, gsm8k_reward, load_reward, tiny_reward
-from pipeline.tiny import TINY_ALPHABET, tiny_prompt
+from pipeline.engines.interface import Prompt
+from pipeline.io.data import GSM8K_TEMPLATE, DataError, load_prompts
+from pipeline.io.rewards import RewardError, extract_last_number, gsm8k_reward, load_reward, tiny_reward
+from pipeline.io.tiny import TINY_ALPHABET, tiny_prompt
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -215,15 +215,15 @@ def test_gsm8k_reward_reads_formatted_integers(n):
 
 
 def test_load_reward_resolves_and_names_the_spec():
-    assert load_reward("pipeline.rewards:tiny_reward") is tiny_reward
+    assert load_reward("pipeline.io.rewards:tiny_reward") is tiny_reward
     cases = [
-        ("pipeline.rewards.tiny_reward", "expected 'module:function'"),
-        ("pipeline.rewards:", "both parts non-empty"),
+        ("pipeline.io.rewards.tiny_reward", "expected 'module:function'"),
+        ("pipeline.io.rewards:", "both parts non-empty"),
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-        ("pipeline.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("pipeline.io.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
         ("math:pi", "'pi' is a float, not callable"),
         ("os.path:basename", r"basename\(p\) cannot be called as basename\(prompt, completion_text\)"),
-        ("pipeline.rewards:extract_last_number", "cannot be called as extract_last_number"),
+        ("pipeline.io.rewards:extract_last_number", "cannot be called as extract_last_number"),
     ]
     for spec, expected in cases:
         with pytest.raises(RewardError, match=expected) as err:
@@ -239,7 +239,7 @@ def test_tiny_task_is_learnable_by_plain_grpo(tmp_path):
     (Adam, lr 1e-2) lift the reward from about 0.01 to well above 0.3."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.tiny import build_tiny_model
+    from pipeline.io.tiny import build_tiny_model
     torch = pytest.importorskip("torch")
     torch.set_num_threads(1)
     path = build_tiny_model(tmp_path / "tiny", seed=0)

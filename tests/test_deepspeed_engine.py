@@ -11,8 +11,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.deepspeed_engine import DeepSpeedTrainingEngine, ModelPathError
-from pipeline.engines import TRAJECTORY_SCHEMA
+from pipeline.engines.deepspeed_policy import DeepSpeedTrainingEngine, ModelPathError
+from pipeline.engines.interface import TRAJECTORY_SCHEMA
 
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()

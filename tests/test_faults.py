@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.check import check_events, load_events
-from pipeline.config import load_config
-from pipeline.driver import PipelineError, train
+from pipeline.io.config import load_config
+from pipeline.run.driver import PipelineError, train
+from pipeline.tools.check import check_events, load_events
 
 
 def sim_config(tmp_path, name: str, **overrides):
@@ -127,7 +127,7 @@ def test_controller_death_is_an_error_not_a_hang(tmp_path, ray_session):
 
     import ray
 
-    from pipeline.driver import start_workers, stop_workers
+    from pipeline.run.driver import start_workers, stop_workers
     from tests._procs import steps_logged
 
     cfg = sim_config(tmp_path, "c", run__steps=30, sim__generate_s=0.05)

@@ -1,4 +1,4 @@
-"""Hand-computed checks of pipeline/grpo.py.
+"""Hand-computed checks of pipeline/algos/grpo.py.
 
 Every expected number below is derived in the comments, not by calling the
 code under test.
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from pipeline.grpo import group_advantages, grpo_loss
+from pipeline.algos.grpo import group_advantages, grpo_loss
 
 LN = math.log
 

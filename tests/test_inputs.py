@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline import backends
 from pipeline.__main__ import main
-from pipeline.config import load_config
-from pipeline.tiny import tiny_task_rows
+from pipeline.engines import backends
+from pipeline.io.config import load_config
+from pipeline.io.tiny import tiny_task_rows
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = "bad_input"
@@ -40,7 +40,7 @@ def recipe(tmp_path, tiny_model) -> dict:
     return {"backend": "real",
             "run": {"name": RUN, "output_dir": str(tmp_path / "runs"), "steps": 2},
             "model": {"path": str(tiny_model)},
-            "data": {"train": str(train), "val": str(val), "reward": "pipeline.rewards:tiny_reward"},
+            "data": {"train": str(train), "val": str(val), "reward": "pipeline.io.rewards:tiny_reward"},
             "grpo": {"max_age": 1, "prompts_per_step": 2, "group_size": 2, "val_period": 1},
             "training": {"micro_batch_size": 4, "lr": 0.005}}
 
@@ -344,10 +344,10 @@ REWARD_CASES = {
     "no_module": ("no_such_module_xyz:score", "cannot import module 'no_such_module_xyz': ModuleNotFoundError"),
     "module_raises": ("broken_reward_mod:score", "cannot import module 'broken_reward_mod': "
                       "ZeroDivisionError: division by zero"),
-    "no_function": ("pipeline.rewards:nope", "module 'pipeline.rewards' has no attribute 'nope'"),
+    "no_function": ("pipeline.io.rewards:nope", "module 'pipeline.io.rewards' has no attribute 'nope'"),
     "not_callable": ("math:pi", "'pi' is a float, not callable"),
     "wrong_signature": ("os.path:basename", "basename(p) cannot be called as basename(prompt, completion_text)"),
-    "no_colon": ("pipeline.rewards.tiny_reward", "expected 'module:function'"),
+    "no_colon": ("pipeline.io.rewards.tiny_reward", "expected 'module:function'"),
 }
 
 
@@ -366,7 +366,7 @@ def test_a_model_the_engine_cannot_run_is_refused_before_the_first_step(tmp_path
     head_dim 16) passes every file check; the generator's one-token probe at
     start-up refuses it with vLLM's reason, instead of step 0 finding every
     rollout failed. The engine must start to know, so this run has a directory."""
-    from pipeline.tiny import build_tiny_model
+    from pipeline.io.tiny import build_tiny_model
     model = build_tiny_model(tmp_path / "head16", head_dim=16)
     recipe["model"]["path"] = str(model)
     proc = subprocess.run([sys.executable, "-m", "pipeline", "train", "--config", str(write(tmp_path, recipe))],

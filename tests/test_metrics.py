@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from dags.tokens import Batch, Refitted, Resume, Ticket, TrainOut, ValOut
-from pipeline.config import ConfigError, load_config
-from pipeline.metrics import MetricSinks, Progress, step_metrics
+from pipeline.io.config import ConfigError, load_config
+from pipeline.run.metrics import MetricSinks, Progress, step_metrics
 
 
 def _train(step: int, **metrics: float) -> TrainOut:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import ray
-
 from mutations import MUTATIONS, UNMUTATED, start_mutant_workers
-from pipeline.check import check_events, check_report, load_events
-from pipeline.config import load_config
-from pipeline.driver import stop_workers, train
+
+from pipeline.io.config import load_config
+from pipeline.run.driver import stop_workers, train
+from pipeline.tools.check import check_events, check_report, load_events
 
 # Opposite races: validation outlasting generation, and generation outlasting it.
 PROFILES = {

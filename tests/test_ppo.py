@@ -13,14 +13,15 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.critic import ADVANTAGE_SCHEMA, compute_advantages
-from pipeline.deepspeed_engine import DeepSpeedTrainingEngine
-from pipeline.engines import TRAJECTORY_SCHEMA
-from pipeline.grpo import grpo_loss
-from pipeline.ppo import explained_variance, gae, last_token_rewards, value_loss, whiten
-from pipeline.sim import SimCriticEngine, SimTrainingEngine
 # The GRPO engine tests' tiny model and prompt-group tables; model_dir is a fixture.
 from test_deepspeed_engine import make_table, max_diff, model_dir, weights  # noqa: F401
+
+from pipeline.actors.critic import ADVANTAGE_SCHEMA, compute_advantages
+from pipeline.algos.grpo import grpo_loss
+from pipeline.algos.ppo import explained_variance, gae, last_token_rewards, value_loss, whiten
+from pipeline.engines.deepspeed_policy import DeepSpeedTrainingEngine
+from pipeline.engines.interface import TRAJECTORY_SCHEMA
+from pipeline.engines.sim import SimCriticEngine, SimTrainingEngine
 
 torch.set_num_threads(1)
 LN = math.log
@@ -198,7 +199,7 @@ def policy(model_dir, **kw):
 
 
 def critic(model_dir, **kw):
-    from pipeline.critic_engine import DeepSpeedCriticEngine
+    from pipeline.engines.deepspeed_critic import DeepSpeedCriticEngine
     args = dict(zero_stage=0, dtype="fp32", micro_batch_size=4, lr=1e-2, value_clip=0.2, seed=0)
     return DeepSpeedCriticEngine(str(model_dir), **{**args, **kw})
 
@@ -332,7 +333,7 @@ def test_critic_learns_fixed_returns(model_dir):
 # ---------------------------------------------------------------- sim engines
 
 def test_sim_engines_save_and_load_state(tmp_path):
-    from pipeline.config import SimConfig
+    from pipeline.io.config import SimConfig
     cfg = SimConfig(train_s=0.0)
     table = make_table()
     t = SimTrainingEngine(cfg, seed=0)
@@ -360,9 +361,9 @@ def test_sim_engines_save_and_load_state(tmp_path):
 @pytest.mark.parametrize("backend", ["sim", "real"])
 def test_critic_worker_nodes(tmp_path, ray_session, model_dir, backend):
     from dags.tokens import Advantages, Batch, CriticOut
-    from pipeline.config import load_config
-    from pipeline.critic import CriticWorker
-    from pipeline.workers import NodeError
+    from pipeline.actors.critic import CriticWorker
+    from pipeline.actors.node import NodeError
+    from pipeline.io.config import load_config
     ray = ray_session
     cfg = load_config(None, [f"backend={backend}", "algorithm=ppo", f"model.path={model_dir}",
                              "data.train=x", "data.reward=x", "sim.train_s=0", "ppo.gamma=1.0",

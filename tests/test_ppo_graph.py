@@ -3,9 +3,9 @@
 (a) Structure: everything after training (validation_gate, refit[g],
     validate[g], resume, collect[g]) is compared edge by edge between the GRPO
     and PPO graphs, read off the Ray DAG's bound arguments. Unstarted
-    ClassNodes (dags/render.py viz_workers): no cluster needed.
+    ClassNodes (pipeline/tools/render.py viz_workers): no cluster needed.
 (b) Behaviour: random schedules of async PPO on simulated workers, checked
-    by pipeline.check from the event log.
+    by pipeline.tools.check from the event log.
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from ray.dag import ClassMethodNode, InputNode
 
-from dags.render import viz_workers
-from dags.step_graph import StepGraph, Workers, build_step_graph, grpo_train_subgraph, ppo_train_subgraph
+from dags.step_graph import StepGraph, build_step_graph, grpo_train_subgraph, ppo_train_subgraph
+from pipeline.run.pool import Workers
+from pipeline.tools.render import viz_workers
 
 # The node that hands the TrainOut to the ordering sub-graph: the policy update
 # in GRPO; in PPO the join of the policy and critic updates, so nothing
@@ -101,10 +102,11 @@ def test_the_structural_comparison_sees_a_missing_edge(resume_after):
 
 # ---------------------------------------------------------------- (b) behaviour
 
-from pipeline.check import check_events, load_events  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.driver import GraphRunner, start_workers, stop_workers, train  # noqa: E402
 from test_step_graph import schedules  # noqa: E402  (the GRPO tests' schedule space, shared)
+
+from pipeline.io.config import load_config  # noqa: E402
+from pipeline.run.driver import GraphRunner, start_workers, stop_workers, train  # noqa: E402
+from pipeline.tools.check import check_events, load_events  # noqa: E402
 
 _run_ids = itertools.count()
 

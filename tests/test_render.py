@@ -11,8 +11,8 @@ from pathlib import Path
 import pydot
 import pytest
 
-from dags.render import FORMATS, RenderError, describe, graph_for_config, render, to_mermaid, viz_main
-from pipeline.config import load_config
+from pipeline.io.config import load_config
+from pipeline.tools.render import FORMATS, RenderError, describe, graph_for_config, render, to_mermaid, viz_main
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_TOKENS = {"StepPlan", "Batch", "TrainOut", "Gate", "Refitted", "ValOut", "Resume"}
@@ -114,7 +114,7 @@ def test_png_and_svg_are_drawn(tmp_path, recipe, generators, prologue):
 
 def test_pictures_need_no_dot_program(tmp_path, monkeypatch):
     """PNG and SVG come from matplotlib alone: no `dot` on PATH, none looked up, none run."""
-    import dags.draw  # noqa: F401  (matplotlib's font cache is built before PATH goes)
+    import pipeline.tools.draw  # noqa: F401  (matplotlib's font cache is built before PATH goes)
     empty = tmp_path / "empty_bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
@@ -157,7 +157,7 @@ def test_viz_main_writes_each_path(tmp_path, capsys):
 
 def test_graph_builds_without_starting_ray():
     """A fresh interpreter: binding actor classes must not start Ray or a worker."""
-    code = ("import ray; from pipeline.config import load_config; from dags.render import graph_for_config, to_dot\n"
+    code = ("import ray; from pipeline.io.config import load_config; from pipeline.tools.render import graph_for_config, to_dot\n"
             "g = graph_for_config(load_config('examples/sim_grpo.yaml', ['generation.num_generators=3']))\n"
             "assert 'collect[2]' in to_dot(g)\n"
             "print('ray initialized:', ray.is_initialized())")

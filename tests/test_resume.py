@@ -14,15 +14,14 @@ import pytest
 import ray
 
 from dags.tokens import Resume, ValOut
-from pipeline import checkpoint
-from pipeline.check import check_events, load_events
-from pipeline.config import load_config
-from pipeline.controller import Controller
-from pipeline.driver import PipelineError, train
-from pipeline.engines import TRAJECTORY_SCHEMA
-from pipeline.runner import GraphRunner
-from pipeline.workers import TrainerWorker
-
+from pipeline.actors.controller import Controller
+from pipeline.actors.trainer import TrainerWorker
+from pipeline.engines.interface import TRAJECTORY_SCHEMA
+from pipeline.io.config import load_config
+from pipeline.run import checkpoint
+from pipeline.run.driver import PipelineError, train
+from pipeline.run.runner import GraphRunner
+from pipeline.tools.check import check_events, load_events
 from tests._procs import ROOT, sigkill_tree, start_driver, steps_logged, wait_for
 
 
@@ -71,8 +70,8 @@ def test_sigkill_driver_then_resume_sim(tmp_path):
     assert checkpoint_step in (6, 9, 12)
     check_halves(run_dir, 14, checkpoint_step, per_step=2)
     # The final checkpoint loads: the simulated trainer's state says 14 updates.
-    from pipeline.config import load_config
-    from pipeline.sim import SimTrainingEngine
+    from pipeline.engines.sim import SimTrainingEngine
+    from pipeline.io.config import load_config
     engine = SimTrainingEngine(load_config("examples/sim_grpo.yaml").sim, seed=0)
     engine.load_state(str(run_dir / "checkpoints" / "step_14" / "trainer_state"))
     assert engine.updates == 14
@@ -223,7 +222,7 @@ def test_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, sim_pool, u
            {s: v for s, v in losses(ref_dir).items() if s >= RESUMED_AT}
     loads = [e for e in load_events(run_dir) if e["ev"] == "refit_end" and e["step"] == RESUMED_AT - 1]
     assert sorted((e["worker"], e["version"]) for e in loads) == [("gen0", RESUMED_AT), ("gen1", RESUMED_AT)]
-    # What a trainer resumed from that checkpoint hands the generators (pipeline/pool.py:
+    # What a trainer resumed from that checkpoint hands the generators (pipeline/run/pool.py:
     # begin_run) is the checkpoint's weights at its version.
     ckpt = run_dir / "checkpoints" / f"step_{RESUMED_AT}"
     trainer = TrainerWorker()

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.check import check_events, load_events
-from pipeline.config import load_config
 from dags.step_graph import build_step_graph
-from pipeline.driver import GraphRunner, PipelineError, train
+from pipeline.io.config import load_config
+from pipeline.run.driver import GraphRunner, PipelineError, train
+from pipeline.tools.check import check_events, load_events
 
 
 def sim_config(tmp_path, name: str, **overrides):

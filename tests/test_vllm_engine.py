@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from pipeline.engines import Prompt, sample_seeds
-from pipeline.tiny import ModelError, build_tiny_model, check_model_dir, model_digest, tiny_prompt
+from pipeline.engines.interface import Prompt, sample_seeds
+from pipeline.io.tiny import ModelError, build_tiny_model, check_model_dir, model_digest, tiny_prompt
 
 torch.set_num_threads(1)
 
@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from pipeline.vllm_engine import VllmGenerationEngine
+    from pipeline.engines.vllm_generator import VllmGenerationEngine
     t0 = time.perf_counter()
     # Stats on, so the test can see prefix-cache hits.
     eng = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=16, temperature=1.0, top_p=1.0,
@@ -239,7 +239,7 @@ def test_load_weights_rejects_a_padded_vocabulary(engine, model_dir):
 # -- bad model directories: errors name the path, before vLLM starts -----------
 
 def test_bad_model_directories_are_named(tmp_path, model_dir):
-    from pipeline.vllm_engine import VllmGenerationEngine
+    from pipeline.engines.vllm_generator import VllmGenerationEngine
     missing = tmp_path / "nope"
     with pytest.raises(ModelError, match="does not exist") as err:
         VllmGenerationEngine(missing)

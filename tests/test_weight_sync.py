@@ -17,10 +17,12 @@ import pytest
 import ray
 
 from dags.tokens import Batch, Gate, TrainOut
-from pipeline.config import load_config
-from pipeline.engines import TRAJECTORY_SCHEMA
-from pipeline.runner import task_error
-from pipeline.workers import GeneratorWorker, NodeError, TrainerWorker
+from pipeline.actors.generator import GeneratorWorker
+from pipeline.actors.node import NodeError
+from pipeline.actors.trainer import TrainerWorker
+from pipeline.engines.interface import TRAJECTORY_SCHEMA
+from pipeline.io.config import load_config
+from pipeline.run.runner import task_error
 
 
 def sim_cfg(tmp_path):
@@ -144,11 +146,12 @@ def test_the_refusal_reaches_the_driver_as_a_node_error(tmp_path, ray_session):
 
 
 def test_flat_weights_come_back_equal_through_the_object_store(ray_session):
-    """pipeline/weights.py: fp32, bf16 and integer tensors, a scalar and an empty
+    """pipeline/engines/weights.py: fp32, bf16 and integer tensors, a scalar and an empty
     one survive put and get bit for bit, as read-only views; the sim's dict of
     numbers is stored as it is."""
     import torch
-    from pipeline.weights import FlatWeights, pack, unpack
+
+    from pipeline.engines.weights import FlatWeights, pack, unpack
     state = {"a.weight": torch.randn(3, 5), "b.weight": torch.randn(4, 2).to(torch.bfloat16),
              "steps": torch.tensor(7), "empty": torch.zeros(0, 3), "ids": torch.arange(6).view(2, 3)}
     stored = ray.get(ray.put((3, pack(state))))

@@ -1,6 +1,6 @@
 """The PPO critic on DeepSpeed: an HF causal LM's backbone plus a linear value head.
 
-Same DeepSpeed set-up as the policy (pipeline/deepspeed_engine.py helpers):
+Same DeepSpeed set-up as the policy (pipeline/engines/deepspeed_policy.py helpers):
 one process, world size 1, gloo on CPU, torch AdamW, one optimizer step per
 table however many micro-batches it takes.
 """
@@ -12,10 +12,20 @@ import time
 import pyarrow as pa
 import torch
 
-from pipeline.deepspeed_engine import (_check_model_dir, _rows, collate, cpu_state_dict, ds_config,
-                                       initialize, load_engine_state, save_engine_state, start_deepspeed,
-                                       step_with_grad_norm, token_column)
-from pipeline.ppo import value_loss
+from pipeline.algos.ppo import value_loss
+from pipeline.engines.deepspeed_policy import (
+    _check_model_dir,
+    _rows,
+    collate,
+    cpu_state_dict,
+    ds_config,
+    initialize,
+    load_engine_state,
+    save_engine_state,
+    start_deepspeed,
+    step_with_grad_norm,
+    token_column,
+)
 
 
 class ValueModel(torch.nn.Module):
@@ -35,7 +45,7 @@ class ValueModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                use_cache=False).last_hidden_state
-        # Positions start .. L-2: the window of pipeline.deepspeed_engine.collate.
+        # Positions start .. L-2: the window of pipeline.engines.deepspeed_policy.collate.
         return self.value_head(hidden[:, start:-1]).squeeze(-1).float()
 
 
@@ -48,7 +58,7 @@ class DeepSpeedCriticEngine:
     i.e. the state in which the policy chooses token t, and it is the position
     whose logits give token t's logprob, so values, logprobs and advantages
     share one window. For t = 0 it is the last prompt token. The state after
-    the last token is terminal (V = 0, see pipeline.ppo.gae) and gets no value.
+    the last token is terminal (V = 0, see pipeline.algos.ppo.gae) and gets no value.
     """
 
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
@@ -94,7 +104,7 @@ class DeepSpeedCriticEngine:
         return out
 
     def train_step(self, table: pa.Table, targets: pa.Table) -> dict[str, float]:
-        """One clipped value-loss step (pipeline.ppo.value_loss) towards the
+        """One clipped value-loss step (pipeline.algos.ppo.value_loss) towards the
         `returns` column of `targets`, clipped around its `values` column (the
         values the advantages were computed with). `targets` is aligned row by
         row with `table`, one float per response token.

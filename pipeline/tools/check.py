@@ -5,7 +5,7 @@ so this checker knows the event schema and nothing of the driver: a bug in the
 orchestration cannot hide a matching bug here.
 
 Invariants 1 and 2 (order) and invariant 5's weight flow are proven from the
-events' vector clocks, not their times (pipeline/check_order.py): the verdict
+events' vector clocks, not their times (pipeline/tools/check_order.py): the verdict
 holds whatever the hosts' clocks say. The wall-clock reading of the same pairs
 is kept as a second opinion: `check_report` returns it as notes, which fail
 nothing. Invariants 3-5 compare versions and counts, never two hosts' times.
@@ -19,9 +19,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from pipeline.check_order import (Judge, Violation, by_wall_clock, delivering_rollout, has_clock, of, rollouts,
-                                  rollouts_clear_of_refits, rollouts_clear_of_validations,
-                                  rollouts_run_the_loaded_version, t_, weights_come_from_the_trainer)
+from pipeline.tools.check_order import (
+    Judge,
+    Violation,
+    by_wall_clock,
+    delivering_rollout,
+    has_clock,
+    of,
+    rollouts,
+    rollouts_clear_of_refits,
+    rollouts_clear_of_validations,
+    rollouts_run_the_loaded_version,
+    t_,
+    weights_come_from_the_trainer,
+)
 
 __all__ = ["Report", "Violation", "check_events", "check_report", "format_violation", "load_events", "main"]
 
@@ -347,5 +358,5 @@ def main(run_dir: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m pipeline.check runs/<name>")
+        sys.exit("usage: python -m pipeline.tools.check runs/<name>")
     sys.exit(main(sys.argv[1]))

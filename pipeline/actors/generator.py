@@ -1,17 +1,13 @@
-"""The actors behind the step graph's nodes: trainer and generators (the
-controller is in pipeline/controller.py, the critic in pipeline/critic.py).
-
-`begin_run` sets a worker up for one run (engine, log, version), so a test can
-run many short schedules on one set of actors; the driver calls it once.
+"""The generator actor: refit, validate and collect, with rollouts on a
+background thread that the next refit joins, so generation overlaps training
+but never a refit or a validation.
 
 Each node is a small method that takes upstream tokens and returns one; the
-work is done by the engines (pipeline/engines.py). No method here waits on
-another node except through its arguments.
+work is done by the generation engine (pipeline/engines/). No method here
+waits on another node except through its arguments.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 import threading
 import time
@@ -19,130 +15,12 @@ import time
 import pyarrow as pa
 import ray
 
-from dags.tokens import Advantages, Batch, Clock, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
-from pipeline import backends, spans, weights
-from pipeline.config import Config
-from pipeline.engines import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
-from pipeline.events import EventLog
-
-
-class NodeError(RuntimeError):
-    """A graph node failed; the message names the node, the worker and the step."""
-
-
-def one_thread() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        import torch
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
-
-
-def node(name: str):
-    """Log node_start/node_end and name the node, worker and step in any failure.
-
-    The node logs on its own lane (`<worker>/<node>`, pipeline/events.py),
-    after the clocks of the tokens it takes; the token it returns carries the
-    clock at its node_end. Two nodes of one actor are ordered only if the graph
-    orders them, not because they happened to run one after the other."""
-    def wrap(method):
-        @functools.wraps(method)
-        def run(self, *tokens):
-            step = next((t.step for t in tokens if hasattr(t, "step")), None)
-            with self.log.lane(f"{self.log.worker}/{name}", *(getattr(t, "clock", ()) for t in tokens)):
-                self.log.emit("node_start", step=step, node=name)
-                spans.take()  # this thread's spans from before the node are not the node's
-                try:
-                    out = method(self, *tokens)
-                except Exception as exc:
-                    self.log.emit("node_error", step=step, node=name, error=f"{type(exc).__name__}: {exc}")
-                    raise NodeError(f"node {name!r} on worker {self.log.worker!r} failed at step {step}: "
-                                    f"{type(exc).__name__}: {exc}") from exc
-                self.log.emit("node_end", step=step, node=name, spans=spans.take())
-                return dataclasses.replace(out, clock=self.log.now())
-        return run
-    return wrap
-
-
-def reopen_log(worker, run_dir: str, name: str, t0: float) -> EventLog:
-    """A pooled actor serves many runs: close the last run's log file first."""
-    if getattr(worker, "log", None) is not None:
-        worker.log.close()
-    return EventLog(run_dir, name, t0)
-
-
-class TrainerWorker:
-    def begin_run(self, cfg: Config, run_dir: str, t0: float, resume_dir: str | None = None,
-                  start_version: int = 0) -> Clock:
-        one_thread()
-        spans.take()
-        self.cfg = cfg
-        self.log = reopen_log(self, run_dir, "trainer", t0)
-        self.log.emit("worker_start", pid=os.getpid())
-        self.engine = backends.training_engine(cfg)
-        if resume_dir is not None:
-            self.engine.load_state(resume_dir)
-        self.version = start_version
-        # (version, ObjectRef of (version, weights) or None, clock of their making): exported
-        # on first need, since most runs never replace a generator. One attribute, so a
-        # reader on the second thread never pairs one step's weights with another's clock.
-        self._live = (start_version, None, self.log.now())
-        self.log.emit("worker_ready", spans=spans.take())
-        return self.log.now()
-
-    def ping(self) -> bool:
-        return True
-
-    def current_weights(self) -> tuple[int, tuple, Clock]:
-        """The version, (ObjectRef of (version, weights),) and the clock of the event that
-        made them, for a generator that starts mid-run: its load is after that event."""
-        version, ref, clock = self._live
-        if ref is None:
-            ref = ray.put((version, weights.pack(self.engine.export_weights())))
-            self._live = (version, ref, clock)
-        return version, (ref,), clock
-
-    @node("train")
-    def train(self, batch: Batch, advantages: Advantages | None = None) -> TrainOut:
-        """GRPO: group advantages from the rewards. PPO: the critic's GAE advantages;
-        during ppo.critic_warmup the policy stays put, but the version still
-        rises by one, so every step looks the same to the rest of the graph."""
-        if any(v > self.version for v in batch.versions):
-            raise RuntimeError(f"weight sync: batch versions {batch.versions} are newer than "
-                               f"the trainer's weights (version {self.version})")
-        self.log.emit("train_start", step=batch.step, version=self.version,
-                      batches=list(batch.batch_ids), batch_versions=list(batch.versions))
-        with spans.span("batch.get"):
-            table = ray.get(batch.table_ref[0])
-        if advantages is None:
-            metrics = self.engine.train_step(table)
-        elif batch.step < self.cfg.ppo.critic_warmup:
-            metrics = {"policy_frozen": 1.0}
-        else:
-            metrics = self.engine.train_step(table, advantages=ray.get(advantages.table_ref[0]))
-        self.version += 1
-        with spans.span("export_weights"):
-            exported = weights.pack(self.engine.export_weights())
-        with spans.span("weights.put"):
-            weights_ref = ray.put((self.version, exported))
-        self.log.emit("train_end", step=batch.step, version=self.version)
-        # Kept alive until the next step's refits are done (see Controller.sample).
-        self._live = (self.version, weights_ref, self.log.now())
-        failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
-        metrics = {**metrics, "reward_failures": float(failed),
-                   "reward_mean": _mean(table.column("reward").to_pylist()),
-                   "reward_std": _std(table.column("reward").to_pylist()),
-                   "age_mean": _mean([batch.step - v for v in batch.versions]),
-                   "age_max": float(max(batch.step - v for v in batch.versions)),
-                   "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist()))}
-        return TrainOut(batch.step, self.version, (weights_ref,), tuple(sorted(metrics.items())))
-
-    def save(self, path: str) -> None:
-        self.engine.save(path)
-
-    def save_state(self, path: str) -> None:
-        self.engine.save_state(path)
+from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
+from pipeline.actors.node import Actor, node, one_thread, reopen_log
+from pipeline.engines import backends, weights
+from pipeline.engines.interface import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
+from pipeline.io.config import Config
+from pipeline.run import spans
 
 
 class _Rollouts:
@@ -159,7 +37,7 @@ class _Rollouts:
         self.thread = threading.Thread(target=target, args=(self, *args), name=name, daemon=True)
 
 
-class GeneratorWorker:
+class GeneratorWorker(Actor):
     """One generation engine. Rollouts run on a background thread that the
     next refit joins, so generation overlaps training but never a refit."""
 
@@ -203,9 +81,6 @@ class GeneratorWorker:
             self.log.emit("refit_end", step=version - 1, version=self.version)
         self.log.emit("worker_ready", spans=spans.take())
         return self.log.now()
-
-    def ping(self) -> bool:
-        return True
 
     @node("refit")
     def refit(self, train: TrainOut, gate: Gate) -> Refitted:
@@ -386,12 +261,3 @@ class GeneratorWorker:
                 "reward": rewards,
                 "reward_error": errors,
             }, schema=TRAJECTORY_SCHEMA)
-
-
-def _mean(xs: list[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else 0.0
-
-
-def _std(xs: list[float]) -> float:
-    m = _mean(xs)
-    return float((sum((x - m) ** 2 for x in xs) / len(xs)) ** 0.5) if xs else 0.0

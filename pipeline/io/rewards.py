@@ -12,7 +12,7 @@ import math
 import re
 from typing import Callable
 
-from pipeline.engines import Prompt
+from pipeline.engines.interface import Prompt
 
 RewardFn = Callable[[Prompt, str], float]
 
@@ -28,7 +28,7 @@ def load_reward(spec: str) -> RewardFn:
     """Resolve "package.module:function" to a callable."""
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise RewardError(f"reward spec {spec!r}: expected 'module:function', "
-                          "e.g. 'pipeline.rewards:tiny_reward'")
+                          "e.g. 'pipeline.io.rewards:tiny_reward'")
     module_name, attr = spec.split(":")
     if not module_name or not attr:
         raise RewardError(f"reward spec {spec!r}: expected 'module:function' with both parts non-empty")
@@ -63,7 +63,7 @@ def tiny_reward(prompt: Prompt, completion_text: str) -> float:
     A fraction, not a 0/1 match, so a random policy's samples already differ
     (about half the groups of 4 carry signal at step 0). No partial credit for
     "a digit": that direction is the same for every prompt and the policy
-    collapses onto it (see pipeline/tiny.py).
+    collapses onto it (see pipeline/io/tiny.py).
     """
     target = prompt.answer
     if len(target) != 1:

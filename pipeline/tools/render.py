@@ -1,4 +1,4 @@
-"""Draw a StepGraph: DOT and Mermaid as text, PNG and SVG with matplotlib (dags/draw.py).
+"""Draw a StepGraph: DOT and Mermaid as text, PNG and SVG with matplotlib (pipeline/tools/draw.py).
 
 Everything is read off the Ray DAG itself (method names, bound actors, return
 annotations), so a new node or token in dags/step_graph.py shows up here
@@ -17,10 +17,10 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray.dag import (ClassMethodNode, ClassNode, DAGNode, FunctionNode, InputAttributeNode, InputNode,
-                     MultiOutputNode)
+from ray.dag import ClassMethodNode, ClassNode, DAGNode, FunctionNode, InputAttributeNode, InputNode, MultiOutputNode
 
-from dags.step_graph import TRAIN_SUBGRAPHS, StepGraph, Workers, build_prologue_graph, build_step_graph
+from dags.step_graph import TRAIN_SUBGRAPHS, StepGraph, build_prologue_graph, build_step_graph
+from pipeline.run.pool import Workers
 
 FORMATS = (".dot", ".mmd", ".png", ".svg")
 # An actor class keeps its colour across graphs (step and prologue): the slot
@@ -241,7 +241,7 @@ def render(graph: StepGraph, out_path: str | Path, title: str | None = None) -> 
     elif suffix == ".dot":
         data = to_dot(graph, title).encode()
     else:
-        from dags.draw import draw  # matplotlib: only loaded for pictures
+        from pipeline.tools.draw import draw  # matplotlib: only loaded for pictures
         data = draw(*describe(graph), suffix[1:], title)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)
@@ -253,11 +253,13 @@ def render(graph: StepGraph, out_path: str | Path, title: str | None = None) -> 
 def viz_workers(num_generators: int, algorithm: str = "grpo") -> Workers:
     """Unstarted actors: ClassNodes only describe an actor, so binding them needs no cluster."""
     import ray
-    from pipeline.controller import Controller
-    from pipeline.workers import GeneratorWorker, TrainerWorker
+
+    from pipeline.actors.controller import Controller
+    from pipeline.actors.generator import GeneratorWorker
+    from pipeline.actors.trainer import TrainerWorker
     critic = None
     if algorithm == "ppo":
-        from pipeline.critic import CriticWorker
+        from pipeline.actors.critic import CriticWorker
         critic = ray.remote(CriticWorker).bind()
     return Workers(ray.remote(Controller).bind(), ray.remote(TrainerWorker).bind(),
                    tuple(ray.remote(GeneratorWorker).bind(i) for i in range(num_generators)), critic)
@@ -273,7 +275,7 @@ def graph_for_config(cfg, prologue: bool = False) -> StepGraph:
 def viz_main(config_path: str | Path | None, overrides: list[str] = (), out_paths: list[str] = (),
              prologue: bool = False) -> int:
     """Write the config's step graph (or prologue) to each path; with no path, print DOT."""
-    from pipeline.config import ConfigError, load_config
+    from pipeline.io.config import ConfigError, load_config
     try:
         cfg = load_config(config_path, list(overrides))
     except ConfigError as exc:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import ray
 
-from dags.step_graph import Workers
-from pipeline.config import Config
+from pipeline.io.config import Config
+from pipeline.run.pool import Workers
 
 # Keys that fix the shape of the launch schedule and the buffer: a resumed run must keep them.
 FROZEN_KEYS = ("algorithm", "backend", "grpo.max_age", "grpo.prompts_per_step", "grpo.group_size",

@@ -1,7 +1,7 @@
 """PPO's advantages (GAE) and the clipped value loss.
 
 Pure torch, no engine state, so every number can be checked by hand
-(tests/test_ppo.py). The policy loss is GRPO's (pipeline/grpo.py grpo_loss),
+(tests/test_ppo.py). The policy loss is GRPO's (pipeline/algos/grpo.py grpo_loss),
 fed per-token advantages of shape [B, T] instead of one per sequence.
 
 Shapes: B sequences of response tokens, right-padded to T positions. Every

@@ -8,8 +8,8 @@ Two nodes per step (dags/step_graph.py ppo_train_subgraph):
 
 The driver starts it with ray.remote(CriticWorker), threaded
 (max_concurrency=2), so save_state between steps never waits behind a
-compiled graph's loop. The engine (pipeline/critic_engine.py or
-pipeline/sim.py SimCriticEngine) does the work.
+compiled graph's loop. The engine (pipeline/engines/deepspeed_critic.py or
+pipeline/engines/sim.py SimCriticEngine) does the work.
 """
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ import ray
 import torch
 
 from dags.tokens import Advantages, Batch, CriticOut
-from pipeline import backends, spans
-from pipeline.config import Config
-from pipeline.ppo import explained_variance, gae, last_token_rewards, masked_mean, masked_var, whiten
-from pipeline.workers import one_thread, reopen_log, node
+from pipeline.actors.node import node, one_thread, reopen_log
+from pipeline.algos.ppo import explained_variance, gae, last_token_rewards, masked_mean, masked_var, whiten
+from pipeline.engines import backends
+from pipeline.io.config import Config
+from pipeline.run import spans
 
 ADVANTAGE_SCHEMA = pa.schema([
     ("advantages", pa.list_(pa.float32())),
@@ -37,7 +38,7 @@ def compute_advantages(table: pa.Table, values: list[list[float]], *, gamma: flo
                        whiten_advantages: bool) -> tuple[pa.Table, dict[str, float]]:
     """Per-token GAE for a trajectory table, from the critic's `values`.
 
-    The sequence reward sits on each row's last response token (pipeline.ppo).
+    The sequence reward sits on each row's last response token (pipeline.algos.ppo).
     A row whose reward function raised (`reward_error`; the generator filled
     in its group's mean) teaches nothing: advantages 0, and returns equal to
     the values, so the critic's loss there is 0 too.
@@ -95,7 +96,7 @@ class CriticWorker:
         self.log.emit("worker_ready", spans=spans.take())
 
     def ping(self) -> bool:
-        """The driver's liveness probe (pipeline/runner.py dead_actors); takes no lock,
+        """The driver's liveness probe (pipeline/run/runner.py dead_actors); takes no lock,
         so a busy critic still answers on its second thread."""
         return True
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipeline.config import SimConfig
-from pipeline.engines import Completion, Prompt
+from pipeline.engines.interface import Completion, Prompt
+from pipeline.io.config import SimConfig
 
 
 class _Latency:

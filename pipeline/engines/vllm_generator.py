@@ -21,16 +21,16 @@ import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-from pipeline.engines import Completion, Prompt  # noqa: E402
-from pipeline.spans import span  # noqa: E402
-from pipeline.tiny import ModelError, check_model_dir  # noqa: E402
+from pipeline.engines.interface import Completion, Prompt  # noqa: E402
+from pipeline.io.tiny import ModelError, check_model_dir  # noqa: E402
+from pipeline.run.spans import span  # noqa: E402
 
 
 class VllmGenerationEngine:
     """n sampled completions per prompt, with the sampled tokens' logprobs.
 
     Logprobs are of the distribution sampled from: log_softmax(logits / T),
-    which is what the trainer computes (pipeline/deepspeed_engine.py divides
+    which is what the trainer computes (pipeline/engines/deepspeed_policy.py divides
     by the same temperature). With top_p < 1 vLLM also renormalises over the
     nucleus, which the trainer does not: keep top_p 1 for exact ratios.
     """

@@ -3,7 +3,7 @@
 A generation engine turns prompts into completions with per-token logprobs and
 takes new weights; a training engine takes a table of trajectories, updates
 the policy and exports its weights by HF parameter name. The simulated
-backend (pipeline/sim.py) and the real one (vLLM, DeepSpeed) implement these.
+backend (pipeline/engines/sim.py) and the real one (vLLM, DeepSpeed) implement these.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
-from pipeline.config import Config, ConfigError
+from pipeline.io.config import Config, ConfigError
 
 
 def _clamp01(x: float) -> float:

@@ -8,23 +8,23 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from pipeline.config import Config
-from pipeline.engines import GenerationEngine, Prompt, TrainingEngine
-from pipeline.spans import span
+from pipeline.engines.interface import GenerationEngine, Prompt, TrainingEngine
+from pipeline.io.config import Config
+from pipeline.run.spans import span
 
 
 def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> GenerationEngine:
     # Only the sim's latency jitter draws from this seed: every rollout sample is
-    # seeded from its batch (pipeline.engines.sample_seeds), so a restarted or
+    # seeded from its batch (pipeline.engines.interface.sample_seeds), so a restarted or
     # resumed generator replays exactly what its predecessor would have drawn.
     seed = cfg.run.seed * 1000 + index + 100 * incarnation
     if cfg.backend == "sim":
-        from pipeline.sim import SimGenerationEngine
+        from pipeline.engines.sim import SimGenerationEngine
         faulty = index == cfg.sim.fault_worker and incarnation < cfg.sim.fault_incarnations
         return SimGenerationEngine(cfg.sim, seed=seed, max_new_tokens=cfg.generation.max_new_tokens,
                                    faulty=faulty)
     with span("import vllm"):
-        from pipeline.vllm_engine import VllmGenerationEngine
+        from pipeline.engines.vllm_generator import VllmGenerationEngine
     g = cfg.generation
     # One collect starts at most max_age + 1 batches: size the KV cache for all their samples at once.
     prompts = -(-cfg.grpo.prompts_per_step // g.num_generators)
@@ -36,9 +36,9 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
 
 def training_engine(cfg: Config) -> TrainingEngine:
     if cfg.backend == "sim":
-        from pipeline.sim import SimTrainingEngine
+        from pipeline.engines.sim import SimTrainingEngine
         return SimTrainingEngine(cfg.sim, seed=cfg.run.seed * 1000 + 999)
-    from pipeline.deepspeed_engine import DeepSpeedTrainingEngine
+    from pipeline.engines.deepspeed_policy import DeepSpeedTrainingEngine
     t, g = cfg.training, cfg.grpo
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
         return DeepSpeedTrainingEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
@@ -50,27 +50,27 @@ def training_engine(cfg: Config) -> TrainingEngine:
 
 def reward_function(cfg: Config) -> Callable[[Prompt, str], float]:
     if cfg.backend == "sim":
-        from pipeline.sim import faulty_sim_reward, sim_reward
+        from pipeline.engines.sim import faulty_sim_reward, sim_reward
         return faulty_sim_reward(cfg.sim) if cfg.sim.fault == "reward_raise" else sim_reward
-    from pipeline.rewards import load_reward
+    from pipeline.io.rewards import load_reward
     return load_reward(cfg.data.reward)
 
 
 def train_prompts(cfg: Config) -> list[Prompt]:
     if cfg.backend == "sim":
-        from pipeline.sim import sim_prompts
+        from pipeline.engines.sim import sim_prompts
         return sim_prompts(max(64, cfg.grpo.prompts_per_step), "train")
-    from pipeline.data import load_prompts
+    from pipeline.io.data import load_prompts
     return load_prompts(cfg.data.train, kind="train")
 
 
 def val_prompts(cfg: Config) -> list[Prompt]:
     if cfg.backend == "sim":
-        from pipeline.sim import sim_prompts
+        from pipeline.engines.sim import sim_prompts
         return sim_prompts(cfg.sim.num_val_prompts, "val")
     if not cfg.data.val:
         return []
-    from pipeline.data import load_prompts
+    from pipeline.io.data import load_prompts
     return load_prompts(cfg.data.val, kind="val")
 
 
@@ -84,9 +84,9 @@ def preflight(cfg: Config) -> Future | None:
     and must be called before any worker starts (None: nothing to wait for)."""
     if cfg.backend == "sim":
         return None
-    from pipeline.data import DataError, load_prompts
-    from pipeline.rewards import RewardError, load_reward
-    from pipeline.tiny import ModelError, check_model_files, check_model_loads
+    from pipeline.io.data import DataError, load_prompts
+    from pipeline.io.rewards import RewardError, load_reward
+    from pipeline.io.tiny import ModelError, check_model_files, check_model_loads
 
     def check(key: str, fn: Callable, *args, **kwargs):
         # Prefix the recipe key, so the error also says which setting named the bad path or spec.
@@ -120,9 +120,9 @@ def preflight(cfg: Config) -> Future | None:
 def critic_engine(cfg: Config):
     """PPO's critic: values of response tokens and a value-loss update."""
     if cfg.backend == "sim":
-        from pipeline.sim import SimCriticEngine
+        from pipeline.engines.sim import SimCriticEngine
         return SimCriticEngine(cfg.sim, seed=cfg.run.seed * 1000 + 998)
-    from pipeline.critic_engine import DeepSpeedCriticEngine
+    from pipeline.engines.deepspeed_critic import DeepSpeedCriticEngine
     t, p = cfg.training, cfg.ppo
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
         return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=p.critic_zero_stage,

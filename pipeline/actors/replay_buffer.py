@@ -13,8 +13,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.engines import TRAJECTORY_SCHEMA
-from pipeline.events import EventLog
+from pipeline.engines.interface import TRAJECTORY_SCHEMA
+from pipeline.run.events import EventLog
 
 
 class Interrupted(RuntimeError):

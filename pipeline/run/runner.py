@@ -15,7 +15,7 @@ from ray.dag import DAGContext
 
 from dags.step_graph import StepGraph
 from dags.tokens import StepPlan
-from pipeline.events import unfinished_nodes
+from pipeline.run.events import unfinished_nodes
 
 
 class PipelineError(RuntimeError):

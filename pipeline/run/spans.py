@@ -2,7 +2,7 @@
 
 `with span("vllm.generate"): ...` adds the block's duration to this thread's
 running total for that name; `take()` returns the totals and starts afresh.
-The `node` decorator (pipeline/workers.py) takes them at node_end, and a
+The `node` decorator (pipeline/actors/node.py) takes them at node_end, and a
 rollout thread at rollout_end, so every run's event log holds its own profile
 (benchmarks/step_profile.py reads it). A span costs two perf_counter calls and
 a dict update: cheap enough to stay on in every run.

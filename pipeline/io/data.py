@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.engines import Prompt
+from pipeline.engines.interface import Prompt
 
 GSM8K_TEMPLATE = ("{question}\nLet's think step by step and output the final answer "
                   "after \"####\".\n")

@@ -2,7 +2,7 @@
 
 The helpers at module level (process group, DeepSpeed config and init, collation,
 ZeRO-3 gathering, checkpoint state) are shared with the PPO critic
-(pipeline/critic_engine.py), so both engines set DeepSpeed up the same way.
+(pipeline/engines/deepspeed_critic.py), so both engines set DeepSpeed up the same way.
 
 Runs in one process (a Ray actor): torch.distributed with world size 1 on a
 free port, gloo on CPU, nccl on a GPU. Pinned to deepspeed 0.19.8 because of
@@ -24,8 +24,8 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from pipeline.grpo import group_advantages, grpo_loss
-from pipeline.spans import span
+from pipeline.algos.grpo import group_advantages, grpo_loss
+from pipeline.run.spans import span
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -262,7 +262,7 @@ def load_engine_state(engine, path: str | Path) -> None:
 
 
 class DeepSpeedTrainingEngine:
-    """TrainingEngine (pipeline/engines.py) on a DeepSpeed-wrapped HF causal LM.
+    """TrainingEngine (pipeline/engines/interface.py) on a DeepSpeed-wrapped HF causal LM.
 
     One train_step = one optimizer step over the whole table, in micro-batches
     of `micro_batch_size` rows. `grad_accum` only sets deepspeed's nominal

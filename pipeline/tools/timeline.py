@@ -1,7 +1,7 @@
 """A run's events as a timeline: trace.json for Perfetto / chrome://tracing,
 and a Gantt chart PNG that shows generation overlapping training.
 
-Both read only the event log (pipeline.check.load_events), so they work on a
+Both read only the event log (pipeline.tools.check.load_events), so they work on a
 finished run, a killed one, or one that is still going.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.check import load_events
+from pipeline.tools.check import load_events
 
 # start event -> (end event, kind, key fields that pair them). A generator's
 # rollouts run on their own thread, so their spans overlap its node spans

@@ -4,7 +4,7 @@ Its graph nodes are sample, validation_gate, resume and train_done; the
 generators' rollout threads call `put` and `rollout_failed`; the driver calls
 `relaunch`, `interrupt` and `save_state` between graph executions.
 
-Vector clocks (pipeline/events.py): a rollout's clock comes with its `put` and
+Vector clocks (pipeline/run/events.py): a rollout's clock comes with its `put` and
 is kept with the batch, so `sample`, which waits for the batches it takes,
 logs after their rollout_ends and hands that on in its Batch.
 """
@@ -21,13 +21,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from dags.tokens import (Batch, Clock, CriticOut, Gate, Launch, RelaunchPlan, Resume, StepPlan,
-                         TrainOut, ValOut)
-from pipeline import backends, spans
-from pipeline.buffer import ReplayBuffer
-from pipeline.config import Config
-from pipeline.engines import Prompt
-from pipeline.workers import reopen_log, node
+from dags.tokens import Batch, Clock, CriticOut, Gate, Launch, RelaunchPlan, Resume, StepPlan, TrainOut, ValOut
+from pipeline.actors.node import node, reopen_log
+from pipeline.actors.replay_buffer import ReplayBuffer
+from pipeline.engines import backends
+from pipeline.engines.interface import Prompt
+from pipeline.io.config import Config
+from pipeline.run import spans
 
 
 class Controller:

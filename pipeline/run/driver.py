@@ -5,10 +5,10 @@
     for step in steps: run the step graph with StepPlan(step, validate?); checkpoint every N
     finish: account for every batch, write the summary
 
-A generator that dies is replaced and its batches relaunched (pipeline/pool.py);
+A generator that dies is replaced and its batches relaunched (pipeline/run/pool.py);
 any other dead worker stops the run with the checkpoint to resume from.
 
-The driver has a lane of the vector clock too (pipeline/events.py): each plan
+The driver has a lane of the vector clock too (pipeline/run/events.py): each plan
 it feeds a graph carries the driver's clock, and it merges every token a graph
 returns, so each step is provably after everything the steps before it did.
 """
@@ -23,17 +23,25 @@ from pathlib import Path
 import ray
 import yaml
 
-from dags.step_graph import (TRAIN_SUBGRAPHS, Workers, build_finish_graph, build_prologue_graph,
-                             build_step_graph)
+from dags.step_graph import TRAIN_SUBGRAPHS, build_finish_graph, build_prologue_graph, build_step_graph
 from dags.tokens import StepPlan, TrainOut
-from pipeline import backends, checkpoint
-from pipeline.config import Config
-from pipeline.events import EventLog, merge_events
-from pipeline.metrics import MetricSinks, Progress, step_metrics
-from pipeline.pool import (actor_names, begin_run, generator_index, generator_name, replace_generator,
-                           start_workers, stop_workers)
-from pipeline.runner import GraphRunner, PipelineError, WorkerDied
-from pipeline.timeline import write_trace
+from pipeline.engines import backends
+from pipeline.io.config import Config
+from pipeline.run import checkpoint
+from pipeline.run.events import EventLog, merge_events
+from pipeline.run.metrics import MetricSinks, Progress, step_metrics
+from pipeline.run.pool import (
+    Workers,
+    actor_names,
+    begin_run,
+    generator_index,
+    generator_name,
+    replace_generator,
+    start_workers,
+    stop_workers,
+)
+from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied
+from pipeline.tools.timeline import write_trace
 
 __all__ = ["GraphRunner", "PipelineError", "start_workers", "stop_workers", "train", "resolve_dag_mode"]
 

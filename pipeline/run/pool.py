@@ -9,18 +9,45 @@ the trainer's weights and the relaunch are then before the graphs it runs next.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import ray
 
-from dags.step_graph import Workers, build_relaunch_graph
+from dags.step_graph import build_relaunch_graph
 from dags.tokens import RelaunchPlan
-from pipeline.config import Config
-from pipeline.controller import Controller
-from pipeline.events import EventLog
-from pipeline.runner import GraphRunner, PipelineError, WorkerDied, task_error
-from pipeline.tiny import ModelError
-from pipeline.workers import GeneratorWorker, TrainerWorker
+from pipeline.actors.controller import Controller
+from pipeline.actors.generator import GeneratorWorker
+from pipeline.actors.trainer import TrainerWorker
+from pipeline.io.config import Config
+from pipeline.io.tiny import ModelError
+from pipeline.run.events import EventLog
+from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, task_error
+
+
+@dataclass(frozen=True)
+class Workers:
+    controller: Any          # sample, validation_gate, resume, train_done
+    trainer: Any             # train
+    generators: tuple        # refit, validate, collect
+    critic: Any = None       # PPO only: advantages, train
+
+    def first(self, num_generators: int) -> "Workers":
+        return Workers(self.controller, self.trainer, self.generators[:num_generators], self.critic)
+
+    def replace_generator(self, index: int, actor: Any) -> "Workers":
+        gens = list(self.generators)
+        gens[index] = actor
+        return Workers(self.controller, self.trainer, tuple(gens), self.critic)
+
+    def actors(self, generator_name: Callable[[int], str] = "gen{}".format) -> dict[str, Any]:
+        """Every actor by the name its event log uses."""
+        named = {"controller": self.controller, "trainer": self.trainer,
+                 **{generator_name(i): g for i, g in enumerate(self.generators)}}
+        if self.critic is not None:
+            named["critic"] = self.critic
+        return named
 
 
 def _generator(index: int):
@@ -36,7 +63,7 @@ def start_workers(num_generators: int, critic: bool = False) -> Workers:
     trainer = ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote()
     critic_actor = None
     if critic:
-        from pipeline.critic import CriticWorker
+        from pipeline.actors.critic import CriticWorker
         critic_actor = ray.remote(CriticWorker).options(num_cpus=0.5, max_concurrency=2).remote()
     return Workers(controller, trainer, generators, critic_actor)
 

@@ -7,7 +7,7 @@ checkpoint.
 
 The tiny task ("repeat"): the prompt shows one character eight times,
 "repeat: 0 0 0 0 0 0 0 0", and the reward is the fraction of response
-characters equal to it (pipeline.rewards.tiny_reward). Measured with a plain
+characters equal to it (pipeline.io.rewards.tiny_reward). Measured with a plain
 GRPO loop (8 prompts x 4 samples x 16 tokens, Adam lr 1e-2, 4 seeds): the mean
 reward rises from about 0.01 to 0.44-0.96 by step 20 and to 0.99 by step 30 in
 3 seeds of 4 (lr 3e-3 is about twice as slow). What made it learnable:
@@ -258,7 +258,7 @@ def model_digest(path: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.tiny",
+    ap = argparse.ArgumentParser(prog="python -m pipeline.io.tiny",
                                  description="Build a tiny random Llama + tokenizer (offline).")
     ap.add_argument("--out", help="directory to save the model and tokenizer into")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,9 +1,9 @@
-"""The ordering half of the event-log checker (pipeline/check.py).
+"""The ordering half of the event-log checker (pipeline/tools/check.py).
 
 Invariants 1 and 2 are about order: no rollout starts while a validation
 runs; no rollout runs on an engine while its weights change. Event times come
 from different processes, and across hosts their clocks disagree, so this
-module proves order from each event's vector clock (`vc`, pipeline/events.py):
+module proves order from each event's vector clock (`vc`, pipeline/run/events.py):
 A happened before B when A's clock is <= B's entry by entry and not equal. A
 clock grows only along the graph's edges, the joins of rollout threads, the
 batches `sample` takes and what the driver hands on, so a pair that no clock
@@ -20,6 +20,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
 
 @dataclass(frozen=True)
 class Violation:

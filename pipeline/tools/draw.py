@@ -1,4 +1,4 @@
-"""Draw a described step graph (dags.render.describe) as PNG or SVG with matplotlib alone.
+"""Draw a described step graph (pipeline.tools.render.describe) as PNG or SVG with matplotlib alone.
 
 A layered drawing, top to bottom: a node's layer is its longest path from the
 input. An edge that skips layers runs through one waypoint in each layer it

@@ -1,0 +1,97 @@
+"""The trainer actor: the policy update (`train`) and the weights it exports.
+
+The work is done by the training engine (pipeline/engines/); this actor
+checks versions, logs, and puts the new weights in the object store for the
+generators' refits.
+"""
+from __future__ import annotations
+
+import os
+
+import ray
+
+from dags.tokens import Advantages, Batch, Clock, TrainOut
+from pipeline.actors.node import Actor, node, one_thread, reopen_log
+from pipeline.engines import backends, weights
+from pipeline.io.config import Config
+from pipeline.run import spans
+
+
+class TrainerWorker(Actor):
+    def begin_run(self, cfg: Config, run_dir: str, t0: float, resume_dir: str | None = None,
+                  start_version: int = 0) -> Clock:
+        one_thread()
+        spans.take()
+        self.cfg = cfg
+        self.log = reopen_log(self, run_dir, "trainer", t0)
+        self.log.emit("worker_start", pid=os.getpid())
+        self.engine = backends.training_engine(cfg)
+        if resume_dir is not None:
+            self.engine.load_state(resume_dir)
+        self.version = start_version
+        # (version, ObjectRef of (version, weights) or None, clock of their making): exported
+        # on first need, since most runs never replace a generator. One attribute, so a
+        # reader on the second thread never pairs one step's weights with another's clock.
+        self._live = (start_version, None, self.log.now())
+        self.log.emit("worker_ready", spans=spans.take())
+        return self.log.now()
+
+    def current_weights(self) -> tuple[int, tuple, Clock]:
+        """The version, (ObjectRef of (version, weights),) and the clock of the event that
+        made them, for a generator that starts mid-run: its load is after that event."""
+        version, ref, clock = self._live
+        if ref is None:
+            ref = ray.put((version, weights.pack(self.engine.export_weights())))
+            self._live = (version, ref, clock)
+        return version, (ref,), clock
+
+    @node("train")
+    def train(self, batch: Batch, advantages: Advantages | None = None) -> TrainOut:
+        """GRPO: group advantages from the rewards. PPO: the critic's GAE advantages;
+        during ppo.critic_warmup the policy stays put, but the version still
+        rises by one, so every step looks the same to the rest of the graph."""
+        if any(v > self.version for v in batch.versions):
+            raise RuntimeError(f"weight sync: batch versions {batch.versions} are newer than "
+                               f"the trainer's weights (version {self.version})")
+        self.log.emit("train_start", step=batch.step, version=self.version,
+                      batches=list(batch.batch_ids), batch_versions=list(batch.versions))
+        with spans.span("batch.get"):
+            table = ray.get(batch.table_ref[0])
+        if advantages is None:
+            metrics = self.engine.train_step(table)
+        elif batch.step < self.cfg.ppo.critic_warmup:
+            metrics = {"policy_frozen": 1.0}
+        else:
+            metrics = self.engine.train_step(table, advantages=ray.get(advantages.table_ref[0]))
+        self.version += 1
+        with spans.span("export_weights"):
+            exported = weights.pack(self.engine.export_weights())
+        with spans.span("weights.put"):
+            weights_ref = ray.put((self.version, exported))
+        self.log.emit("train_end", step=batch.step, version=self.version)
+        # Kept alive until the next step's refits are done (see Controller.sample).
+        self._live = (self.version, weights_ref, self.log.now())
+        failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
+        metrics = {**metrics, "reward_failures": float(failed),
+                   "reward_mean": _mean(table.column("reward").to_pylist()),
+                   "reward_std": _std(table.column("reward").to_pylist()),
+                   "age_mean": _mean([batch.step - v for v in batch.versions]),
+                   "age_max": float(max(batch.step - v for v in batch.versions)),
+                   "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist()))}
+        return TrainOut(batch.step, self.version, (weights_ref,), tuple(sorted(metrics.items())))
+
+    def save(self, path: str) -> None:
+        self.engine.save(path)
+
+    def save_state(self, path: str) -> None:
+        self.engine.save_state(path)
+
+
+def _mean(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def _std(xs: list[float]) -> float:
+    m = _mean(xs)
+    return float((sum((x - m) ** 2 for x in xs) / len(xs)) ** 0.5) if xs else 0.0
+
