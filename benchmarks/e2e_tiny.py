@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, first_crossing, machine_info, print_table, read_jsonl, start_ray, stats, write_result  # noqa: E402
 
 RECIPE = ROOT / "examples" / "tiny_grpo.yaml"
-MODES = {0: "sync", 1: "async"}           # grpo.max_age -> name
+MODES = {0: "sync", 1: "async"}           # schedule.max_age -> name
 TARGET_RATIO = 0.7
 # Per-step components, in the order the step graph runs them (one generator: a chain).
 PARTS = ("sample", "train", "validation_gate", "drain", "load", "validate", "resume", "collect", "other")
@@ -165,9 +165,9 @@ def run_once(model: Path, out_dir: Path, name: str, max_age: int, steps: int, se
     from pipeline.run.driver import train
     cfg = load_config(RECIPE, [
         f"model.path={model}", f"data.train={ROOT / 'data' / 'tiny_train.jsonl'}",
-        f"data.val={ROOT / 'data' / 'tiny_val.jsonl'}", f"grpo.max_age={max_age}",
+        f"data.val={ROOT / 'data' / 'tiny_val.jsonl'}", f"schedule.max_age={max_age}",
         f"run.output_dir={out_dir}", f"run.name={name}", f"run.steps={steps}", f"run.seed={seed}",
-        "run.checkpoint_every=0", "grpo.val_period=0", "grpo.val_at_end=false", "grpo.val_at_start=false",
+        "run.checkpoint_every=0", "validation.period=0", "validation.at_end=false", "validation.at_start=false",
         f"run.dag_mode={dag_mode}", *extra])
     summary = train(cfg, quiet=True)
     if summary["error"] or not summary["accounting"]["balanced"]:

@@ -238,7 +238,7 @@ def measure_sim(w: Workers, mode: str, lat: dict, steps: int, warm: int, max_age
     from pipeline.tools.check import check_events, load_events
     cfg = load_config(None, [f"sim.generate_s={lat['G']}", f"sim.train_s={lat['T']}",
                              f"sim.refit_s={lat['R']}", "sim.validate_s=0", "sim.jitter=0",
-                             f"grpo.max_age={max_age}", "grpo.val_period=0", f"run.steps={steps}",
+                             f"schedule.max_age={max_age}", "validation.period=0", f"run.steps={steps}",
                              f"generation.num_generators={len(w.generators)}",
                              f"run.output_dir={tmp}", f"run.name={name}"])
     run_dir = tmp / name

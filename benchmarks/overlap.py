@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     params = {"quick": args.quick, "scale_s": scale, "refit_s": refit, "ratios_G_over_T": ratios,
               "max_ages": list(AGES), "modes": modes, "generators": args.generators, "repeats": repeats,
               "steps_per_run": steps, "steps_skipped_first": SKIP_FIRST, "steps_skipped_last": SKIP_LAST,
-              "jitter": args.jitter, "validation": "none (grpo.val_period=0)"}
+              "jitter": args.jitter, "validation": "none (validation.period=0)"}
     # raw[mode][ratio][age] -> per repeat: median steady-state step time of that run
     raw: dict = {m: {r: {a: [] for a in AGES} for r in ratios} for m in modes}
     t_start = time.time()
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
                         order = AGES[rep % len(AGES):] + AGES[:rep % len(AGES)]  # rotate who runs first
                         for age in order:
                             overrides = [f"sim.generate_s={g}", f"sim.train_s={t}", f"sim.refit_s={refit}",
-                                         "sim.validate_s=0", f"sim.jitter={args.jitter}", f"grpo.max_age={age}",
-                                         "grpo.val_period=0", f"run.steps={steps}", f"run.dag_mode={mode}",
+                                         "sim.validate_s=0", f"sim.jitter={args.jitter}", f"schedule.max_age={age}",
+                                         "validation.period=0", f"run.steps={steps}", f"run.dag_mode={mode}",
                                          f"generation.num_generators={args.generators}", "run.deadline_s=60"]
                             sample_load(info)
                             times = run_once(overrides, pool, runner, tmp, f"{mode}_{ratio}_{age}_{rep}")

@@ -1,7 +1,7 @@
 """Does learning hold on every seed? The tiny GRPO and PPO recipes, sync and async.
 
 For each recipe (examples/tiny_grpo.yaml, examples/tiny_ppo.yaml), each mode
-(grpo.max_age 0 = sync, 1 = async) and each run.seed, one full run of
+(schedule.max_age 0 = sync, 1 = async) and each run.seed, one full run of
 `pipeline.run.driver.train` on the real CPU stack (vLLM-CPU generating,
 DeepSpeed-CPU training), one local Ray for all of them. The model folder is
 the same for every run (the tiny model built with its default seed): the seed
@@ -80,8 +80,8 @@ def run_once(algorithm: str, max_age: int, seed: int, steps: int, val_period: in
     name = f"{algorithm}_{MODES[max_age]}_s{seed}"
     cfg = load_config(RECIPES[algorithm], [
         f"model.path={model}", f"data.train={ROOT / 'data' / 'tiny_train.jsonl'}",
-        f"data.val={ROOT / 'data' / 'tiny_val.jsonl'}", f"grpo.max_age={max_age}", f"run.seed={seed}",
-        f"run.steps={steps}", f"grpo.val_period={val_period}", "grpo.val_at_end=true",
+        f"data.val={ROOT / 'data' / 'tiny_val.jsonl'}", f"schedule.max_age={max_age}", f"run.seed={seed}",
+        f"run.steps={steps}", f"validation.period={val_period}", "validation.at_end=true",
         "run.checkpoint_every=0", f"run.output_dir={out_dir}", f"run.name={name}", *extra])
     started = time.time()
     summary = train(cfg, quiet=True)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="CI smoke: GRPO async, seed 0, 3 steps; not a measurement")
     ap.add_argument("--seeds", type=int, nargs="+", help="run.seed values (full 0-4)")
     ap.add_argument("--algorithms", nargs="+", choices=sorted(RECIPES), help="default: grpo ppo")
-    ap.add_argument("--modes", type=int, nargs="+", choices=sorted(MODES), help="grpo.max_age values (default 0 1)")
+    ap.add_argument("--modes", type=int, nargs="+", choices=sorted(MODES), help="schedule.max_age values (default 0 1)")
     ap.add_argument("--steps", type=int, help="steps per run (full 80, quick 3)")
     ap.add_argument("--val-period", type=int, help="greedy validation every N steps (full 10, quick 0)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

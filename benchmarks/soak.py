@@ -42,9 +42,9 @@ def draw_schedule(rng: random.Random, index: int, steps: int) -> dict:
 
 def overrides(s: dict, out_dir: str, name: str) -> list[str]:
     pairs = [f"run.output_dir={out_dir}", f"run.name={name}", f"run.steps={s['steps']}", "run.deadline_s=20",
-             "run.dag_mode=classic", "fault.deadline_s=20", "metrics.tensorboard=false", "metrics.progress=false",
-             f"generation.num_generators={s['num_generators']}", f"grpo.max_age={s['max_age']}",
-             f"grpo.val_period={s['val_period']}", f"sim.generate_s={s['generate_s']}",
+             "run.dag_mode=classic", "run.deadline_s=20", "metrics.tensorboard=false", "metrics.progress=false",
+             f"generation.num_generators={s['num_generators']}", f"schedule.max_age={s['max_age']}",
+             f"validation.period={s['val_period']}", f"sim.generate_s={s['generate_s']}",
              f"sim.train_s={s['train_s']}", f"sim.jitter={s['jitter']}"]
     fault = s["fault"]
     if fault.startswith("generator_exit"):
@@ -56,11 +56,11 @@ def overrides(s: dict, out_dir: str, name: str) -> list[str]:
                   f"fault.max_restarts={1 if exhausted else 2}"]
     elif fault.startswith("reward_raise"):
         pairs += ["sim.fault=reward_raise", f"sim.fault_after={5 + s['fault_after']}",
-                  f"reward.max_failures={0 if fault.endswith('exhausted') else 10_000}"]
+                  f"fault.max_reward_failures={0 if fault.endswith('exhausted') else 10_000}"]
     return pairs
 
 
-EXPECTED_ERROR = {"generator_exit_exhausted": "fault.max_restarts", "reward_raise_exhausted": "reward.max_failures"}
+EXPECTED_ERROR = {"generator_exit_exhausted": "fault.max_restarts", "reward_raise_exhausted": "fault.max_reward_failures"}
 
 
 def run_one(s: dict, out_dir: str, name: str) -> dict:

@@ -59,7 +59,7 @@ def run_recipe(out_dir: Path, name: str, max_age: int, steps: int, seed: int, ex
     """One `python -m pipeline train` process; returns its run directory and launch time."""
     cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(RECIPE), f"model.path={out_dir / 'model'}",
            f"run.output_dir={out_dir}", f"run.name={name}", f"run.steps={steps}", f"run.seed={seed}",
-           f"grpo.max_age={max_age}", "run.checkpoint_every=0", "grpo.val_period=0", "grpo.val_at_end=false",
+           f"schedule.max_age={max_age}", "run.checkpoint_every=0", "validation.period=0", "validation.at_end=false",
            "metrics.progress=false", *extra]
     launched = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="YAML recipe, e.g. examples/sim_grpo.yaml")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue runs/<name> from its latest complete checkpoint")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.max_age=2 run.name=x")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. schedule.max_age=2 run.name=x")
     p.set_defaults(func=_train)
     p = sub.add_parser("check-events", help="verify the ordering invariants of a run's event log")
     p.add_argument("run_dir", help="runs/<name>")

@@ -144,7 +144,7 @@ class LaunchesOneTooFarAhead(Controller):
         launches = super()._new_launches(step, version)
         if step == 1:
             from dags.tokens import Launch
-            target = step + 2 + self.cfg.grpo.max_age + 1
+            target = step + 2 + self.cfg.schedule.max_age + 1
             extra = Launch(f"x{target}.g0", target, 0, tuple(self._next_prompts(2)))
             self.buffer.expect(extra.batch_id, target, version, extra)
             launches.append(extra)
@@ -163,7 +163,7 @@ def test_a_stale_drop_in_a_simulated_run_passes_the_checker(tmp_path, ray_sessio
     # The subclass lives in this test module, which Ray's workers cannot import by name.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=stale", "run.steps=6", "run.dag_mode=classic",
-                             "run.deadline_s=30", "grpo.max_age=1", "generation.num_generators=1",
+                             "run.deadline_s=30", "schedule.max_age=1", "generation.num_generators=1",
                              "sim.generate_s=0.01", "sim.train_s=0.01", "metrics.tensorboard=false"])
     pool = start_workers(1)
     controller = ray.remote(LaunchesOneTooFarAhead).options(num_cpus=0.5, max_concurrency=8).remote()

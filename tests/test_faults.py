@@ -15,7 +15,7 @@ from pipeline.tools.check import check_events, load_events
 
 def sim_config(tmp_path, name: str, **overrides):
     pairs = [f"run.output_dir={tmp_path}", f"run.name={name}", "run.deadline_s=30", "run.dag_mode=classic",
-             "fault.deadline_s=20", "metrics.tensorboard=false"]
+             "run.deadline_s=20", "metrics.tensorboard=false"]
     pairs += [f"{k.replace('__', '.')}={v}" for k, v in overrides.items()]
     return load_config(None, pairs)
 
@@ -32,7 +32,7 @@ def test_generator_dies_mid_rollout_and_is_replaced(tmp_path_factory, ray_sessio
                                                     max_age, val_period):
     tmp_path = tmp_path_factory.mktemp("gen_exit")
     steps = 8
-    cfg = sim_config(tmp_path, "g", run__steps=steps, grpo__max_age=max_age, grpo__val_period=val_period,
+    cfg = sim_config(tmp_path, "g", run__steps=steps, schedule__max_age=max_age, validation__period=val_period,
                      generation__num_generators=2, sim__fault="generate_exit", sim__fault_after=fault_after,
                      sim__fault_worker=worker, sim__generate_s=0.03, sim__train_s=0.01, sim__jitter=0.5)
     summary = train(cfg, quiet=True)
@@ -77,7 +77,7 @@ def test_restarts_exhausted_stops_naming_the_worker(tmp_path, ray_session):
     assert [e["dead"] for e in deaths] == ["gen1", "gen1r1"]
     # The error follows the second death within the fault deadline (pings every second).
     end = next(e for e in events if e["ev"] == "run_end")
-    assert end["t"] - deaths[-1]["t"] < cfg.fault.deadline_s
+    assert end["t"] - deaths[-1]["t"] < cfg.run.deadline_s
     assert "fault.max_restarts" in end["error"]
 
 
@@ -103,7 +103,7 @@ def test_trainer_death_is_an_error_and_resume_completes(tmp_path, ray_session):
 
 def test_reward_failures_are_counted_then_stop_the_run(tmp_path, ray_session):
     cfg = sim_config(tmp_path, "r", run__steps=4, sim__fault="reward_raise", sim__fault_after=7,
-                     reward__max_failures=100)
+                     fault__max_reward_failures=100)
     summary = train(cfg, quiet=True)
     events = load_events(tmp_path / "r")
     failed = [e for e in events if e["ev"] == "reward_failed"]
@@ -115,9 +115,9 @@ def test_reward_failures_are_counted_then_stop_the_run(tmp_path, ray_session):
     assert sum(m.get("reward_failures", 0) for m in metrics if m["step"] >= 0) == len(failed)
 
     strict = sim_config(tmp_path, "s", run__steps=4, sim__fault="reward_raise", sim__fault_after=7,
-                        reward__max_failures=2)
+                        fault__max_reward_failures=2)
     with pytest.raises(PipelineError, match=r"reward function failed on \d+ samples, more than "
-                                             r"reward.max_failures \(2\)"):
+                                             r"fault.max_reward_failures \(2\)"):
         train(strict, quiet=True)
 
 
@@ -146,7 +146,7 @@ def test_controller_death_is_an_error_not_a_hang(tmp_path, ray_session):
     try:
         with pytest.raises(PipelineError, match=r"worker controller died.*cannot go on without it.*--resume"):
             train(cfg, workers=workers, quiet=True)
-        assert time.monotonic() - started < cfg.fault.deadline_s + 30
+        assert time.monotonic() - started < cfg.run.deadline_s + 30
     finally:
         stop.set()
         killer.join(timeout=10)
@@ -161,4 +161,4 @@ def test_compiled_mode_names_the_dead_generator_instead_of_hanging(tmp_path, ray
     started = time.monotonic()
     with pytest.raises(PipelineError, match=r"worker gen0 died.*need run.dag_mode classic.*--resume"):
         train(cfg, quiet=True)
-    assert time.monotonic() - started < cfg.fault.deadline_s + 30
+    assert time.monotonic() - started < cfg.run.deadline_s + 30

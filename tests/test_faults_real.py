@@ -17,7 +17,7 @@ def test_generator_kill_then_driver_kill_then_resume(tmp_path, tiny_model):
     run_dir = tmp_path / "real"
     steps = 12
     args = ["--config", "examples/tiny_grpo.yaml", f"model.path={tiny_model}", f"run.output_dir={tmp_path}",
-            "run.name=real", f"run.steps={steps}", "run.checkpoint_every=4", "grpo.val_period=0",
+            "run.name=real", f"run.steps={steps}", "run.checkpoint_every=4", "validation.period=0",
             "run.dag_mode=classic", "metrics.progress=false"]
     log = tmp_path / "first.log"
     proc = start_driver(args, log)

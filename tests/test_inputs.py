@@ -41,7 +41,7 @@ def recipe(tmp_path, tiny_model) -> dict:
             "run": {"name": RUN, "output_dir": str(tmp_path / "runs"), "steps": 2},
             "model": {"path": str(tiny_model)},
             "data": {"train": str(train), "val": str(val), "reward": "pipeline.io.rewards:tiny_reward"},
-            "grpo": {"max_age": 1, "prompts_per_step": 2, "group_size": 2, "val_period": 1},
+            "schedule": {"max_age": 1, "prompts_per_step": 2, "group_size": 2}, "validation": {"period": 1},
             "training": {"micro_batch_size": 4, "lr": 0.005}}
 
 
@@ -63,7 +63,7 @@ def test_the_good_recipe_passes_every_check(tmp_path, recipe, tiny_model):
     """Without this, every test below could pass because of some other fault."""
     backends.preflight(load_config(write(tmp_path, recipe))).result()
     recipe.update(algorithm="ppo", ppo={"critic_model": str(tiny_model)})
-    recipe["grpo"]["group_size"] = 1  # fine for PPO, which needs no group
+    recipe["schedule"]["group_size"] = 1  # fine for PPO, which needs no group
     backends.preflight(load_config(write(tmp_path, recipe))).result()
     assert not (tmp_path / "runs").exists()
 
@@ -79,24 +79,24 @@ def _drop(section: str, key: str):
 
 
 RECIPE_CASES = {
-    "unknown_key": (_set("grpo", "max_ag", 2), "unknown key 'grpo.max_ag'; allowed keys here: max_age,"),
-    "unknown_key_suggestion": (_set("grpo", "max_ag", 2), "did you mean 'grpo.max_age'?"),
+    "unknown_key": (_set("schedule", "max_ag", 2), "unknown key 'schedule.max_ag'; allowed keys here: max_age,"),
+    "unknown_key_suggestion": (_set("schedule", "max_ag", 2), "did you mean 'schedule.max_age'?"),
     "unknown_section": (lambda r: r.update(optimiser={"lr": 1}), "unknown key 'optimiser'"),
-    "int_as_text": (_set("grpo", "max_age", "two"), "grpo.max_age: expected an integer, got 'two'"),
+    "int_as_text": (_set("schedule", "max_age", "two"), "schedule.max_age: expected an integer, got 'two'"),
     "int_as_float": (_set("run", "steps", 2.5), "run.steps: expected an integer, got 2.5"),
     "float_as_text": (_set("training", "lr", "fast"), "training.lr: expected a number, got 'fast'"),
     "float_nan": (_set("training", "lr", float("nan")), "training.lr: expected a finite number, got nan"),
-    "bool_as_text": (_set("grpo", "val_at_end", "maybe"), "grpo.val_at_end: expected true or false, got 'maybe'"),
+    "bool_as_text": (_set("validation", "at_end", "maybe"), "validation.at_end: expected true or false, got 'maybe'"),
     "path_as_number": (_set("model", "path", 3), "model.path: expected a string, got 3"),
     "choice": (_set("run", "dag_mode", "fast"), "run.dag_mode: 'fast' is not allowed; choose one of"),
-    "section_not_a_mapping": (lambda r: r.update(grpo=3), "grpo: expected a mapping of keys, got 3"),
-    "max_age_negative": (_set("grpo", "max_age", -1), "grpo.max_age: -1 is out of range; it must be >= 0"),
+    "section_not_a_mapping": (lambda r: r.update(schedule=3), "schedule: expected a mapping of keys, got 3"),
+    "max_age_negative": (_set("schedule", "max_age", -1), "schedule.max_age: -1 is out of range; it must be >= 0"),
     "steps_zero": (_set("run", "steps", 0), "run.steps: 0 is out of range; it must be >= 1"),
-    "prompts_per_step_zero": (_set("grpo", "prompts_per_step", 0),
-                              "grpo.prompts_per_step: 0 is out of range; it must be >= 1"),
-    "group_size_zero": (_set("grpo", "group_size", 0), "grpo.group_size: 0 is out of range; it must be >= 1"),
-    "group_size_one_for_grpo": (_set("grpo", "group_size", 1),
-                                "grpo.group_size: 1 gives every sample a zero advantage"),
+    "prompts_per_step_zero": (_set("schedule", "prompts_per_step", 0),
+                              "schedule.prompts_per_step: 0 is out of range; it must be >= 1"),
+    "group_size_zero": (_set("schedule", "group_size", 0), "schedule.group_size: 0 is out of range; it must be >= 1"),
+    "group_size_one_for_grpo": (_set("schedule", "group_size", 1),
+                                "schedule.group_size: 1 gives every sample a zero advantage"),
     "generators_zero": (_set("generation", "num_generators", 0),
                         "generation.num_generators: 0 is out of range; it must be >= 1"),
     "max_new_tokens_negative": (_set("generation", "max_new_tokens", -5),
@@ -126,17 +126,17 @@ def test_bad_recipe_value(tmp_path, recipe, capsys, case):
 
 # Raw text: (recipe text, the message after "error: <file>: ").
 YAML_CASES = {
-    "unclosed_bracket": ("backend: real\ngrpo: {max_age: 1\nrun:\n  steps: 2\n",
+    "unclosed_bracket": ("backend: real\nschedule: {max_age: 1\nrun:\n  steps: 2\n",
                          "line 3, column 4: not valid YAML: "),
-    "bad_indent": ("grpo:\n  max_age: 1\n   group_size: 2\n",
+    "bad_indent": ("schedule:\n  max_age: 1\n   group_size: 2\n",
                    "line 3, column 14: not valid YAML: mapping values are not allowed here"),
-    "tab": ("grpo:\n\tmax_age: 1\n",
+    "tab": ("schedule:\n\tmax_age: 1\n",
             "line 2, column 1: not valid YAML: found character '\\t' that cannot start any token"),
-    "duplicate_section": ("grpo:\n  max_age: 1\nrun:\n  steps: 2\ngrpo:\n  group_size: 2\n",
-                          "line 5, column 1: duplicate key 'grpo' (first set at line 1)"),
-    "duplicate_key": ("grpo:\n  max_age: 1\n  max_age: 2\n",
-                      "line 3, column 3: duplicate key 'grpo.max_age' (first set at line 2)"),
-    "two_documents": ("grpo: {}\n---\nrun: {}\n", "line 2, column 1: not valid YAML: but found another document"),
+    "duplicate_section": ("schedule:\n  max_age: 1\nrun:\n  steps: 2\nschedule:\n  group_size: 2\n",
+                          "line 5, column 1: duplicate key 'schedule' (first set at line 1)"),
+    "duplicate_key": ("schedule:\n  max_age: 1\n  max_age: 2\n",
+                      "line 3, column 3: duplicate key 'schedule.max_age' (first set at line 2)"),
+    "two_documents": ("schedule: {}\n---\nrun: {}\n", "line 2, column 1: not valid YAML: but found another document"),
 }
 
 
@@ -171,18 +171,18 @@ def test_missing_recipe_file(tmp_path, capsys):
 
 def test_bad_override_is_blamed_not_the_file(tmp_path, recipe, capsys):
     config = write(tmp_path, recipe)
-    code, err = train_cli(tmp_path, config, "grpo.max_age=-1", capsys=capsys)
-    assert code == 2 and "error: override 'grpo.max_age=-1': grpo.max_age: -1 is out of range" in err
+    code, err = train_cli(tmp_path, config, "schedule.max_age=-1", capsys=capsys)
+    assert code == 2 and "error: override 'schedule.max_age=-1': schedule.max_age: -1 is out of range" in err
     assert str(config) not in err
 
 
 def test_bad_recipe_exits_2_from_a_subprocess(tmp_path, recipe):
-    recipe["grpo"]["max_age"] = -3
+    recipe["schedule"]["max_age"] = -3
     config = write(tmp_path, recipe)
     proc = subprocess.run([sys.executable, "-m", "pipeline", "train", "--config", str(config)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert f"error: {config}: grpo.max_age: -3 is out of range" in proc.stderr
+    assert f"error: {config}: schedule.max_age: -3 is out of range" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
 
 
@@ -257,7 +257,7 @@ def test_bad_validation_data_is_caught_even_with_validation_off(tmp_path, recipe
     # The generators read data.val at start-up whether or not a validation is scheduled.
     val = tmp_path / "val.jsonl"
     val.write_text(GOOD_LINE + '{"prompt": "b", "answer": null}\n')
-    recipe["grpo"]["val_period"] = 0
+    recipe["validation"]["period"] = 0
     code, err = train_cli(tmp_path, write(tmp_path, recipe), capsys=capsys)
     assert code == 1 and f"error: data.val: {val}: line 2: field 'answer' is null" in err, err
 

@@ -40,7 +40,7 @@ def run_log(mutant_pool, tmp_path_factory):
             m = MUTATIONS[name] if name else UNMUTATED
             run_name = f"{name or 'unmutated'}_{profile}"
             cfg = load_config(None, [f"run.output_dir={out}", f"run.name={run_name}", "run.deadline_s=30",
-                                     "run.dag_mode=classic", "run.steps=5", "grpo.max_age=1", "grpo.val_period=1",
+                                     "run.dag_mode=classic", "run.steps=5", "schedule.max_age=1", "validation.period=1",
                                      "generation.num_generators=2", "metrics.tensorboard=false", "sim.jitter=0.3",
                                      *(f"{k}={v}" for k, v in PROFILES[profile].items())])
             setup = {k: mutant_pool.trainer if k == "trainer" else v for k, v in m.configure.items()}

@@ -133,9 +133,9 @@ def node_times(events, step: int) -> dict[str, tuple[float, float]]:
 def check_ppo_schedule(tmp_path, pool, runner, s: dict) -> None:
     pairs = [f"run.output_dir={tmp_path}", f"run.name=ppo_{next(_run_ids)}", "run.deadline_s=30",
              "algorithm=ppo", f"run.dag_mode={runner.mode}", f"run.steps={s['steps']}", f"run.seed={s['seed']}",
-             f"grpo.max_age={s['max_age']}", f"grpo.val_period={s['val_period']}",
-             f"grpo.val_at_start={str(s['val_at_start']).lower()}", f"grpo.val_at_end={str(s['val_at_end']).lower()}",
-             f"grpo.prompts_per_step={s['prompts']}", f"generation.num_generators={s['generators']}",
+             f"schedule.max_age={s['max_age']}", f"validation.period={s['val_period']}",
+             f"validation.at_start={str(s['val_at_start']).lower()}", f"validation.at_end={str(s['val_at_end']).lower()}",
+             f"schedule.prompts_per_step={s['prompts']}", f"generation.num_generators={s['generators']}",
              f"ppo.critic_warmup={s['seed'] % 3}",
              f"sim.generate_s={s['generate_ms'] / 1000}", f"sim.train_s={s['train_ms'] / 1000}",
              f"sim.refit_s={s['refit_ms'] / 1000}", f"sim.validate_s={s['validate_ms'] / 1000}",

@@ -94,7 +94,7 @@ def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
     bad.mkdir()
     (bad / "meta.json").write_text("{not json")
     assert f"checkpoint {bad / 'meta.json'} is unreadable" in resume(run_dir)
-    cfg = {"algorithm": "grpo", "backend": "sim", "grpo": {"max_age": 1, "prompts_per_step": 8, "group_size": 4},
+    cfg = {"algorithm": "grpo", "backend": "sim", "schedule": {"max_age": 1, "prompts_per_step": 8, "group_size": 4},
            "generation": {"num_generators": 2}}
     (bad / "meta.json").write_text(json.dumps({"steps_done": 2, "config": cfg}))
     assert "is incomplete: missing controller/controller.json, trainer_state, policy" in resume(run_dir)
@@ -103,7 +103,7 @@ def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
     (bad / "controller" / "controller.json").write_text("[")
     assert "controller/controller.json is unreadable" in resume(run_dir)
     (bad / "controller" / "controller.json").write_text("{}")
-    assert "grpo.max_age was 1 in the run, the config says 3" in resume(run_dir, "grpo.max_age=3")
+    assert "schedule.max_age was 1 in the run, the config says 3" in resume(run_dir, "schedule.max_age=3")
     assert not (run_dir / "attempts").exists()  # nothing was moved for a resume that did not start
 
 
@@ -120,7 +120,7 @@ STEPS, EVERY, KILLED_AT, RESUMED_AT = 10, 2, 5, 4
 # 8 prompts a step from the simulator's 64: the data order is reshuffled after
 # step 7, so the resumed half of the run also depends on the restored RNG.
 RUN = [f"run.steps={STEPS}", f"run.checkpoint_every={EVERY}", "run.dag_mode=classic", "run.deadline_s=30",
-       "fault.deadline_s=20", "grpo.max_age=1", "grpo.prompts_per_step=8", "generation.num_generators=2",
+       "run.deadline_s=20", "schedule.max_age=1", "schedule.prompts_per_step=8", "generation.num_generators=2",
        "sim.generate_s=0.3", "sim.train_s=0.01", "sim.refit_s=0", "metrics.tensorboard=false"]
 
 
@@ -277,8 +277,8 @@ class Schedule:
     prologue's resume, then per step the sample and the resume after training."""
 
     def __init__(self, tmp_path, name: str, steps: int, start: int = 0, resume_dir=None, max_age: int = 1):
-        self.cfg = load_config(None, [f"run.output_dir={tmp_path}", f"run.steps={steps}", f"grpo.max_age={max_age}",
-                                      "grpo.prompts_per_step=8", "generation.num_generators=2"])
+        self.cfg = load_config(None, [f"run.output_dir={tmp_path}", f"run.steps={steps}", f"schedule.max_age={max_age}",
+                                      "schedule.prompts_per_step=8", "generation.num_generators=2"])
         self.controller = Controller()
         self.versions: dict[str, int] = {}
         self.controller.begin_run(self.cfg, str(tmp_path / name), time.time(), start,

@@ -48,7 +48,7 @@ def overlap_s(a, b) -> float:
 @pytest.mark.parametrize("val_period", [1, 2, 3])
 def test_no_rollout_starts_during_validation(tmp_path, sim_pool, mode, max_age, val_period):
     cfg = sim_config(tmp_path, f"race_{mode}_{max_age}_{val_period}", run__dag_mode=mode, run__steps=6,
-                     grpo__max_age=max_age, grpo__val_period=val_period, grpo__val_at_start="true",
+                     schedule__max_age=max_age, validation__period=val_period, validation__at_start="true",
                      generation__num_generators=2, sim__generate_s=0.04, sim__train_s=0.002,
                      sim__refit_s=0.01, sim__validate_s=0.04, sim__jitter=0.5)
     summary, events, violations = run_and_check(cfg, sim_pool)
@@ -82,10 +82,10 @@ _run_ids = itertools.count()
 def check_schedule(tmp_path, pool, runner, s: dict) -> None:
     cfg = sim_config(tmp_path, f"prop_{runner.mode}_{next(_run_ids)}", run__dag_mode=runner.mode, run__steps=s["steps"],
                      run__seed=s["seed"],
-                     grpo__max_age=s["max_age"], grpo__val_period=s["val_period"],
-                     grpo__val_at_start=str(s["val_at_start"]).lower(),
-                     grpo__val_at_end=str(s["val_at_end"]).lower(),
-                     grpo__prompts_per_step=s["prompts"], generation__num_generators=s["generators"],
+                     schedule__max_age=s["max_age"], validation__period=s["val_period"],
+                     validation__at_start=str(s["val_at_start"]).lower(),
+                     validation__at_end=str(s["val_at_end"]).lower(),
+                     schedule__prompts_per_step=s["prompts"], generation__num_generators=s["generators"],
                      sim__generate_s=s["generate_ms"] / 1000, sim__train_s=s["train_ms"] / 1000,
                      sim__refit_s=s["refit_ms"] / 1000, sim__validate_s=s["validate_ms"] / 1000,
                      sim__jitter=s["jitter"])
@@ -121,7 +121,7 @@ def test_invariants_hold_over_random_schedules(tmp_path, sim_pool, mode, generat
 def test_sync_has_no_overlap_and_async_overlaps(tmp_path, sim_pool):
     def run(max_age):
         cfg = sim_config(tmp_path, f"overlap_{max_age}", run__dag_mode="classic", run__steps=6,
-                         grpo__max_age=max_age, sim__generate_s=0.3, sim__train_s=0.05, sim__refit_s=0.0)
+                         schedule__max_age=max_age, sim__generate_s=0.3, sim__train_s=0.05, sim__refit_s=0.0)
         _, events, violations = run_and_check(cfg, sim_pool)
         assert violations == []
         gen = intervals(events, "rollout_start", "rollout_end")
@@ -136,7 +136,7 @@ def test_sync_has_no_overlap_and_async_overlaps(tmp_path, sim_pool):
 
 
 def test_run_writes_its_files_and_counts_every_batch(tmp_path, sim_pool):
-    cfg = sim_config(tmp_path, "files", run__steps=5, grpo__max_age=2, grpo__val_period=2,
+    cfg = sim_config(tmp_path, "files", run__steps=5, schedule__max_age=2, validation__period=2,
                      sim__generate_s=0.0, sim__train_s=0.0)
     summary, events, violations = run_and_check(cfg, sim_pool)
     run_dir = tmp_path / "files"

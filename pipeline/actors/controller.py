@@ -36,7 +36,7 @@ class Controller:
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, "controller", t0)
         self.log.emit("worker_start", pid=os.getpid())
-        self.buffer = ReplayBuffer(cfg.grpo.max_age, self.log)
+        self.buffer = ReplayBuffer(cfg.schedule.max_age, self.log)
         self.prompts = backends.train_prompts(cfg)
         self.rng = random.Random(cfg.run.seed)
         self.order: list[int] = []
@@ -106,13 +106,13 @@ class Controller:
         return Resume(step, version, tuple(launches), val)
 
     def _new_launches(self, step: int, version: int) -> list[Launch]:
-        max_age, g = self.cfg.grpo.max_age, self.cfg.generation
+        max_age, g = self.cfg.schedule.max_age, self.cfg.generation
         # The prologue (the step before the first) fills the pipeline; each step then tops it up.
         first = self.start_step
         targets = range(first, first + max_age + 1) if step == first - 1 else [step + 1 + max_age]
         launches = []
         for target in (t for t in targets if self._launched_through < t < self.cfg.run.steps):
-            prompts = self._next_prompts(self.cfg.grpo.prompts_per_step)
+            prompts = self._next_prompts(self.cfg.schedule.prompts_per_step)
             for index in range(g.num_generators):
                 shard = tuple(prompts[index::g.num_generators])
                 if shard:
@@ -145,10 +145,10 @@ class Controller:
         failed = [e for e in table.column("reward_error").to_pylist() if e]
         if failed:
             self.reward_failures += len(failed)
-            limit = self.cfg.reward.max_failures
+            limit = self.cfg.fault.max_reward_failures
             if self.reward_failures > limit:
                 self.buffer.fatal(f"the reward function failed on {self.reward_failures} samples, more than "
-                                  f"reward.max_failures ({limit}); the last: {failed[-1]}")
+                                  f"fault.max_reward_failures ({limit}); the last: {failed[-1]}")
         self.buffer.put(batch_id, version, table, clock)
 
     def rollout_failed(self, batch_id: str, reason: str, clock: Clock = ()) -> None:

@@ -186,7 +186,7 @@ class GeneratorWorker(Actor):
         started = time.perf_counter()
         try:
             seeds = [s for launch in launches for s in sample_seeds(
-                self.cfg.run.seed, launch.batch_id, list(launch.prompts), self.cfg.grpo.group_size)]
+                self.cfg.run.seed, launch.batch_id, list(launch.prompts), self.cfg.schedule.group_size)]
             for launch in launches:  # where the engine really starts generating
                 self.log.emit("rollout_start", step=launch.target, version=version, batch=launch.batch_id,
                               target=launch.target)

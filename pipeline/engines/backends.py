@@ -27,8 +27,8 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
         from pipeline.engines.vllm_generator import VllmGenerationEngine
     g = cfg.generation
     # One collect starts at most max_age + 1 batches: size the KV cache for all their samples at once.
-    prompts = -(-cfg.grpo.prompts_per_step // g.num_generators)
-    requests = prompts * cfg.grpo.group_size * (cfg.grpo.max_age + 1)
+    prompts = -(-cfg.schedule.prompts_per_step // g.num_generators)
+    requests = prompts * cfg.schedule.group_size * (cfg.schedule.max_age + 1)
     with span("vllm.start"):
         return VllmGenerationEngine(cfg.model.path, seed=seed, max_new_tokens=g.max_new_tokens,
                                     temperature=g.temperature, top_p=g.top_p, kv_cache_seqs=max(requests, 32))
@@ -39,12 +39,12 @@ def training_engine(cfg: Config) -> TrainingEngine:
         from pipeline.engines.sim import SimTrainingEngine
         return SimTrainingEngine(cfg.sim, seed=cfg.run.seed * 1000 + 999)
     from pipeline.engines.deepspeed_policy import DeepSpeedTrainingEngine
-    t, g = cfg.training, cfg.grpo
+    t, g = cfg.training, cfg.policy_loss
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
         return DeepSpeedTrainingEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
                                        micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
                                        lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
-                                       group_size=g.group_size, seed=cfg.run.seed,
+                                       group_size=cfg.schedule.group_size, seed=cfg.run.seed,
                                        temperature=cfg.generation.temperature)
 
 
@@ -59,7 +59,7 @@ def reward_function(cfg: Config) -> Callable[[Prompt, str], float]:
 def train_prompts(cfg: Config) -> list[Prompt]:
     if cfg.backend == "sim":
         from pipeline.engines.sim import sim_prompts
-        return sim_prompts(max(64, cfg.grpo.prompts_per_step), "train")
+        return sim_prompts(max(64, cfg.schedule.prompts_per_step), "train")
     from pipeline.io.data import load_prompts
     return load_prompts(cfg.data.train, kind="train")
 
@@ -125,7 +125,7 @@ def critic_engine(cfg: Config):
     from pipeline.engines.deepspeed_critic import DeepSpeedCriticEngine
     t, p = cfg.training, cfg.ppo
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
-        return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=p.critic_zero_stage,
+        return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=t.zero_stage,
                                      dtype=t.dtype, micro_batch_size=t.micro_batch_size,
                                      grad_accum=t.grad_accum, lr=p.critic_lr, value_clip=p.value_clip,
                                      seed=cfg.run.seed)

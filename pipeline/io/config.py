@@ -33,7 +33,8 @@ class RunConfig:
     output_dir: str = "runs"
     # auto: compiled graphs only where every graph actor owns a spare core (see README).
     dag_mode: Literal["auto", "compiled", "classic"] = "auto"
-    deadline_s: float = field(default=60.0, metadata=_spec(gt=0, help="longest wait for any node or rollout"))
+    deadline_s: float = field(default=60.0, metadata=_spec(
+        gt=0, help="longest wait for any node, rollout or recovery; a dead worker is noticed within it"))
     startup_deadline_s: float = field(default=600.0, metadata=_spec(gt=0, help="longest wait for workers to start"))
     ray_address: str = ""
     num_cpus: int = field(default=0, metadata=_spec(ge=0, help="logical CPUs for a local Ray; 0 = enough for the actors"))
@@ -41,15 +42,25 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
-class GrpoConfig:
-    max_age: int = field(default=1, metadata=_spec(ge=0))
+class ScheduleConfig:
+    """What the launch schedule needs: how stale a batch may be and how big a step is."""
+    max_age: int = field(default=1, metadata=_spec(ge=0, help="most steps a batch's weights may lag the trainer's"))
     prompts_per_step: int = field(default=8, metadata=_spec(ge=1))
-    group_size: int = field(default=4, metadata=_spec(ge=1))
-    val_period: int = field(default=0, metadata=_spec(ge=0, help="0 = never"))
-    val_at_start: bool = False
-    val_at_end: bool = False
-    clip_eps: float = field(default=0.2, metadata=_spec(gt=0, le=1))
-    kl_coef: float = field(default=0.0, metadata=_spec(ge=0))
+    group_size: int = field(default=4, metadata=_spec(ge=1, help="samples per prompt"))
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    period: int = field(default=0, metadata=_spec(ge=0, help="validate after every period-th step; 0 = never"))
+    at_start: bool = field(default=False, metadata=_spec(help="validate the initial weights"))
+    at_end: bool = field(default=False, metadata=_spec(help="validate after the last step"))
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The clipped policy loss, for GRPO and PPO alike."""
+    clip_eps: float = field(default=0.2, metadata=_spec(gt=0, le=1, help="clip range of the ratio"))
+    kl_coef: float = field(default=0.0, metadata=_spec(ge=0, help="weight of the KL to the initial policy"))
     is_clip: float = field(default=2.0, metadata=_spec(gt=0, help="cap of the token-level IS weight"))
 
 
@@ -59,7 +70,6 @@ class GenerationConfig:
     max_new_tokens: int = field(default=16, metadata=_spec(ge=1))
     temperature: float = field(default=1.0, metadata=_spec(ge=0))
     top_p: float = field(default=1.0, metadata=_spec(gt=0, le=1))
-    refit_mode: Literal["drain"] = "drain"
 
 
 @dataclass(frozen=True)
@@ -73,13 +83,12 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class PpoConfig:
-    """PPO's critic and advantages; the policy loss reuses grpo.clip_eps / kl_coef / is_clip."""
+    """PPO's critic and advantages; the policy loss is policy_loss's, as for GRPO."""
     gamma: float = field(default=1.0, metadata=_spec(ge=0, le=1))
     lam: float = field(default=0.95, metadata=_spec(ge=0, le=1))
     value_clip: float = field(default=0.2, metadata=_spec(gt=0, help="clip range of the value loss"))
     critic_warmup: int = field(default=0, metadata=_spec(ge=0, help="steps that train only the critic"))
     critic_model: str = field(default="", metadata=_spec(help="critic backbone; empty = model.path"))
-    critic_zero_stage: int = field(default=0, metadata=_spec(ge=0, le=3))
     critic_lr: float = field(default=1e-4, metadata=_spec(gt=0))
     whiten_advantages: bool = True
 
@@ -87,12 +96,8 @@ class PpoConfig:
 @dataclass(frozen=True)
 class FaultConfig:
     max_restarts: int = field(default=2, metadata=_spec(ge=0, help="restarts per generator before the run stops"))
-    deadline_s: float = field(default=60.0, metadata=_spec(gt=0, help="longest time to notice a dead worker"))
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-    max_failures: int = field(default=0, metadata=_spec(ge=0, help="samples whose reward may raise before the run stops"))
+    max_reward_failures: int = field(default=0, metadata=_spec(
+        ge=0, help="samples whose reward may raise before the run stops"))
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,9 @@ class Config:
     backend: Literal["sim", "real"] = "sim"
     algorithm: Literal["grpo", "ppo"] = "grpo"
     run: RunConfig = RunConfig()
-    grpo: GrpoConfig = GrpoConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    validation: ValidationConfig = ValidationConfig()
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
     generation: GenerationConfig = GenerationConfig()
     training: TrainingConfig = TrainingConfig()
     model: ModelConfig = ModelConfig()
@@ -151,11 +158,34 @@ class Config:
     sim: SimConfig = SimConfig()
     ppo: PpoConfig = PpoConfig()
     fault: FaultConfig = FaultConfig()
-    reward: RewardConfig = RewardConfig()
     metrics: MetricsConfig = MetricsConfig()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# Keys of earlier releases and where they went: a recipe that still uses one gets told.
+MOVED = {
+    "grpo.max_age": "schedule.max_age", "grpo.prompts_per_step": "schedule.prompts_per_step",
+    "grpo.group_size": "schedule.group_size", "grpo.val_period": "validation.period",
+    "grpo.val_at_start": "validation.at_start", "grpo.val_at_end": "validation.at_end",
+    "grpo.clip_eps": "policy_loss.clip_eps", "grpo.kl_coef": "policy_loss.kl_coef",
+    "grpo.is_clip": "policy_loss.is_clip", "reward.max_failures": "fault.max_reward_failures",
+    "fault.deadline_s": "run.deadline_s", "ppo.critic_zero_stage": "training.zero_stage",
+    "generation.refit_mode": None,
+}
+
+
+def _moved(dotted: str) -> str | None:
+    """Why an unknown key is unknown, if an earlier release had it."""
+    if dotted in MOVED:
+        new = MOVED[dotted]
+        return f"{dotted!r} was removed" if new is None else f"{dotted!r} is now {new!r}"
+    inside = sorted(f"{old.split('.', 1)[1]} -> {new}" for old, new in MOVED.items()
+                    if new and old.startswith(dotted + "."))
+    if inside:
+        return f"section {dotted!r} is gone; its keys moved: " + ", ".join(inside)
+    return None
 
 
 def _coerce(key: str, value: Any, typ: Any, meta: dict) -> Any:
@@ -213,6 +243,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         dotted = f"{prefix}.{key}" if prefix else str(key)
         try:
             if key not in fields:
+                moved = _moved(dotted)
+                if moved is not None:
+                    raise ConfigError(f"unknown key {dotted!r}: {moved}")
                 close = difflib.get_close_matches(str(key), fields, n=1)
                 hint = f"; did you mean {(f'{prefix}.' if prefix else '') + close[0]!r}?" if close else ""
                 raise ConfigError(f"unknown key {dotted!r}; allowed keys here: {', '.join(fields)}{hint}")
@@ -230,7 +263,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 def _apply_override(tree: dict, override: str) -> None:
     if "=" not in override:
-        raise ConfigError(f"override {override!r}: expected key=value, e.g. grpo.max_age=2")
+        raise ConfigError(f"override {override!r}: expected key=value, e.g. schedule.max_age=2")
     key, raw = override.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
@@ -268,7 +301,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             return f"line {mark.line + 1}, column {mark.column + 1}"
 
         def check_duplicates(node, prefix: str) -> None:
-            # safe_load keeps the last of two equal keys: a second `grpo:` section
+            # safe_load keeps the last of two equal keys: a second `schedule:` section
             # would silently replace the first one's settings.
             if isinstance(node, yaml.MappingNode):
                 first: dict = {}
@@ -327,21 +360,22 @@ def _check_cross_fields(cfg: Config) -> Config:
         err.key = key
         return err
 
-    validates = cfg.grpo.val_period > 0 or cfg.grpo.val_at_start or cfg.grpo.val_at_end
+    v = cfg.validation
+    validates = v.period > 0 or v.at_start or v.at_end
     if cfg.backend == "real":
         for key, value in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
                            ("data.reward", cfg.data.reward)):
             if not value:
                 raise fail(key, "not set; it is required when backend is 'real'")
         if validates and not cfg.data.val:
-            raise fail("data.val", "not set, but validation is scheduled (grpo.val_period / val_at_start / "
-                       "val_at_end); give validation data or turn validation off")
+            raise fail("data.val", "not set, but validation is scheduled (validation.period / at_start / "
+                       "at_end); give validation data or turn validation off")
         if cfg.generation.temperature == 0:
             # The trainer divides its logits by the sampling temperature to match vLLM's logprobs.
             raise fail("generation.temperature", "0 (greedy) cannot be trained on; the trainer's logprobs "
                        "are taken at the sampling temperature, so it must be > 0")
-    if cfg.algorithm == "grpo" and cfg.grpo.group_size < 2:
-        raise fail("grpo.group_size", f"{cfg.grpo.group_size} gives every sample a zero advantage (GRPO "
+    if cfg.algorithm == "grpo" and cfg.schedule.group_size < 2:
+        raise fail("schedule.group_size", f"{cfg.schedule.group_size} gives every sample a zero advantage (GRPO "
                    "compares the samples of one prompt); it must be >= 2 with algorithm 'grpo'")
     name = cfg.run.name
     # The run directory is output_dir/name: '..' would move the parent directory aside.

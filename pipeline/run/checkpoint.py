@@ -23,7 +23,7 @@ from pipeline.io.config import Config
 from pipeline.run.pool import Workers
 
 # Keys that fix the shape of the launch schedule and the buffer: a resumed run must keep them.
-FROZEN_KEYS = ("algorithm", "backend", "grpo.max_age", "grpo.prompts_per_step", "grpo.group_size",
+FROZEN_KEYS = ("algorithm", "backend", "schedule.max_age", "schedule.prompts_per_step", "schedule.group_size",
                "generation.num_generators")
 
 

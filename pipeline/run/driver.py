@@ -48,8 +48,8 @@ __all__ = ["GraphRunner", "PipelineError", "start_workers", "stop_workers", "tra
 
 def validation_due(step: int, cfg: Config) -> bool:
     """NeMo-RL's meaning: after step s when (s + 1) % val_period == 0, and after the last step if val_at_end."""
-    g = cfg.grpo
-    return (g.val_period > 0 and (step + 1) % g.val_period == 0) or (g.val_at_end and step == cfg.run.steps - 1)
+    v = cfg.validation
+    return (v.period > 0 and (step + 1) % v.period == 0) or (v.at_end and step == cfg.run.steps - 1)
 
 
 def graph_actor_count(cfg: Config) -> int:
@@ -153,8 +153,8 @@ class Execution:
                     raise PipelineError(f"{died}; {why}. Resume from the last complete checkpoint "
                                         f"with --resume {self.run_dir}") from None
                 # A sample waiting for the dead generator's batches would wait out its deadline.
-                ray.get(self.workers.controller.interrupt.remote(str(died)), timeout=self.cfg.fault.deadline_s)
-                done = self._absorb(runner.settle(self.cfg.fault.deadline_s))
+                ray.get(self.workers.controller.interrupt.remote(str(died)), timeout=self.cfg.run.deadline_s)
+                done = self._absorb(runner.settle(self.cfg.run.deadline_s))
                 self.say(f"dagrl: step {died.step}: generator {died.worker} died ({died.detail}); "
                          f"starting restart {self.incarnations.get(index, 0) + 1} of {self.cfg.fault.max_restarts}")
                 self.workers, relaunched = replace_generator(self.workers, index, died, self.incarnations,
@@ -162,7 +162,7 @@ class Execution:
                 self.say(f"dagrl: step {died.step}: {generator_name(index, self.incarnations[index])} replaced "
                          f"{died.worker} and relaunched {len(relaunched)} unfinished batches "
                          f"{list(relaunched)}; the step goes on")
-                ray.get(self.workers.controller.clear_interrupt.remote(), timeout=self.cfg.fault.deadline_s)
+                ray.get(self.workers.controller.clear_interrupt.remote(), timeout=self.cfg.run.deadline_s)
                 self._build()
             # What the interrupted execution finished decides what is left to run.
             if "resume" in done:
@@ -238,13 +238,13 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
         if step_runner is not None and step_runner.mode != mode:
             raise ValueError(f"step_runner is {step_runner.mode} but run.dag_mode resolves to {mode}")
         say(f"dagrl: {cfg.algorithm} backend={cfg.backend} dag_mode={mode} steps={cfg.run.steps} "
-            f"max_age={cfg.grpo.max_age} generators={cfg.generation.num_generators} run_dir={run_dir}")
+            f"max_age={cfg.schedule.max_age} generators={cfg.generation.num_generators} run_dir={run_dir}")
         if cfg.backend == "sim":
             say("dagrl: simulated workers (backend: sim): no model is trained")
-        log.emit("run_start", max_age=cfg.grpo.max_age, steps=cfg.run.steps, start_step=start, dag_mode=mode,
-                 refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm)
+        log.emit("run_start", max_age=cfg.schedule.max_age, steps=cfg.run.steps, start_step=start, dag_mode=mode,
+                 refit_mode="drain", algorithm=cfg.algorithm)
         execution = Execution(cfg, workers, mode, run_dir, t0, log, step_runner, say)
-        prologue = execution.run("prologue_runner", StepPlan(start - 1, cfg.grpo.val_at_start and start == 0))
+        prologue = execution.run("prologue_runner", StepPlan(start - 1, cfg.validation.at_start and start == 0))
         startup["to_first_step_s"] = time.time() - entered
         summary["startup"] = {k: round(v, 3) for k, v in startup.items()}
         log.emit("startup", **summary["startup"])

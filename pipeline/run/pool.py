@@ -137,15 +137,15 @@ def replace_generator(workers: Workers, index: int, died: WorkerDied, incarnatio
                             f"{cfg.fault.max_restarts}")
     ray.kill(workers.generators[index])
     actor = _generator(index)
-    version, weights, clock = ray.get(workers.trainer.current_weights.remote(), timeout=cfg.fault.deadline_s)
+    version, weights, clock = ray.get(workers.trainer.current_weights.remote(), timeout=cfg.run.deadline_s)
     log.merge(clock)
     log.merge(*_wait([actor.begin_run.remote(cfg, str(run_dir), t0, workers.controller, incarnation, weights,
                                              log.now())], cfg))
     incarnations[index] = incarnation
     workers = workers.replace_generator(index, actor)
-    relaunch = GraphRunner(build_relaunch_graph(workers, index), "classic", cfg.fault.deadline_s,
+    relaunch = GraphRunner(build_relaunch_graph(workers, index), "classic", cfg.run.deadline_s,
                            actor_names(workers, incarnations))
-    out = relaunch.run(RelaunchPlan(index, version, died.worker, log.now()), cfg.fault.deadline_s, run_dir)
+    out = relaunch.run(RelaunchPlan(index, version, died.worker, log.now()), cfg.run.deadline_s, run_dir)
     log.merge(*(token.clock for token in out.values()))
     log.emit("generator_restarted", step=died.step, new=generator_name(index, incarnation), version=version)
     return workers, tuple(sorted(launch.batch_id for launch in out["relaunch"].launches))

@@ -284,7 +284,7 @@ def viz_main(config_path: str | Path | None, overrides: list[str] = (), out_path
     graph = graph_for_config(cfg, prologue)
     gens = cfg.generation.num_generators
     title = (f"{cfg.run.name}: {'prologue' if prologue else 'step graph'}, "
-             f"{gens} generator{'s' if gens != 1 else ''}, max_age {cfg.grpo.max_age}")
+             f"{gens} generator{'s' if gens != 1 else ''}, max_age {cfg.schedule.max_age}")
     if not out_paths:
         print(to_dot(graph, title), end="")
         return 0
