@@ -12,7 +12,7 @@ events.jsonl:
                       last `window` reward_means is >= the threshold
   generated tokens/s  response tokens / seconds during which a rollout ran in
                       vLLM (engine), and / step time (pipeline)
-  trainer tokens/s    response tokens / seconds in DeepSpeedTrainingEngine.train_step
+  trainer tokens/s    response tokens / seconds in DeepSpeedPolicyEngine.train_step
   breakdown per step  sample (waiting for the batch), train, drain (refit node
                       waiting for in-flight rollouts), weight load, validation,
                       gate + resume + collect, other (Ray dispatch between nodes);

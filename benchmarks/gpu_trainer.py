@@ -5,10 +5,11 @@ A Llama model of a few hundred million parameters is built from a config
 the same way. On the same synthetic batch, with the same micro-batch size,
 ZeRO stage, dtype and DeepSpeed config:
 
-  worker  pipeline.engines.deepspeed_policy.DeepSpeedTrainingEngine.train_step(table):
-          the GRPO worker as the pipeline runs it (an Arrow table in
-          TRAJECTORY_SCHEMA -> rows, collation and host-to-device copies every
-          step, the GRPO loss and its metrics)
+  worker  pipeline.algos.grpo.grpo_advantages(table) and
+          pipeline.engines.deepspeed_policy.DeepSpeedPolicyEngine.train_step(table, advantages):
+          the GRPO trainer as the pipeline runs it (an Arrow table in
+          TRAJECTORY_SCHEMA -> group advantages, rows, collation and
+          host-to-device copies every step, the policy loss and its metrics)
   bare    deepspeed.initialize + per micro-batch forward (logits over the same
           response window), a token log-likelihood loss, engine.backward,
           engine.step; tensors collated and on the GPU before timing
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = not args.cpu_smoke
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
-    from pipeline.engines.deepspeed_policy import DeepSpeedTrainingEngine
+    from pipeline.algos.grpo import grpo_advantages
+    from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
 
     info = machine_info(cuda)
     meter = Meter(cuda)
@@ -288,11 +290,15 @@ def main(argv: list[str] | None = None) -> dict:
 
         mem: dict = {}
         before = meter.allocated()
-        worker = DeepSpeedTrainingEngine(str(tmp / "model"), zero_stage=args.zero_stage, dtype=args.dtype,
-                                         micro_batch_size=size["micro_batch"], grad_accum=accum, lr=args.lr,
-                                         group_size=size["group_size"], seed=args.seed, temperature=1.0)
+        worker = DeepSpeedPolicyEngine(str(tmp / "model"), zero_stage=args.zero_stage, dtype=args.dtype,
+                                       micro_batch_size=size["micro_batch"], grad_accum=accum, lr=args.lr,
+                                       seed=args.seed, temperature=1.0)
+
+        def worker_step() -> None:
+            worker.train_step(table, grpo_advantages(table, size["group_size"]))
+
         for _ in range(size["warmup"]):
-            worker.train_step(table)
+            worker_step()
         meter.sync()
         mem["worker"] = None if before is None else meter.allocated() - before
 
@@ -303,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
         meter.sync()
         mem["bare"] = None if before is None else meter.allocated() - before
 
-        sides = {"worker": lambda: worker.train_step(table), "bare": bare.train_step}
+        sides = {"worker": worker_step, "bare": bare.train_step}
         walls: dict = {"worker": [], "bare": []}
         peaks: dict = {"worker": [], "bare": []}
         for rep in range(size["repeats"]):

@@ -39,9 +39,9 @@ def grpo_train_subgraph(workers: Workers, batch) -> Named:
 def ppo_train_subgraph(workers: Workers, batch) -> Named:
     """Old critic's values -> GAE; then policy and critic update side by side;
     train_done joins them so nothing downstream runs before both are done."""
-    advantages = workers.critic.advantages.bind(batch)
+    advantages = workers.critic.critic_values.bind(batch)
     policy = workers.trainer.train.bind(batch, advantages)
-    critic = workers.critic.train.bind(advantages)
+    critic = workers.critic.critic_train.bind(advantages)
     return [("critic_values", advantages), ("train", policy), ("critic_train", critic),
             ("train_done", workers.controller.train_done.bind(policy, critic))]
 

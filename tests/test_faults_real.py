@@ -52,8 +52,8 @@ def test_generator_kill_then_driver_kill_then_resume(tmp_path, tiny_model):
     final = run_dir / "checkpoints" / f"step_{steps}"
     model = AutoModelForCausalLM.from_pretrained(final / "policy")
     assert sum(p.numel() for p in model.parameters()) > 0
-    from pipeline.engines.deepspeed_policy import DeepSpeedTrainingEngine
-    engine = DeepSpeedTrainingEngine(str(tiny_model), lr=0.005, micro_batch_size=32)
+    from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
+    engine = DeepSpeedPolicyEngine(str(tiny_model), lr=0.005, micro_batch_size=32)
     try:
         engine.load_state(str(final / "trainer_state"))
         assert engine.steps == steps

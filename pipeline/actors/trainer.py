@@ -1,13 +1,14 @@
 """The trainer actor: the policy update (`train`) and the weights it exports.
 
 The work is done by the training engine (pipeline/engines/); this actor
-checks versions, logs, and puts the new weights in the object store for the
-generators' refits.
+computes GRPO's advantages (pipeline/algos/grpo.py), checks versions, logs,
+and puts the new weights in the object store for the generators' refits.
 """
 from __future__ import annotations
 
 import os
 
+import pyarrow as pa
 import ray
 
 from dags.tokens import Advantages, Batch, Clock, TrainOut
@@ -18,7 +19,7 @@ from pipeline.run import spans
 
 
 class TrainerWorker(Actor):
-    def begin_run(self, cfg: Config, run_dir: str, t0: float, resume_dir: str | None = None,
+    def begin_run(self, cfg: Config, run_dir: str, t0: float, restore_dir: str | None = None,
                   start_version: int = 0) -> Clock:
         one_thread()
         spans.take()
@@ -26,8 +27,8 @@ class TrainerWorker(Actor):
         self.log = reopen_log(self, run_dir, "trainer", t0)
         self.log.emit("worker_start", pid=os.getpid())
         self.engine = backends.training_engine(cfg)
-        if resume_dir is not None:
-            self.engine.load_state(resume_dir)
+        if restore_dir is not None:
+            self.engine.load_state(restore_dir)
         self.version = start_version
         # (version, ObjectRef of (version, weights) or None, clock of their making): exported
         # on first need, since most runs never replace a generator. One attribute, so a
@@ -57,12 +58,10 @@ class TrainerWorker(Actor):
                       batches=list(batch.batch_ids), batch_versions=list(batch.versions))
         with spans.span("batch.get"):
             table = ray.get(batch.table_ref[0])
-        if advantages is None:
-            metrics = self.engine.train_step(table)
-        elif batch.step < self.cfg.ppo.critic_warmup:
+        if advantages is not None and batch.step < self.cfg.ppo.critic_warmup:
             metrics = {"policy_frozen": 1.0}
         else:
-            metrics = self.engine.train_step(table, advantages=ray.get(advantages.table_ref[0]))
+            metrics = self.engine.train_step(table, self._advantages(table, advantages))
         self.version += 1
         with spans.span("export_weights"):
             exported = weights.pack(self.engine.export_weights())
@@ -79,6 +78,15 @@ class TrainerWorker(Actor):
                    "age_max": float(max(batch.step - v for v in batch.versions)),
                    "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist()))}
         return TrainOut(batch.step, self.version, (weights_ref,), tuple(sorted(metrics.items())))
+
+    def _advantages(self, table: pa.Table, advantages: Advantages | None) -> pa.Table:
+        """The critic's table (PPO), else the group advantages of the table's rewards."""
+        if advantages is not None:
+            return ray.get(advantages.table_ref[0])
+        # Here, not at the top: the driver imports this module and need not import torch.
+        from pipeline.algos.grpo import grpo_advantages
+        with spans.span("train.advantages"):
+            return grpo_advantages(table, self.cfg.schedule.group_size)
 
     def save(self, path: str) -> None:
         self.engine.save(path)

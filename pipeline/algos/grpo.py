@@ -1,18 +1,20 @@
-"""GRPO advantages and the token-level clipped policy loss.
+"""GRPO's advantages: each sample's reward against the other samples of its prompt.
 
-Pure torch, no engine state, so the math can be checked by hand
-(tests/test_grpo.py) and reused by the PPO path.
-
-Shapes: a batch of B sequences padded to T response positions. Every per-token
-tensor is [B, T]; `mask` marks the real response tokens. Padded positions may
-hold anything (the engine pads with 0; a generator may report -inf): they are
-replaced by 0 *before* any exp(), so they can give neither NaN values nor NaN
-gradients (a masked multiply after exp() would give inf * 0 = NaN).
+No engine state, so the math can be checked by hand (tests/test_algos_grpo.py).
+The trainer actor turns a trajectory table into an advantages table here, and
+the policy update reads it as it reads PPO's (pipeline/algos/policy_loss.py).
 """
 from __future__ import annotations
 
+import pyarrow as pa
 import torch
 from torch import Tensor
+
+from pipeline.algos.ppo import ADVANTAGE_SCHEMA
+
+# The policy update reads only the advantages: PPO's column, on its own.
+GRPO_ADVANTAGE_SCHEMA = pa.schema([ADVANTAGE_SCHEMA.field("advantages")])
+GROUP_KEYS = ("batch_id", "prompt_id", "prompt_ids")
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
@@ -36,85 +38,33 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     return adv.view(-1)
 
 
-def grpo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    gen_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_eps: float,
-    kl_coef: float = 0.0,
-    ref_logprobs: Tensor | None = None,
-    is_clip: float = 2.0,
-    num_tokens: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss with a truncated IS correction and optional KL.
-
-    logprobs      current policy, requires grad.
-    old_logprobs  policy at the start of this train step (detached). With one
-                  update per batch it equals logprobs.detach(), so the ratio is 1.
-    gen_logprobs  what the generating engine reported for the sampled tokens.
-    advantages    [B] (one per sequence, broadcast over its tokens) or [B, T].
-
-    Per token:  ratio = exp(lp - old)
-                pg    = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))
-                w     = min(exp(old - gen), is_clip), no gradient
-                loss  = w * pg + kl_coef * (exp(ref - lp) - (ref - lp) - 1)
-    The IS weight corrects for sampling from the engine's (possibly stale)
-    weights rather than from `old`; the cap bounds its variance. It scales the
-    policy term only: the KL term is an expectation under the current policy.
-
-    Aggregation: sum over valid tokens / number of valid tokens in the batch
-    (every token weighs the same, whatever its sequence length). `num_tokens`
-    overrides the divisor: a micro-batch passes the whole batch's count, so the
-    micro-batch losses add up to the batch's token mean.
-
-    Metrics (means over valid tokens): clip_frac = share of tokens whose
-    clipped term is the active one (their gradient is cut), is_weight, kl,
-    ratio.
+def grpo_advantages(table: pa.Table, group_size: int) -> pa.Table:
+    """Each row's group advantage (group_advantages of the `reward` column) on
+    every one of its response tokens: a GRPO_ADVANTAGE_SCHEMA table, row i for
+    row i of `table`, whose rows must be consecutive groups of `group_size`
+    samples of one prompt.
     """
-    valid = mask.bool()
-    zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
-    lp = logprobs.float()
-    old = old_logprobs.detach().float()
-    gen = gen_logprobs.detach().float()
-    adv = advantages.detach().float()
-    if adv.dim() == 1:
-        adv = adv.unsqueeze(-1)
-    adv = adv.expand_as(lp)
+    rows = table.select([*GROUP_KEYS, "response_ids", "reward"]).to_pylist()
+    if group_size < 1 or len(rows) % group_size:
+        raise ValueError(f"{len(rows)} rows do not split into groups of {group_size}")
+    for i, row in enumerate(rows):
+        if row["reward"] is None:
+            raise ValueError(f"row {i} has no reward")
+    _check_groups(rows, group_size)
+    if not rows:  # torch warns about the std of no samples
+        return GRPO_ADVANTAGE_SCHEMA.empty_table()
+    adv = group_advantages(torch.tensor([r["reward"] for r in rows], dtype=torch.float32), group_size)
+    return pa.table({"advantages": [[a] * len(r["response_ids"]) for a, r in zip(adv.tolist(), rows)]},
+                    schema=GRPO_ADVANTAGE_SCHEMA)
 
-    log_ratio = torch.where(valid, lp - old, zero)
-    ratio = torch.exp(log_ratio)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
 
-    is_weight = torch.exp(torch.where(valid, old - gen, zero)).clamp(max=is_clip)
-    per_token = is_weight * pg
-
-    if kl_coef > 0.0 and ref_logprobs is not None:
-        d = torch.where(valid, ref_logprobs.detach().float() - lp, zero)
-        kl = torch.exp(d) - d - 1.0
-        per_token = per_token + kl_coef * kl
-    else:
-        kl = torch.zeros_like(lp)
-
-    n_valid = valid.sum()
-    denom = float(num_tokens) if num_tokens is not None else n_valid.clamp(min=1)
-    loss = torch.where(valid, per_token, zero).sum() / denom
-
-    with torch.no_grad():
-        n = n_valid.clamp(min=1).float()
-
-        def mean(x: Tensor) -> float:
-            return float(torch.where(valid, x.float(), zero).sum() / n)
-
-        metrics = {
-            "clip_frac": mean((pg_clipped > pg_unclipped).float()),
-            "is_weight": mean(is_weight),
-            "kl": mean(kl),
-            "ratio": mean(ratio),
-            "tokens": float(n_valid),
-        }
-    return loss, metrics
+def _check_groups(rows: list[dict], group_size: int) -> None:
+    # Advantages are normalised per group of consecutive rows, so a misordered
+    # table would silently mix prompts; refuse it.
+    for g in range(0, len(rows), group_size):
+        head = rows[g]
+        for row in rows[g + 1:g + group_size]:
+            if tuple(row[k] for k in GROUP_KEYS) != tuple(head[k] for k in GROUP_KEYS):
+                raise ValueError(f"rows {g}..{g + group_size - 1} must be one prompt group; found "
+                                 f"{(head['batch_id'], head['prompt_id'])} and "
+                                 f"{(row['batch_id'], row['prompt_id'])}")

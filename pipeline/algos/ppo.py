@@ -1,8 +1,8 @@
-"""PPO's advantages (GAE) and the clipped value loss.
+"""PPO's advantages (GAE) of a trajectory table and the clipped value loss.
 
-Pure torch, no engine state, so every number can be checked by hand
-(tests/test_ppo.py). The policy loss is GRPO's (pipeline/algos/grpo.py grpo_loss),
-fed per-token advantages of shape [B, T] instead of one per sequence.
+No engine state, so every number can be checked by hand
+(tests/test_algos_ppo.py). The policy loss is the one GRPO uses
+(pipeline/algos/policy_loss.py), fed these per-token advantages.
 
 Shapes: B sequences of response tokens, right-padded to T positions. Every
 per-token tensor is [B, T]; `mask` marks the real tokens, which must be a
@@ -11,8 +11,20 @@ in state s_t = (prompt, response[:t]); V_t is the critic's value of s_t.
 """
 from __future__ import annotations
 
+import math
+
+import pyarrow as pa
 import torch
 from torch import Tensor
+
+# The critic's answer for a trajectory table, row i for row i, one float per
+# response token: what the policy update reads (`advantages`) and the value
+# update's targets (`returns`, around the `values` they were computed with).
+ADVANTAGE_SCHEMA = pa.schema([
+    ("advantages", pa.list_(pa.float32())),
+    ("returns", pa.list_(pa.float32())),
+    ("values", pa.list_(pa.float32())),
+])
 
 
 def _check_right_padded(mask: Tensor) -> Tensor:
@@ -118,7 +130,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     The max makes the loss pessimistic: moving V more than `clip` away from
     V_old cannot lower it, so one batch cannot drag the critic far. Where the
     clipped term wins and V is outside the band, the gradient is 0.
-    `num_tokens` overrides the divisor, as in grpo_loss: micro-batch losses
+    `num_tokens` overrides the divisor, as in clipped_policy_loss: micro-batch losses
     then add up to the batch's token mean.
 
     Metrics (valid-token means): clip_frac = share of tokens where the clipped
@@ -144,3 +156,45 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
             "tokens": float(n_valid),
         }
     return loss, metrics
+
+
+def compute_advantages(table: pa.Table, values: list[list[float]], *, gamma: float, lam: float,
+                       whiten_advantages: bool) -> tuple[pa.Table, dict[str, float]]:
+    """Per-token GAE for a trajectory table, from the critic's `values`.
+
+    The sequence reward sits on each row's last response token (last_token_rewards).
+    A row whose reward function raised (`reward_error`; the generator filled
+    in its group's mean) teaches nothing: advantages 0, and returns equal to
+    the values, so the critic's loss there is 0 too.
+    Returns an ADVANTAGE_SCHEMA table, row i for row i of `table`, and
+    statistics over the other rows, before whitening: adv_mean / adv_std,
+    values_mean, returns_mean, explained_var (of these values against the
+    returns: how well the critic predicted this batch before learning from it).
+    """
+    responses = table.column("response_ids").to_pylist()
+    if len(values) != len(responses):
+        raise ValueError(f"{len(values)} value rows for {len(responses)} trajectories")
+    width = max((len(r) for r in responses), default=0)
+    mask = torch.zeros(len(responses), width, dtype=torch.bool)
+    v = torch.zeros(len(responses), width)
+    for i, (resp, vals) in enumerate(zip(responses, values)):
+        if len(vals) != len(resp):
+            raise ValueError(f"row {i}: {len(vals)} values for {len(resp)} response tokens")
+        mask[i, :len(resp)] = True
+        v[i, :len(resp)] = torch.tensor(vals, dtype=torch.float32)
+    rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
+    adv, ret = gae(last_token_rewards(rewards, mask), v, mask, gamma=gamma, lam=lam)
+    errors = table.column("reward_error").to_pylist()
+    good = mask & torch.tensor([not e for e in errors], dtype=torch.bool).unsqueeze(-1)
+    adv = torch.where(good, adv, torch.zeros(()))
+    ret = torch.where(good, ret, v)
+    stats = {"adv_mean": float(masked_mean(adv, good)), "adv_std": math.sqrt(float(masked_var(adv, good))),
+             "values_mean": float(masked_mean(v, good)), "returns_mean": float(masked_mean(ret, good)),
+             "explained_var": explained_variance(v, ret, good)}
+    if whiten_advantages:
+        adv = whiten(adv, good)
+    lengths = [len(r) for r in responses]
+    out = pa.table({name: [t[i, :n].tolist() for i, n in enumerate(lengths)]
+                    for name, t in (("advantages", adv), ("returns", ret), ("values", v))},
+                   schema=ADVANTAGE_SCHEMA)
+    return out, stats

@@ -38,14 +38,13 @@ def training_engine(cfg: Config) -> TrainingEngine:
     if cfg.backend == "sim":
         from pipeline.engines.sim import SimTrainingEngine
         return SimTrainingEngine(cfg.sim, seed=cfg.run.seed * 1000 + 999)
-    from pipeline.engines.deepspeed_policy import DeepSpeedTrainingEngine
+    from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
     t, g = cfg.training, cfg.policy_loss
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
-        return DeepSpeedTrainingEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
-                                       micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                                       lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
-                                       group_size=cfg.schedule.group_size, seed=cfg.run.seed,
-                                       temperature=cfg.generation.temperature)
+        return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
+                                     micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+                                     lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
+                                     seed=cfg.run.seed, temperature=cfg.generation.temperature)
 
 
 def reward_function(cfg: Config) -> Callable[[Prompt, str], float]:
@@ -85,8 +84,8 @@ def preflight(cfg: Config) -> Future | None:
     if cfg.backend == "sim":
         return None
     from pipeline.io.data import DataError, load_prompts
+    from pipeline.io.models import ModelError, check_model_files, check_model_loads
     from pipeline.io.rewards import RewardError, load_reward
-    from pipeline.io.tiny import ModelError, check_model_files, check_model_loads
 
     def check(key: str, fn: Callable, *args, **kwargs):
         # Prefix the recipe key, so the error also says which setting named the bad path or spec.
@@ -99,7 +98,7 @@ def preflight(cfg: Config) -> Future | None:
     if cfg.algorithm == "ppo" and cfg.ppo.critic_model:
         models.append(("ppo.critic_model", cfg.ppo.critic_model, cfg.model.path))
     for key, path, tokenizer_dir in models:
-        check(key, check_model_files, path, tokenizer_dir=tokenizer_dir)
+        check(key, check_model_files, path, own_tokenizer=tokenizer_dir is None)
     # Empty files are DataErrors inside load_prompts. data.val is read whenever it is
     # set: the generators load it at start-up even when no validation is scheduled.
     check("data.train", load_prompts, cfg.data.train, kind="train")

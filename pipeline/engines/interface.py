@@ -1,9 +1,10 @@
 """What the workers need from their leaves.
 
 A generation engine turns prompts into completions with per-token logprobs and
-takes new weights; a training engine takes a table of trajectories, updates
-the policy and exports its weights by HF parameter name. The simulated
-backend (pipeline/engines/sim.py) and the real one (vLLM, DeepSpeed) implement these.
+takes new weights; a training engine takes a table of trajectories and their
+advantages, updates the policy and exports its weights by HF parameter name.
+The simulated backend (pipeline/engines/sim.py) and the real one (vLLM,
+DeepSpeed) implement these.
 """
 from __future__ import annotations
 
@@ -72,8 +73,10 @@ class GenerationEngine(Protocol):
 
 
 class TrainingEngine(Protocol):
-    def train_step(self, table: pa.Table) -> dict[str, float]:
-        """One policy update on a table with TRAJECTORY_SCHEMA; returns metrics."""
+    def train_step(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
+        """One policy update on a table with TRAJECTORY_SCHEMA; `advantages`, row i
+        for row i, has an `advantages` column of one float per response token
+        (pipeline/algos/grpo.py, ppo.py). Returns metrics."""
 
     def export_weights(self) -> Any:
         """The current weights, by HF parameter name, ready for load_weights."""

@@ -80,11 +80,10 @@ class SimTrainingEngine:
         self.cfg = cfg
         self.updates = 0
 
-    def train_step(self, table: pa.Table, advantages: pa.Table | None = None) -> dict[str, float]:
+    def train_step(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
         _maybe_fault(self.cfg, "train", self.updates)
-        if advantages is not None:
-            # The real engine refuses a misaligned table; so must the stand-in.
-            _check_token_column(table, advantages, "advantages")
+        # The real engine refuses a misaligned table; so must the stand-in.
+        _check_token_column(table, advantages, "advantages")
         self.latency.spend(self.cfg.train_s)
         self.updates += 1
         return {"loss": 1.0 / self.updates, "rows": float(table.num_rows)}

@@ -22,7 +22,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from pipeline.engines.interface import Completion, Prompt  # noqa: E402
-from pipeline.io.tiny import ModelError, check_model_dir  # noqa: E402
+from pipeline.io.models import ModelError, check_model_dir  # noqa: E402
 from pipeline.run.spans import span  # noqa: E402
 
 
@@ -155,18 +155,6 @@ class VllmGenerationEngine:
         if not reset:
             raise RuntimeError(f"vLLM engine for {self.model_path!r}: reset_prefix_cache failed "
                                "(requests still running?)")
-
-    # -- scoring ----------------------------------------------------------
-    def prompt_logprobs(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> list[float]:
-        """Logprobs of `response_ids` following `prompt_ids` under the current
-        weights (teacher forcing), one per response token."""
-        if not response_ids:
-            return []
-        ids = [int(t) for t in (*prompt_ids, *response_ids)]
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-        out = self._generate([TokensPrompt(prompt_token_ids=ids)], params)[0]
-        scored = out.prompt_logprobs[len(prompt_ids):]
-        return [float(entry[tok].logprob) for entry, tok in zip(scored, response_ids)]
 
     # -- internals --------------------------------------------------------
     def _generate(self, inputs: list, params: SamplingParams) -> list:

@@ -27,11 +27,10 @@ import random
 import sys
 from pathlib import Path
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 TINY_ALPHABET = "01"
 TINY_REPEATS = 8
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # The tokenizer's training texts, frozen in a file: English and arithmetic (so
 # GSM8K-style prompts encode sensibly), runs of every digit (so merges like "00"
@@ -39,10 +38,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # GSM8K sample as it was when the task was measured. Frozen because any edit
 # changes the merges, hence the model, hence the learning curves measured on it.
 TOKENIZER_CORPUS = DATA_DIR / "tokenizer_corpus.jsonl"
-
-
-class ModelError(ValueError):
-    """A model directory that cannot be used; the message names the path."""
 
 
 def tiny_task_rows(n: int, *, seed: int = 0, alphabet: str = TINY_ALPHABET) -> list[dict]:
@@ -143,107 +138,6 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def _weight_files(p: Path) -> list[Path]:
-    """The weight files a loader would read: the shards an index names, else
-    any *.safetensors / pytorch_model*.bin. Raises ModelError for a shard that
-    an index names but the directory lacks (an interrupted download)."""
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = p / index_name
-        if index.is_file():
-            try:
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-                if not all(isinstance(s, str) for s in shards):
-                    raise TypeError("weight_map values must be file names")
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise ModelError(f"model directory {str(p)!r}: {index_name} is not a valid weight index "
-                                 f"({type(exc).__name__}: {exc})") from None
-            missing = [s for s in shards if not (p / s).is_file()]
-            if missing:
-                raise ModelError(f"model directory {str(p)!r}: {index_name} names weight files that are "
-                                 f"missing: {', '.join(missing)}")
-            return [p / s for s in shards]
-    return sorted([*p.glob("*.safetensors"), *p.glob("pytorch_model*.bin")])
-
-
-def check_model_files(path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
-    """The quick part of check_model_dir: the directory, its files, the
-    weights' headers and config.json's JSON."""
-    p = Path(path)
-    if not p.exists():
-        # Relative paths are read from the working directory, not from the recipe's.
-        cwd = "" if p.is_absolute() else f" (relative to the working directory {str(Path.cwd())!r})"
-        raise ModelError(f"model directory {str(p)!r} does not exist{cwd}")
-    if not p.is_dir():
-        raise ModelError(f"model directory {str(p)!r} is not a directory")
-    missing = []
-    if not (p / "config.json").is_file():
-        missing.append("config.json")
-    if tokenizer_dir is None and not any((p / name).is_file() for name in TOKENIZER_FILES):
-        missing.append(f"tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
-    weights = _weight_files(p)
-    if not weights:
-        missing.append("weights (model.safetensors, pytorch_model.bin or a sharded *.index.json)")
-    if missing:
-        raise ModelError(f"model directory {str(p)!r} has no {' and no '.join(missing)}")
-    from safetensors import safe_open
-    for f in (w for w in weights if w.suffix == ".safetensors"):
-        # Reads only the header, which also records the size: a truncated copy fails here.
-        # "np", not "pt": the same header check without importing torch.
-        try:
-            with safe_open(str(f), "np"):
-                pass
-        except Exception as exc:  # noqa: BLE001 - SafetensorError has no importable base class
-            raise ModelError(f"model directory {str(p)!r}: {f.name} is not a readable safetensors file "
-                             f"(truncated or corrupt?): {exc}") from None
-    try:
-        config = json.loads((p / "config.json").read_text())
-    except (ValueError, OSError) as exc:
-        raise ModelError(f"model directory {str(p)!r}: config.json is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ModelError(f"model directory {str(p)!r}: config.json must hold a JSON object, "
-                         f"got {type(config).__name__}")
-    model_vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    if model_vocab is not None and (isinstance(model_vocab, bool) or not isinstance(model_vocab, int)):
-        raise ModelError(f"model directory {str(p)!r}: config.json's vocab_size is {model_vocab!r}, "
-                         "not an integer")
-    return p
-
-
-def check_model_dir(path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
-    """Raise ModelError naming `path` unless it holds a loadable HF model
-    (config.json, weights, a tokenizer) whose vocabulary covers the tokenizer.
-
-    `tokenizer_dir`: where the token ids come from, if not from this directory.
-    A critic reads the policy's token ids, so it needs no tokenizer of its own
-    but an embedding table that covers the policy's tokenizer.
-    """
-    check_model_files(path, tokenizer_dir=tokenizer_dir)
-    return check_model_loads(path, tokenizer_dir=tokenizer_dir)
-
-
-def check_model_loads(path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
-    """The part of check_model_dir that needs transformers (seconds of imports):
-    its config and tokenizer load, and the vocabulary covers the tokenizer."""
-    p = Path(path)
-    config = json.loads((p / "config.json").read_text())
-    model_vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    from transformers import AutoConfig, AutoTokenizer
-    try:
-        AutoConfig.from_pretrained(str(p))
-    except Exception as exc:  # noqa: BLE001 - any load failure is a bad directory
-        raise ModelError(f"model directory {str(p)!r}: transformers cannot read config.json: {exc}") from None
-    source = Path(tokenizer_dir) if tokenizer_dir is not None else p
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
-    except Exception as exc:  # noqa: BLE001 - any load failure is a bad directory
-        raise ModelError(f"model directory {str(source)!r}: cannot load the tokenizer: {exc}") from None
-    if model_vocab is not None and len(tokenizer) > model_vocab:
-        whose = "the tokenizer" if tokenizer_dir is None else f"the tokenizer of {str(source)!r}"
-        raise ModelError(f"model directory {str(p)!r}: {whose} has {len(tokenizer)} tokens "
-                         f"but the model's vocab_size is {model_vocab}")
-    return p
 
 
 def model_digest(path: str | Path) -> str:

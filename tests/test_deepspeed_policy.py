@@ -1,4 +1,6 @@
-"""DeepSpeedTrainingEngine on a tiny random Llama, single process, CPU (or GPU if present).
+"""DeepSpeedPolicyEngine on a tiny random Llama, single process, CPU (or GPU if present):
+GRPO's group advantages and PPO's per-token ones, micro-batches, ZeRO, bf16,
+the KL reference, checkpoints and exact resume.
 
 All engines share one process group (world size 1, set up by the first one).
 """
@@ -10,53 +12,40 @@ import math
 import pyarrow as pa
 import pytest
 import torch
+from training_helpers import (  # noqa: F401  (model_dir is a fixture)
+    continue_after_resume,
+    make_table,
+    max_diff,
+    model_dir,
+    per_token,
+    sequence_logprobs,
+    weights,
+)
 
-from pipeline.engines.deepspeed_policy import DeepSpeedTrainingEngine, ModelPathError
-from pipeline.engines.interface import TRAJECTORY_SCHEMA
+from pipeline.algos.grpo import grpo_advantages
+from pipeline.algos.ppo import ADVANTAGE_SCHEMA
+from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
 
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    (path / "tokenizer_config.json").write_text("{}")  # save() must carry it over
-    return path
-
-
 def make_engine(model_dir, **kw):
     args = dict(zero_stage=0, dtype="fp32", micro_batch_size=4, grad_accum=1, lr=1e-3,
-                clip_eps=0.2, kl_coef=0.0, is_clip=2.0, group_size=2, seed=0)
+                clip_eps=0.2, kl_coef=0.0, is_clip=2.0, seed=0)
     args.update(kw)
-    return DeepSpeedTrainingEngine(str(model_dir), **args)
+    return DeepSpeedPolicyEngine(str(model_dir), **args)
 
 
-def make_table(groups=3, group_size=2, gen_lp=-4.0, responses=None, rewards=None):
-    """`groups` prompt groups with different prompt and response lengths."""
-    rows = []
-    for g in range(groups):
-        prompt = [1, 2 + g, 3, 4][:2 + g % 3]
-        for j in range(group_size):
-            i = g * group_size + j
-            resp = responses[i] if responses else [5 + j + g] * (2 + j + g)
-            rows.append(dict(batch_id="b0", target=1, version=0, prompt_id=f"p{g}", prompt_ids=prompt,
-                             response_ids=resp, logprobs=[gen_lp] * len(resp), text="",
-                             reward=rewards[i] if rewards else float(j)))
-    return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
+def grpo_step(engine, table, group_size=2):
+    """One update with the group advantages the trainer actor would pass."""
+    return engine.train_step(table, grpo_advantages(table, group_size))
 
 
-def weights(engine):
-    return {k: v.float() for k, v in engine.export_weights().items()}
-
-
-def max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+def on_policy(table, lp):
+    """`table` with `lp` as the generator's logprobs: IS weight 1."""
+    return table.set_column(table.schema.get_field_index("logprobs"), "logprobs",
+                            pa.array(lp, pa.list_(pa.float32())))
 
 
 def test_train_step_updates_weights_with_finite_metrics(model_dir):
@@ -65,12 +54,12 @@ def test_train_step_updates_weights_with_finite_metrics(model_dir):
         assert importlib.import_module("deepspeed.comm.torch").build_shm_op() is None
     before = weights(e)
     table = make_table()
-    m = e.train_step(table)
+    m = grpo_step(e, table)
     # 6 rows in micro-batches of 4 -> 4 + 2, still exactly one optimizer step
     assert e.steps == 1 and m["micro_batches"] == 2.0 and m["step"] == 1.0
     assert m["tokens"] == sum(len(r) for r in table.column("response_ids").to_pylist())
     assert all(math.isfinite(v) for v in m.values()), m
-    assert m["grad_norm"] > 0 and m["reward_mean"] == 0.5 and m["reward_std"] == 0.5
+    assert m["grad_norm"] > 0 and "reward_mean" not in m  # the trainer actor reports the rewards
     assert m["ratio"] == pytest.approx(1.0) and m["clip_frac"] == 0.0 and m["kl"] == 0.0
     assert max_diff(weights(e), before) > 1e-4
     e.close()
@@ -81,7 +70,7 @@ def test_remainder_micro_batch_equals_one_batch(model_dir):
     table = make_table()
     split, whole = make_engine(model_dir, micro_batch_size=4), make_engine(model_dir, micro_batch_size=8,
                                                                            grad_accum=4)
-    ms, mw = split.train_step(table), whole.train_step(table)
+    ms, mw = grpo_step(split, table), grpo_step(whole, table)
     assert whole.steps == 1 and mw["micro_batches"] == 1.0
     assert ms["loss"] == pytest.approx(mw["loss"], abs=1e-7)
     assert ms["grad_norm"] == pytest.approx(mw["grad_norm"], rel=1e-5)
@@ -93,15 +82,12 @@ def test_rewarded_response_becomes_more_likely(model_dir):
     e = make_engine(model_dir, lr=3e-3)
     good, bad = [7, 8, 9], [20, 21, 22]
     probe = make_table(groups=1, responses=[good, bad], rewards=[1.0, 0.0])
-    start = [sum(x) for x in e.sequence_logprobs(probe)]
+    start = [sum(x) for x in sequence_logprobs(e, probe)]
     for _ in range(4):
         # on-policy: generator logprobs = trainer logprobs, IS weight 1
-        lp = e.sequence_logprobs(probe)
-        table = probe.set_column(probe.schema.get_field_index("logprobs"), "logprobs",
-                                 pa.array(lp, pa.list_(pa.float32())))
-        m = e.train_step(table)
+        m = grpo_step(e, on_policy(probe, sequence_logprobs(e, probe)))
         assert m["is_weight"] == pytest.approx(1.0, abs=1e-4)
-    end = [sum(x) for x in e.sequence_logprobs(probe)]
+    end = [sum(x) for x in sequence_logprobs(e, probe)]
     assert end[0] > start[0] + 0.5, (start, end)
     assert end[1] < start[1] - 0.5, (start, end)
     e.close()
@@ -141,7 +127,7 @@ def check_save_roundtrip(e, out, atol):
 
 def test_save_loads_in_transformers_with_same_logits(model_dir, tmp_path):
     e = make_engine(model_dir)
-    e.train_step(make_table())
+    grpo_step(e, make_table())
     check_save_roundtrip(e, tmp_path / "ckpt", atol=1e-5)
     e.close()
 
@@ -150,12 +136,12 @@ def test_zero3_matches_zero0(model_dir, tmp_path):
     # Same data, same fp32 math: only the parameter layout differs.
     table = make_table()
     z0, z3 = make_engine(model_dir, zero_stage=0), make_engine(model_dir, zero_stage=3)
-    m0, m3 = z0.train_step(table), z3.train_step(table)
+    m0, m3 = grpo_step(z0, table), grpo_step(z3, table)
     assert m3["loss"] == pytest.approx(m0["loss"], abs=1e-6)
     assert m3["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-4)
     w0, w3 = weights(z0), weights(z3)
     assert list(w3) == list(w0) and max_diff(w0, w3) < 1e-5
-    assert z3.train_step(table)["loss"] == pytest.approx(z0.train_step(table)["loss"], abs=1e-5)
+    assert grpo_step(z3, table)["loss"] == pytest.approx(grpo_step(z0, table)["loss"], abs=1e-5)
     check_save_roundtrip(z3, tmp_path / "z3", atol=1e-5)  # gathered under ZeRO-3
     z0.close(), z3.close()
 
@@ -166,7 +152,7 @@ def test_bf16_trains_and_zero0_matches_zero2(model_dir):
     # update equals the ZeRO-2 one.
     table = make_table()
     b0, b2 = make_engine(model_dir, dtype="bf16"), make_engine(model_dir, dtype="bf16", zero_stage=2)
-    m0, m2 = b0.train_step(table), b2.train_step(table)
+    m0, m2 = grpo_step(b0, table), grpo_step(b2, table)
     assert all(math.isfinite(v) for v in m0.values()), m0
     assert m0["loss"] == pytest.approx(m2["loss"], abs=1e-6)
     w0 = b0.export_weights()
@@ -178,27 +164,64 @@ def test_bf16_trains_and_zero0_matches_zero2(model_dir):
 def test_kl_to_frozen_reference(model_dir):
     e = make_engine(model_dir, kl_coef=0.1, lr=1e-2)
     table = make_table()
-    assert e.train_step(table)["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference
-    assert e.train_step(table)["kl"] > 1e-5
+    assert grpo_step(e, table)["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference
+    assert grpo_step(e, table)["kl"] > 1e-5
     e.close()
 
 
-def test_misordered_groups_are_rejected(model_dir):
+# ------------------------------------------------- PPO: per-token advantages
+
+def test_ppo_step_with_group_advantages_per_token_equals_grpo(model_dir):
+    # GRPO rewards per group [0, 1] -> group advantages -+0.5 / (0.5 + 1e-6); the
+    # same numbers repeated on every token must give the same update.
+    table = make_table()
+    a = 0.5 / (0.5 + 1e-6)
+    g, p = make_engine(model_dir), make_engine(model_dir)
+    mg = grpo_step(g, table)
+    mp = p.train_step(table, per_token(table, [-a, a] * 3))
+    assert mp["loss"] == pytest.approx(mg["loss"], abs=1e-7)
+    assert mp["grad_norm"] == pytest.approx(mg["grad_norm"], rel=1e-5)
+    assert p.steps == 1 and max_diff(weights(g), weights(p)) < 1e-7
+    g.close(), p.close()
+
+
+def test_per_token_advantages_move_their_own_tokens(model_dir):
+    # One response [7, 8, 9] with advantages [+1, 0, -1]: on-policy steps must raise
+    # token 7's logprob and lower token 9's. A shifted alignment would move others.
+    e = make_engine(model_dir, lr=3e-3)
+    probe = make_table(groups=1, group_size=1, responses=[[7, 8, 9]], rewards=[0.0])
+    adv = pa.table({"advantages": [[1.0, 0.0, -1.0]], "returns": [[0.0] * 3], "values": [[0.0] * 3]},
+                   schema=ADVANTAGE_SCHEMA)
+    start = sequence_logprobs(e, probe)[0]
+    for _ in range(4):
+        e.train_step(on_policy(probe, sequence_logprobs(e, probe)), adv)
+    end = sequence_logprobs(e, probe)[0]
+    assert end[0] > start[0] + 0.3 and end[2] < start[2] - 0.3, (start, end)
+    e.close()
+
+
+def test_ppo_rows_need_no_groups_but_must_align(model_dir):
     e = make_engine(model_dir)
-    rows = make_table().to_pylist()
-    rows[1], rows[2] = rows[2], rows[1]
-    with pytest.raises(ValueError, match="must be one prompt group"):
-        e.train_step(pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA))
-    with pytest.raises(ValueError, match="groups of 2"):
-        e.train_step(make_table().slice(0, 5))
+    table = make_table().slice(0, 5)  # 5 rows: not groups of 2, fine for PPO
+    bad = per_token(make_table(), [1.0] * 6).slice(0, 5)
+    rows = bad.to_pylist()
+    rows[3]["advantages"] = rows[3]["advantages"][:-1]
+    with pytest.raises(ValueError, match="advantages: row 3 has"):
+        e.train_step(table, pa.Table.from_pylist(rows, schema=ADVANTAGE_SCHEMA))
+    with pytest.raises(ValueError, match="4 rows for a batch of 5"):
+        e.train_step(table, bad.slice(0, 4))
     assert e.steps == 0
+    m = e.train_step(table, bad)
+    assert e.steps == 1 and math.isfinite(m["loss"])
     e.close()
 
 
-def test_missing_model_dir_and_config(tmp_path):
-    with pytest.raises(ModelPathError, match="does not exist") as err:
-        make_engine(tmp_path / "nope")
-    assert str(tmp_path / "nope") in str(err.value) and isinstance(err.value, ValueError)
-    with pytest.raises(ModelPathError, match="no config.json") as err:
-        make_engine(tmp_path)
-    assert str(tmp_path) in str(err.value)
+def test_policy_save_state_continues_identically(model_dir, tmp_path):
+    table = make_table()
+    ma, mb, wa, wb, a, b = continue_after_resume(lambda: make_engine(model_dir), lambda e: grpo_step(e, table),
+                                                 tmp_path)
+    assert mb["loss"] == ma["loss"] and mb["grad_norm"] == ma["grad_norm"]
+    assert max_diff(wa, wb) == 0.0
+    with pytest.raises(FileNotFoundError, match="no engine state"):
+        b.load_state(str(tmp_path / "missing"))
+    a.close(), b.close()

@@ -1,0 +1,325 @@
+"""What the DeepSpeed policy and critic engines share: DeepSpeed's set-up, the
+table's rows, the micro-batch update, weights and checkpoint state.
+
+The engines (pipeline/engines/deepspeed_policy.py, deepspeed_critic.py) are
+DeepSpeedEngine subclasses that build their model and compute their loss.
+
+Runs in one process (a Ray actor): torch.distributed with world size 1 on a
+free port, gloo on CPU, nccl on a GPU. Pinned to deepspeed 0.19.8 because of
+the private shared-memory hook below (see DESIGN.md, "DeepSpeed").
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import importlib
+import os
+import random
+import socket
+import warnings
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from pipeline.io.models import check_model_files
+from pipeline.run.spans import span
+
+REQUIRED_COLUMNS = ("batch_id", "prompt_id", "prompt_ids", "response_ids", "logprobs", "reward")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_single_process(cuda: bool):
+    """Import deepspeed and bring up its comm backend with world size 1."""
+    if not cuda:
+        # Read when deepspeed first picks its accelerator, so it must precede the import.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise RuntimeError("the DeepSpeed engines run one process; WORLD_SIZE="
+                           f"{os.environ['WORLD_SIZE']} (a multi-process launch) is not supported")
+    if not cuda:
+        # deepspeed compiles a shared-memory all-reduce op on the first backend start
+        # (30-110 s on a fresh machine); one process never uses it. Private hook of
+        # deepspeed 0.19.8. `import deepspeed.comm.torch as m` would bind the *torch*
+        # package (deepspeed.comm re-exports it), so look the module up by name.
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+        if hasattr(ds_torch, "build_shm_op"):
+            ds_torch.build_shm_op = lambda: None
+        else:
+            warnings.warn(f"deepspeed {deepspeed.__version__} has no deepspeed.comm.torch.build_shm_op "
+                          "(written for 0.19.8); the first start may compile a shared-memory op")
+    if not torch.distributed.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                          RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
+    return deepspeed
+
+
+def trajectory_rows(table: pa.Table) -> list[dict]:
+    """The table's rows (REQUIRED_COLUMNS only), refused unless every one can be trained on."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"trajectory table lacks columns {missing}")
+    rows = table.select(list(REQUIRED_COLUMNS)).to_pylist()
+    if not rows:
+        raise ValueError("the trajectory table has no rows")
+    for i, row in enumerate(rows):
+        if row["reward"] is None:
+            raise ValueError(f"row {i} has no reward")
+        if not row["prompt_ids"]:
+            raise ValueError(f"row {i} has an empty prompt")
+        if len(row["logprobs"]) != len(row["response_ids"]):
+            raise ValueError(f"row {i}: {len(row['logprobs'])} logprobs for "
+                             f"{len(row['response_ids'])} response tokens")
+    return rows
+
+
+def token_column(table: pa.Table, column: str, rows: list[dict]) -> list[list[float]]:
+    """A per-token column of a table aligned with `rows` (one float per response token)."""
+    if column not in table.column_names:
+        raise ValueError(f"table lacks the per-token column {column!r}")
+    if table.num_rows != len(rows):
+        raise ValueError(f"{column}: {table.num_rows} rows for a batch of {len(rows)}")
+    values = table.column(column).to_pylist()
+    for i, (v, row) in enumerate(zip(values, rows)):
+        if v is None or len(v) != len(row["response_ids"]):
+            raise ValueError(f"{column}: row {i} has {0 if v is None else len(v)} values for "
+                             f"{len(row['response_ids'])} response tokens")
+    return values
+
+
+def collate(rows: list[dict], device, token_keys: dict[str, str]) -> dict:
+    """Right-padded ids plus a response window starting at the shortest prompt.
+
+    Right padding keeps the implicit positions 0..len-1 of every sequence
+    correct. Response token t of a row with prompt length P sits at position
+    P + t and is predicted by the logits at P + t - 1; the window covers
+    positions [start, L - 1) with start = min(P) - 1, so only those logits
+    are computed (logits_to_keep). `token_keys` maps an output name to a row
+    key holding one float per response token (logprobs, advantages, returns),
+    laid out in the window like `mask`.
+    """
+    lens = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+    width = max(lens)
+    start = min(len(r["prompt_ids"]) for r in rows) - 1
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width - 1 - start, dtype=torch.bool)
+    per_token = {k: torch.zeros(len(rows), width - 1 - start) for k in token_keys}
+    for i, r in enumerate(rows):
+        p, n = len(r["prompt_ids"]), len(r["response_ids"])
+        ids[i, :p + n] = torch.tensor(r["prompt_ids"] + r["response_ids"])
+        attn[i, :p + n] = 1
+        lo = p - 1 - start
+        mask[i, lo:lo + n] = True
+        for out_key, row_key in token_keys.items():
+            per_token[out_key][i, lo:lo + n] = torch.tensor(r[row_key], dtype=torch.float32)
+    return {"ids": ids.to(device), "attn": attn.to(device), "start": start, "mask": mask.to(device),
+            **{k: v.to(device) for k, v in per_token.items()}}
+
+
+def start_deepspeed(num_threads: int | None):
+    """Threads, device and the world-size-1 process group; returns the deepspeed module."""
+    cuda = torch.cuda.is_available()
+    if not cuda and num_threads:
+        torch.set_num_threads(num_threads)  # more threads on a shared 2-core box is slower
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return _init_single_process(cuda)
+
+
+def ds_config(*, micro_batch_size: int, grad_accum: int, lr: float, weight_decay: float,
+              zero_stage: int, dtype: str) -> dict:
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": 1.0,
+        # torch_adam: deepspeed's default FusedAdam / CPUAdam are C++ ops compiled
+        # on first use; torch's AdamW needs no build.
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
+            "weight_decay": weight_decay, "torch_adam": True}},
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": dtype == "bf16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def initialize(deepspeed, model: torch.nn.Module, config: dict):
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
+    optimizer = engine.optimizer
+    if type(optimizer).__name__ == "FP16_UnfusedOptimizer":
+        # bf16 without ZeRO: deepspeed's wrapper creates Adam's state by stepping
+        # once on zero gradients, so the first real step used step-2 bias
+        # correction (0.74x the update). Empty state re-initialises lazily.
+        optimizer.optimizer.state.clear()
+    return engine
+
+
+def local_grad_norm(module: torch.nn.Module) -> float:
+    sq = [p.grad.detach().float().pow(2).sum() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+
+def step_with_grad_norm(engine, zero_stage: int, dtype: str) -> float:
+    """engine.step(); the gradient norm before clipping."""
+    pre_norm = local_grad_norm(engine.module) if zero_stage == 0 and dtype == "fp32" else None
+    engine.step()
+    grad_norm = engine.get_global_grad_norm()
+    if grad_norm is None:  # deepspeed records no norm for plain fp32 without ZeRO
+        grad_norm = pre_norm
+    return float(grad_norm) if grad_norm is not None else float("nan")
+
+
+@contextlib.contextmanager
+def full_params(deepspeed, module: torch.nn.Module, zero_stage: int):
+    """Under ZeRO-3 each parameter is a partition; gather the full tensors."""
+    if zero_stage == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+def cpu_state_dict(deepspeed, module, zero_stage: int) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of every tensor, gathered whole under ZeRO-3."""
+    with full_params(deepspeed, module, zero_stage):
+        return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}
+
+
+STATE_TAG = "state"
+
+
+def save_engine_state(engine, path: str | Path) -> None:
+    """A DeepSpeed checkpoint in `path`: weights, optimizer moments and step,
+    the global step counter, and the torch and Python RNG states."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    engine.save_checkpoint(str(path), tag=STATE_TAG, client_state={"dagrl_rng": rng}, save_latest=False)
+
+
+def load_engine_state(engine, path: str | Path) -> None:
+    """Undo save_engine_state on an engine built with the same config."""
+    where = Path(path) / STATE_TAG
+    if not where.is_dir():
+        raise FileNotFoundError(f"no engine state in {str(path)!r} (expected {str(where)!r}, "
+                                "written by save_state)")
+    loaded, client = engine.load_checkpoint(str(path), tag=STATE_TAG, load_optimizer_states=True,
+                                            load_lr_scheduler_states=True)
+    if loaded is None:
+        raise RuntimeError(f"deepspeed could not load the engine state in {str(where)!r}")
+    rng = client["dagrl_rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+class DeepSpeedEngine(abc.ABC):
+    """A DeepSpeed-wrapped model that takes one optimizer step per table.
+
+    A step covers the whole table in micro-batches of `micro_batch_size` rows;
+    `grad_accum` only sets deepspeed's nominal train_batch_size (micro * accum),
+    the step boundary is the table's end. A subclass builds its model
+    (_build_model, after seeding) and gives a micro-batch's loss (_loss).
+    """
+
+    def __init__(self, model_path: str, *, zero_stage: int, dtype: str, micro_batch_size: int,
+                 grad_accum: int, lr: float, seed: int, weight_decay: float, num_threads: int | None):
+        self.ds_config = ds_config(micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=lr,
+                                   weight_decay=weight_decay, zero_stage=zero_stage, dtype=dtype)
+        self.model_path = check_model_files(model_path, own_tokenizer=False)
+        self.zero_stage, self.dtype, self.micro_batch_size = zero_stage, dtype, micro_batch_size
+        self.deepspeed = start_deepspeed(num_threads)
+        random.seed(seed)
+        torch.manual_seed(seed)
+        self.engine = initialize(self.deepspeed, self._build_model(), self.ds_config)
+        self.device = self.engine.device
+
+    @abc.abstractmethod
+    def _build_model(self) -> torch.nn.Module:
+        """The module to train, in eval mode (no dropout), fp32 before deepspeed casts it."""
+
+    @abc.abstractmethod
+    def _loss(self, batch: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """A collated micro-batch's loss, divided by `num_tokens`, and its metrics:
+        token means over the micro-batch plus `tokens`, its count."""
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (one per train_step)."""
+        return int(self.engine.global_steps)
+
+    def _chunks(self, n: int) -> list[range]:
+        return [range(i, min(i + self.micro_batch_size, n)) for i in range(0, n, self.micro_batch_size)]
+
+    def _rows(self, table: pa.Table, per_token: pa.Table, columns: tuple[str, ...]) -> list[dict]:
+        """The table's checked rows, each with `columns` of `per_token` (aligned row by row)."""
+        with span("train.rows"):
+            rows = trajectory_rows(table)
+            for column in columns:
+                for row, values in zip(rows, token_column(per_token, column, rows)):
+                    row[column] = values
+        return rows
+
+    def _update(self, rows: list[dict], token_keys: dict[str, str]) -> dict[str, float]:
+        """One optimizer step over `rows`; `token_keys` as in collate.
+
+        Returns loss (the table's token mean), grad_norm (before clipping),
+        tokens, micro_batches, and the table's token mean of each of _loss's metrics.
+        """
+        tokens = sum(len(r["response_ids"]) for r in rows)
+        n = max(tokens, 1)
+        chunks = self._chunks(len(rows))
+        loss_sum, sums = 0.0, {}
+        for k, idx in enumerate(chunks):
+            # One optimizer step per table, however many micro-batches it takes
+            # (deepspeed's own counter would step every grad_accum micro-batches).
+            self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
+            with span("train.collate"):
+                batch = collate([rows[i] for i in idx], self.device, token_keys)
+            # Dividing every micro-batch by the table's token count makes their sum
+            # the table's token mean, whatever the split (a short last chunk too).
+            loss, m = self._loss(batch, n)
+            with span("train.backward"):
+                self.engine.backward(loss, scale_wrt_gas=False)
+            loss_sum += loss.item()
+            for key, value in m.items():
+                if key != "tokens":
+                    sums[key] = sums.get(key, 0.0) + value * m["tokens"]
+        with span("train.optimizer"):
+            grad_norm = step_with_grad_norm(self.engine, self.zero_stage, self.dtype)
+        return {"loss": loss_sum, "grad_norm": grad_norm, "tokens": float(tokens),
+                "micro_batches": float(len(chunks)), **{key: s / n for key, s in sums.items()}}
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The module's state dict by parameter name: detached CPU copies in the training dtype."""
+        return cpu_state_dict(self.deepspeed, self.engine.module, self.zero_stage)
+
+    def save_state(self, path: str) -> None:
+        """Everything a resumed run needs to continue exactly: weights, optimizer
+        state, step counter and RNG (a DeepSpeed checkpoint in `path`)."""
+        save_engine_state(self.engine, path)
+
+    def load_state(self, path: str) -> None:
+        """Restore save_state's directory into this engine (built with the same config)."""
+        load_engine_state(self.engine, path)
+
+    def close(self) -> None:
+        """Release the engine's optimizer state and hooks (the process group stays)."""
+        self.engine.destroy()

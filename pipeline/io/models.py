@@ -1,0 +1,132 @@
+"""Model directories: whether one can be used, before an engine or a run starts on it.
+
+A model directory is what `save_pretrained` writes: config.json, the weights
+and, for a model that tokenizes, its tokenizer files. The checks raise
+ModelError naming the directory, so bad input is an error about the path
+rather than a loader's traceback. `check_model_files` is quick (the files,
+the weights' headers, config.json's JSON); `check_model_loads` imports
+transformers (seconds) to load the config and tokenizer; `check_model_dir`
+runs both.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Every file of a tokenizer that transformers may write: one of them marks a
+# directory that tokenizes, and a saved checkpoint carries all it finds.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class ModelError(ValueError):
+    """A model directory that cannot be used; the message names the path."""
+
+
+def _weight_files(p: Path) -> list[Path]:
+    """The weight files a loader would read: the shards an index names, else
+    any *.safetensors / pytorch_model*.bin. Raises ModelError for a shard that
+    an index names but the directory lacks (an interrupted download)."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = p / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                if not all(isinstance(s, str) for s in shards):
+                    raise TypeError("weight_map values must be file names")
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ModelError(f"model directory {str(p)!r}: {index_name} is not a valid weight index "
+                                 f"({type(exc).__name__}: {exc})") from None
+            missing = [s for s in shards if not (p / s).is_file()]
+            if missing:
+                raise ModelError(f"model directory {str(p)!r}: {index_name} names weight files that are "
+                                 f"missing: {', '.join(missing)}")
+            return [p / s for s in shards]
+    return sorted([*p.glob("*.safetensors"), *p.glob("pytorch_model*.bin")])
+
+
+def check_model_files(path: str | Path, *, own_tokenizer: bool = True) -> Path:
+    """The quick part of check_model_dir: the directory, its files, the
+    weights' headers and config.json's JSON.
+
+    `own_tokenizer`: whether the directory must hold tokenizer files. A critic
+    reads the policy's token ids, and a training engine reads token ids from
+    its table; neither tokenizes.
+    """
+    p = Path(path)
+    if not p.exists():
+        # Relative paths are read from the working directory, not from the recipe's.
+        cwd = "" if p.is_absolute() else f" (relative to the working directory {str(Path.cwd())!r})"
+        raise ModelError(f"model directory {str(p)!r} does not exist{cwd}")
+    if not p.is_dir():
+        raise ModelError(f"model directory {str(p)!r} is not a directory")
+    missing = []
+    if not (p / "config.json").is_file():
+        missing.append("config.json")
+    if own_tokenizer and not any((p / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    weights = _weight_files(p)
+    if not weights:
+        missing.append("weights (model.safetensors, pytorch_model.bin or a sharded *.index.json)")
+    if missing:
+        raise ModelError(f"model directory {str(p)!r} has no {' and no '.join(missing)}")
+    from safetensors import safe_open
+    for f in (w for w in weights if w.suffix == ".safetensors"):
+        # Reads only the header, which also records the size: a truncated copy fails here.
+        # "np", not "pt": the same header check without importing torch.
+        try:
+            with safe_open(str(f), "np"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - SafetensorError has no importable base class
+            raise ModelError(f"model directory {str(p)!r}: {f.name} is not a readable safetensors file "
+                             f"(truncated or corrupt?): {exc}") from None
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (ValueError, OSError) as exc:
+        raise ModelError(f"model directory {str(p)!r}: config.json is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"model directory {str(p)!r}: config.json must hold a JSON object, "
+                         f"got {type(config).__name__}")
+    model_vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if model_vocab is not None and (isinstance(model_vocab, bool) or not isinstance(model_vocab, int)):
+        raise ModelError(f"model directory {str(p)!r}: config.json's vocab_size is {model_vocab!r}, "
+                         "not an integer")
+    return p
+
+
+def check_model_dir(path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
+    """Raise ModelError naming `path` unless it holds a loadable HF model
+    (config.json, weights, a tokenizer) whose vocabulary covers the tokenizer.
+
+    `tokenizer_dir`: where the token ids come from, if not from this directory.
+    A critic reads the policy's token ids, so it needs no tokenizer of its own
+    but an embedding table that covers the policy's tokenizer.
+    """
+    check_model_files(path, own_tokenizer=tokenizer_dir is None)
+    return check_model_loads(path, tokenizer_dir=tokenizer_dir)
+
+
+def check_model_loads(path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
+    """The part of check_model_dir that needs transformers (seconds of imports):
+    its config and tokenizer load, and the vocabulary covers the tokenizer."""
+    p = Path(path)
+    config = json.loads((p / "config.json").read_text())
+    model_vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    from transformers import AutoConfig, AutoTokenizer
+    try:
+        AutoConfig.from_pretrained(str(p))
+    except Exception as exc:  # noqa: BLE001 - any load failure is a bad directory
+        raise ModelError(f"model directory {str(p)!r}: transformers cannot read config.json: {exc}") from None
+    source = Path(tokenizer_dir) if tokenizer_dir is not None else p
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+    except Exception as exc:  # noqa: BLE001 - any load failure is a bad directory
+        raise ModelError(f"model directory {str(source)!r}: cannot load the tokenizer: {exc}") from None
+    if model_vocab is not None and len(tokenizer) > model_vocab:
+        whose = "the tokenizer" if tokenizer_dir is None else f"the tokenizer of {str(source)!r}"
+        raise ModelError(f"model directory {str(p)!r}: {whose} has {len(tokenizer)} tokens "
+                         f"but the model's vocab_size is {model_vocab}")
+    return p
