@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import ray
 
 from dags.tokens import Batch, Clock, CriticOut, Gate, Launch, RelaunchPlan, Resume, StepPlan, TrainOut, ValOut
-from pipeline.actors.node import node, reopen_log
+from pipeline.actors.node import Actor, node, reopen_log
 from pipeline.actors.replay_buffer import ReplayBuffer
 from pipeline.engines import backends
 from pipeline.engines.interface import Prompt
@@ -30,9 +30,9 @@ from pipeline.io.config import Config
 from pipeline.run import spans
 
 
-class Controller:
+class Controller(Actor):
     def begin_run(self, cfg: Config, run_dir: str, t0: float, start_step: int = 0,
-                  resume_dir: str | None = None) -> Clock:
+                  restore_dir: str | None = None) -> Clock:
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, "controller", t0)
         self.log.emit("worker_start", pid=os.getpid())
@@ -44,14 +44,11 @@ class Controller:
         self.start_step = start_step
         self.reward_failures = 0
         self._relaunch_at_start: list[str] = []
-        # The last target already launched: a resumed run's checkpoint holds targets up to it.
+        # The last target launched: a restored run launches none up to it again.
         self._launched_through = start_step - 1
-        if resume_dir is not None:
-            self._restore(Path(resume_dir))
+        if restore_dir is not None:
+            self._restore(Path(restore_dir))
         return self.log.now()
-
-    def ping(self) -> bool:
-        return True
 
     def _next_prompts(self, count: int) -> list[Prompt]:
         out = []
@@ -98,7 +95,7 @@ class Controller:
             self._relaunch_at_start = []
         # After a resume the prologue launches only the targets its checkpoint did not hold.
         launches += self._new_launches(step, version)
-        scores = [dict(v.scores) for v in vals if isinstance(v, ValOut) and v.validated]
+        scores = [dict(v.scores) for v in vals if v.validated]
         val = ()
         if scores:
             count = sum(s["count"] for s in scores)
@@ -119,6 +116,7 @@ class Controller:
                     launch = Launch(f"t{target}.g{index}", target, index, shard)
                     self.buffer.expect(launch.batch_id, target, version, launch)
                     launches.append(launch)
+            self._launched_through = target
         return launches
 
     def _relaunch(self, batch_id: str, version: int, reason: str, dead: str | None) -> Launch:
@@ -173,6 +171,8 @@ class Controller:
         state = {
             "order": self.order, "cursor": self.cursor, "rng": _jsonable(self.rng.getstate()),
             "counters": counters, "reward_failures": self.reward_failures,
+            # Saved, not inferred from the entries: a target whose batches all failed left none.
+            "launched_through": self._launched_through,
             "entries": [{"batch_id": e.batch_id, "target": e.target, "version": e.version,
                          "arrived": e.table is not None, "generator": e.launch.generator,
                          "prompts": [p.__dict__ for p in e.launch.prompts]} for e in entries],
@@ -185,7 +185,7 @@ class Controller:
         self.rng.setstate(_tupled(state["rng"]))
         self.reward_failures = state["reward_failures"]
         self.buffer.restore_counters(state["counters"])
-        self._launched_through = max((e["target"] for e in state["entries"]), default=self.start_step - 1)
+        self._launched_through = state["launched_through"]
         tables = {}
         if (path / "buffer.parquet").is_file():
             table = pq.read_table(path / "buffer.parquet")

@@ -77,6 +77,12 @@ def read_meta(ckpt: Path, cfg: Config) -> int:
         saved = meta["config"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {meta_path} is unreadable: {type(exc).__name__}: {exc}") from None
+    # The config first: a changed algorithm also changes which parts a checkpoint needs.
+    now = cfg.to_dict()
+    for key in FROZEN_KEYS:
+        a, b = _get(saved, key), _get(now, key)
+        if a != b:
+            raise CheckpointError(f"cannot resume {ckpt}: {key} was {a!r} in the run, the config says {b!r}")
     needed = ["controller/controller.json", "trainer_state", "policy"]
     if cfg.algorithm == "ppo":
         needed.append("critic_state")
@@ -87,11 +93,6 @@ def read_meta(ckpt: Path, cfg: Config) -> int:
         json.loads((ckpt / "controller/controller.json").read_text())
     except ValueError as exc:
         raise CheckpointError(f"checkpoint file {ckpt / 'controller/controller.json'} is unreadable: {exc}") from None
-    now = cfg.to_dict()
-    for key in FROZEN_KEYS:
-        a, b = _get(saved, key), _get(now, key)
-        if a != b:
-            raise CheckpointError(f"cannot resume {ckpt}: {key} was {a!r} in the run, the config says {b!r}")
     if steps_done >= cfg.run.steps:
         raise CheckpointError(f"cannot resume {ckpt}: it is at step {steps_done} and run.steps is "
                               f"{cfg.run.steps}; raise run.steps to train further")
