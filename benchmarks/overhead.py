@@ -82,7 +82,7 @@ class Stepper:
     its actor loops spin even between executions and would load the other modes."""
 
     def __init__(self, workers: Workers, mode: str, run_dir: Path):
-        from pipeline.run.driver import GraphRunner
+        from pipeline.run.runner import GraphRunner
         self.workers, self.mode, self.run_dir = workers, mode, run_dir
         self.runner = None if mode == "hand" else GraphRunner(build_step_graph(workers), mode,
                                                              first_deadline_s=120)
@@ -233,8 +233,8 @@ def measure_sim(w: Workers, mode: str, lat: dict, steps: int, warm: int, max_age
     graph and starting its loops are set-up, not per-step cost. The workers' compute
     in the window is the CPU their CpuBurn logged inside it (pro rata at the edges)."""
     from pipeline.io.config import load_config
-    from pipeline.run.driver import GraphRunner
     from pipeline.run.events import EventLog, merge_events
+    from pipeline.run.runner import GraphRunner
     from pipeline.tools.check import check_events, load_events
     cfg = load_config(None, [f"sim.generate_s={lat['G']}", f"sim.train_s={lat['T']}",
                              f"sim.refit_s={lat['R']}", "sim.validate_s=0", "sim.jitter=0",

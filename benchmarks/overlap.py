@@ -41,9 +41,9 @@ def times_for(ratio: float, scale: float) -> tuple[float, float]:
 
 def run_once(cfg_overrides: list[str], pool, runner, out_dir: Path, name: str) -> list[float]:
     from pipeline.io.config import load_config
-    from pipeline.run.driver import train
+    from pipeline.run.driver import train_on
     cfg = load_config(None, [*cfg_overrides, f"run.output_dir={out_dir}", f"run.name={name}"])
-    summary = train(cfg, workers=pool, step_runner=runner, quiet=True)
+    summary = train_on(cfg, pool, step_runner=runner, quiet=True)
     if summary["error"] or not summary["accounting"]["balanced"]:
         raise RuntimeError(f"run {name} failed: {summary['error'] or summary['accounting']}")
     lines = (out_dir / name / "metrics.jsonl").read_text().splitlines()
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     steps = SKIP_FIRST + measured + SKIP_LAST
 
     from dags.step_graph import build_step_graph
-    from pipeline.run.driver import GraphRunner, start_workers, stop_workers
+    from pipeline.run.pool import start_workers, stop_workers
+    from pipeline.run.runner import GraphRunner
 
     info = machine_info()
     params = {"quick": args.quick, "scale_s": scale, "refit_s": refit, "ratios_G_over_T": ratios,

@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline {train,check-events,viz,timeline,build-tiny} ...`."""
+"""Command line: `python -m pipeline {train,check-events,viz,timeline,build-tiny,config-table} ...`."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ def _train(args: argparse.Namespace) -> int:
     from pipeline.io.config import load_config
     from pipeline.run.driver import train
     cfg = load_config(args.config, args.overrides)
-    train(cfg, resume=args.resume)
+    train(cfg, restore_from=args.resume)
     return 0
 
 
@@ -31,6 +31,12 @@ def _timeline(args: argparse.Namespace) -> int:
 def _build_tiny(args: argparse.Namespace) -> int:
     from pipeline.io.tiny import main
     return main(["--out", args.out, "--seed", str(args.seed)])
+
+
+def _config_table(args: argparse.Namespace) -> int:
+    from pipeline.io.config import reference_table
+    print(reference_table(), end="")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,9 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_build_tiny)
+    p = sub.add_parser("config-table", help="print every config key with its default as a Markdown table")
+    p.set_defaults(func=_config_table)
     args = parser.parse_args(argv)
     from pipeline.io.config import ConfigError
-    from pipeline.run.driver import PipelineError
+    from pipeline.run.runner import PipelineError
     try:
         return args.func(args)
     except (ConfigError, PipelineError, FileNotFoundError, ValueError) as exc:

@@ -33,7 +33,7 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def sim_pool(ray_session):
-    from pipeline.run.driver import start_workers, stop_workers
+    from pipeline.run.pool import start_workers, stop_workers
     pool = start_workers(3)
     try:
         yield pool

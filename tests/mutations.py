@@ -23,7 +23,7 @@ import ray.cloudpickle
 from ray.dag import InputNode
 
 from dags.step_graph import StepGraph, build_step_graph, graph_of
-from dags.tokens import Refitted, Resume, StepPlan, Ticket
+from dags.tokens import Gate, Refitted, Resume, StepPlan, Ticket, ValOut
 from pipeline.actors.controller import Controller
 from pipeline.actors.generator import GeneratorWorker
 from pipeline.actors.node import node
@@ -76,9 +76,19 @@ class MutantGenerator(GeneratorWorker):
         return Refitted(self.log.worker, plan.step, self.version, plan.validate)
 
 
+class MutantController(Controller):
+    """Controller plus a resume that takes what a rewired graph hands it (refits
+    or the gate) in place of the validations."""
+
+    @node("resume")
+    def resume_unvalidated(self, *tokens: Refitted | Gate) -> Resume:
+        vals = [ValOut(getattr(t, "worker", "gate"), t.step, t.version, False) for t in tokens]
+        return Controller.resume.__wrapped__(self, *vals)
+
+
 def start_mutant_workers(num_generators: int) -> Workers:
     """pipeline.run.pool.start_workers with MutantGenerator actors (the same options)."""
-    return Workers(ray.remote(Controller).options(num_cpus=0.5, max_concurrency=8).remote(),
+    return Workers(ray.remote(MutantController).options(num_cpus=0.5, max_concurrency=8).remote(),
                    ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote(),
                    tuple(ray.remote(MutantGenerator).options(num_cpus=0.5, max_concurrency=4).remote(i)
                          for i in range(num_generators)))
@@ -100,7 +110,8 @@ def _step(w: Workers, plan, *, refit=None, resume_after: str = "validate", colle
     gate = w.controller.validation_gate.bind(plan, train)
     refits = [refit(g, plan) if refit else g.refit.bind(train, gate) for g in w.generators]
     vals = [g.validate.bind(r) for g, r in zip(w.generators, refits)]
-    resume = w.controller.resume.bind(*{"validate": vals, "refit": refits, "gate": [gate]}[resume_after])
+    resume = (w.controller.resume.bind(*vals) if resume_after == "validate" else
+              w.controller.resume_unvalidated.bind(*{"refit": refits, "gate": [gate]}[resume_after]))
     collects = [getattr(g, collect).bind(resume if collect_from is None else collect_from) for g in w.generators]
     return _named(batch, train, gate, refits, vals, resume, collects)
 

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.io.config import load_config
-from pipeline.run.driver import PipelineError, train
+from pipeline.run.driver import train, train_on
+from pipeline.run.runner import PipelineError
 from pipeline.tools.check import check_events, load_events
 
 
@@ -91,7 +92,7 @@ def test_trainer_death_is_an_error_and_resume_completes(tmp_path, ray_session):
     run_dir = tmp_path / "t"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
     fixed = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2)
-    summary = train(fixed, quiet=True, resume=str(run_dir))
+    summary = train(fixed, quiet=True, restore_from=str(run_dir))
     assert summary["error"] is None and summary["start_step"] == 4 and summary["steps"] == 8
     assert check_events(load_events(run_dir)) == []
     first = [b for b in trained_batches(load_events(run_dir / "attempts" / "1"))]
@@ -127,7 +128,7 @@ def test_controller_death_is_an_error_not_a_hang(tmp_path, ray_session):
 
     import ray
 
-    from pipeline.run.driver import start_workers, stop_workers
+    from pipeline.run.pool import start_workers, stop_workers
     from tests._procs import steps_logged
 
     cfg = sim_config(tmp_path, "c", run__steps=30, sim__generate_s=0.05)
@@ -145,7 +146,7 @@ def test_controller_death_is_an_error_not_a_hang(tmp_path, ray_session):
     started = time.monotonic()
     try:
         with pytest.raises(PipelineError, match=r"worker controller died.*cannot go on without it.*--resume"):
-            train(cfg, workers=workers, quiet=True)
+            train_on(cfg, workers, quiet=True)
         assert time.monotonic() - started < cfg.run.deadline_s + 30
     finally:
         stop.set()

@@ -301,7 +301,7 @@ MODEL_CASES = {
     "a_file": (lambda p: shutil.rmtree(p) or p.write_text("x"), "is not a directory"),
     "no_config_no_tokenizer": (_unlink("config.json", "tokenizer.json", "tokenizer_config.json"),
                                "has no config.json and no tokenizer files "
-                               "(expected one of tokenizer.json, tokenizer_config.json)"),
+                               "(expected one of tokenizer.json, tokenizer_config.json, "),
     "no_weights": (_unlink("model.safetensors"), "has no weights (model.safetensors, pytorch_model.bin"),
     "truncated_weights": (_truncate, "model.safetensors is not a readable safetensors file (truncated or corrupt?)"),
     "missing_shard": (lambda p: (p / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {

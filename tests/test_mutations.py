@@ -10,7 +10,8 @@ import ray
 from mutations import MUTATIONS, UNMUTATED, start_mutant_workers
 
 from pipeline.io.config import load_config
-from pipeline.run.driver import stop_workers, train
+from pipeline.run.driver import train_on
+from pipeline.run.pool import stop_workers
 from pipeline.tools.check import check_events, check_report, load_events
 
 # Opposite races: validation outlasting generation, and generation outlasting it.
@@ -47,7 +48,7 @@ def run_log(mutant_pool, tmp_path_factory):
             ray.get([g.configure.remote(**setup) for g in mutant_pool.generators])
             runner = m.runner(m.build(mutant_pool), "classic", first_deadline_s=60)
             try:
-                summary = train(cfg, workers=mutant_pool, step_runner=runner, quiet=True)
+                summary = train_on(cfg, mutant_pool, step_runner=runner, quiet=True)
             finally:
                 runner.close()
                 ray.get([g.configure.remote() for g in mutant_pool.generators])

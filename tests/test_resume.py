@@ -19,8 +19,8 @@ from pipeline.actors.trainer import TrainerWorker
 from pipeline.engines.interface import TRAJECTORY_SCHEMA
 from pipeline.io.config import load_config
 from pipeline.run import checkpoint
-from pipeline.run.driver import PipelineError, train
-from pipeline.run.runner import GraphRunner
+from pipeline.run.driver import train, train_on
+from pipeline.run.runner import GraphRunner, PipelineError
 from pipeline.tools.check import check_events, load_events
 from tests._procs import ROOT, sigkill_tree, start_driver, steps_logged, wait_for
 
@@ -173,7 +173,7 @@ def uninterrupted(tmp_path_factory, sim_pool):
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
     with pytest.MonkeyPatch.context() as mp:
         recorder = LaunchLog(mp)
-        summary = train(in_process_config(tmp_path, "ref"), workers=sim_pool, quiet=True)
+        summary = train_on(in_process_config(tmp_path, "ref"), sim_pool, quiet=True)
     assert summary["error"] is None and summary["steps"] == STEPS
     launches = prompts_by_batch(recorder.take())
     assert sorted(launches) == sorted(f"t{s}.g{g}" for s in range(STEPS) for g in range(2))
@@ -192,7 +192,7 @@ def kill_and_resume(tmp_path, monkeypatch, pool) -> tuple:
     first = recorder.take()
     run_dir = tmp_path / "k"
     assert checkpoint.latest(run_dir).name == f"step_{RESUMED_AT}"
-    summary = train(in_process_config(tmp_path, "k"), workers=pool, quiet=True, resume=str(run_dir))
+    summary = train_on(in_process_config(tmp_path, "k"), pool, quiet=True, restore_from=str(run_dir))
     assert summary["error"] is None and summary["start_step"] == RESUMED_AT and summary["steps"] == STEPS
     violations = check_events(load_events(run_dir))
     assert violations == [], "\n".join(v.message for v in violations)
@@ -276,13 +276,13 @@ class Schedule:
     """A Controller (the plain class) driven as the step graph drives it: the
     prologue's resume, then per step the sample and the resume after training."""
 
-    def __init__(self, tmp_path, name: str, steps: int, start: int = 0, resume_dir=None, max_age: int = 1):
+    def __init__(self, tmp_path, name: str, steps: int, start: int = 0, restore_dir=None, max_age: int = 1):
         self.cfg = load_config(None, [f"run.output_dir={tmp_path}", f"run.steps={steps}", f"schedule.max_age={max_age}",
                                       "schedule.prompts_per_step=8", "generation.num_generators=2"])
         self.controller = Controller()
         self.versions: dict[str, int] = {}
         self.controller.begin_run(self.cfg, str(tmp_path / name), time.time(), start,
-                                  None if resume_dir is None else str(resume_dir))
+                                  None if restore_dir is None else str(restore_dir))
         self.launches = self._resume(start - 1, start)
 
     def _resume(self, step: int, version: int) -> list:
@@ -329,7 +329,7 @@ def test_controller_restores_its_data_position_exactly(tmp_path):
     saved = json.loads((tmp_path / "ckpt" / "controller.json").read_text())
     assert saved["cursor"] == 7 * 8 < len(saved["order"]) == 64   # mid-epoch: the cursor matters
 
-    resumed = Schedule(tmp_path, "resumed", steps=30, start=5, resume_dir=tmp_path / "ckpt")
+    resumed = Schedule(tmp_path, "resumed", steps=30, start=5, restore_dir=tmp_path / "ckpt")
     c = resumed.controller
     assert c.order == saved["order"] == run.controller.order
     assert c.cursor == saved["cursor"] == run.controller.cursor
@@ -368,7 +368,7 @@ def test_resume_prologue_launches_only_what_the_checkpoint_lacks(tmp_path, case,
 
     run = checkpoint_after_step_4(tmp_path, steps=5 if case == "final" else 12, arrived=case == "arrived")
     assert held(tmp_path) == held_at_checkpoint
-    resumed = Schedule(tmp_path, "resumed", steps=12, start=5, resume_dir=tmp_path / "ckpt")
+    resumed = Schedule(tmp_path, "resumed", steps=12, start=5, restore_dir=tmp_path / "ckpt")
     assert [l.batch_id for l in resumed.launches] == prologue
     resumed.arrive(resumed.launches)
     for s in range(5, 12):

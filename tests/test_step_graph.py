@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from dags.step_graph import build_step_graph
 from pipeline.io.config import load_config
-from pipeline.run.driver import GraphRunner, PipelineError, train
+from pipeline.run.driver import train, train_on
+from pipeline.run.runner import GraphRunner, PipelineError
 from pipeline.tools.check import check_events, load_events
 
 
@@ -21,7 +22,7 @@ def sim_config(tmp_path, name: str, **overrides):
 
 
 def run_and_check(cfg, pool, runner=None):
-    summary = train(cfg, workers=pool, step_runner=runner, quiet=True)
+    summary = train_on(cfg, pool, step_runner=runner, quiet=True)
     run_dir = f"{cfg.run.output_dir}/{cfg.run.name}"
     events = load_events(run_dir)
     return summary, events, check_events(events)

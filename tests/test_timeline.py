@@ -8,7 +8,7 @@ import pytest
 
 from dags.step_graph import build_step_graph
 from pipeline.io.config import load_config
-from pipeline.run.driver import train
+from pipeline.run.driver import train_on
 from pipeline.tools.check import load_events
 from pipeline.tools.render import describe, graph_for_config
 from pipeline.tools.timeline import timeline_main, write_trace
@@ -25,7 +25,7 @@ def sim_run(tmp_path_factory, sim_pool):
     out = tmp_path_factory.mktemp("runs")
     cfg = load_config("examples/sim_grpo.yaml", [f"run.output_dir={out}", "run.name=t", "run.steps=4",
                                                  "generation.num_generators=2"])
-    train(cfg, workers=sim_pool.first(2), quiet=True)
+    train_on(cfg, sim_pool.first(2), quiet=True)
     return out / "t"
 
 

@@ -23,6 +23,11 @@ from pipeline.io.config import Config
 from pipeline.run import spans
 
 
+def generator_name(index: int, incarnation: int = 0) -> str:
+    """gen<i>, and gen<i>r<k> for its k-th replacement: its name in events, metrics and errors."""
+    return f"gen{index}" + (f"r{incarnation}" if incarnation else "")
+
+
 class _Rollouts:
     """A generator's rollout thread and the clocks it hands back: `collect`
     waits for `started` (the thread has logged rollout_start and is calling the
@@ -61,8 +66,7 @@ class GeneratorWorker(Actor):
             # ... nor a late put land in this run's buffer under a batch id the runs share.
             ray.wait(self._puts, num_returns=len(self._puts), timeout=cfg.run.deadline_s)
         self.cfg = cfg
-        name = f"gen{self.index}" + (f"r{incarnation}" if incarnation else "")
-        self.log = reopen_log(self, run_dir, name, t0)
+        self.log = reopen_log(self, run_dir, generator_name(self.index, incarnation), t0)
         self.log.merge(after)
         self.log.emit("worker_start", pid=os.getpid(), incarnation=incarnation, generator=self.index)
         self.engine = backends.generation_engine(cfg, self.index, incarnation)

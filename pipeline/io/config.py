@@ -20,133 +20,132 @@ class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message names the key."""
 
 
-def _spec(*, ge: float | None = None, gt: float | None = None, le: float | None = None,
-          help: str = "") -> dict:
-    return {"ge": ge, "gt": gt, "le": le, "help": help}
+def _key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+         le: float | None = None) -> Any:
+    """A config key: its default, bounds and the one line the README's table shows."""
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "help": help})
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    name: str = "run"
-    seed: int = 0
-    steps: int = field(default=20, metadata=_spec(ge=1))
-    output_dir: str = "runs"
-    # auto: compiled graphs only where every graph actor owns a spare core (see README).
-    dag_mode: Literal["auto", "compiled", "classic"] = "auto"
-    deadline_s: float = field(default=60.0, metadata=_spec(
-        gt=0, help="longest wait for any node, rollout or recovery; a dead worker is noticed within it"))
-    startup_deadline_s: float = field(default=600.0, metadata=_spec(gt=0, help="longest wait for workers to start"))
-    ray_address: str = ""
-    num_cpus: int = field(default=0, metadata=_spec(ge=0, help="logical CPUs for a local Ray; 0 = enough for the actors"))
-    checkpoint_every: int = field(default=0, metadata=_spec(ge=0))
+    name: str = _key("run", "run directory name under output_dir")
+    seed: int = _key(0, "seeds the prompt order, every sample and the trainer")
+    steps: int = _key(20, "training steps", ge=1)
+    output_dir: str = _key("runs", "where run directories go")
+    dag_mode: Literal["auto", "compiled", "classic"] = _key(
+        "auto", "compiled Ray graphs or classic; auto: compiled only where each graph actor owns a spare core")
+    deadline_s: float = _key(60.0, "longest wait for any node, rollout or recovery; a dead worker is noticed "
+                             "within it", gt=0)
+    startup_deadline_s: float = _key(600.0, "longest wait for workers to start", gt=0)
+    ray_address: str = _key("", "Ray cluster to join (else RAY_ADDRESS, else a local Ray)")
+    num_cpus: int = _key(0, "logical CPUs for a local Ray; 0 = enough for the actors", ge=0)
+    checkpoint_every: int = _key(0, "checkpoint every N steps (and after the last); 0 = only after the last",
+                                 ge=0)
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
     """What the launch schedule needs: how stale a batch may be and how big a step is."""
-    max_age: int = field(default=1, metadata=_spec(ge=0, help="most steps a batch's weights may lag the trainer's"))
-    prompts_per_step: int = field(default=8, metadata=_spec(ge=1))
-    group_size: int = field(default=4, metadata=_spec(ge=1, help="samples per prompt"))
+    max_age: int = _key(1, "most steps a batch's weights may lag the trainer's; 0 = synchronous", ge=0)
+    prompts_per_step: int = _key(8, "prompts in one step's batch", ge=1)
+    group_size: int = _key(4, "samples per prompt (GRPO compares them)", ge=1)
 
 
 @dataclass(frozen=True)
 class ValidationConfig:
-    period: int = field(default=0, metadata=_spec(ge=0, help="validate after every period-th step; 0 = never"))
-    at_start: bool = field(default=False, metadata=_spec(help="validate the initial weights"))
-    at_end: bool = field(default=False, metadata=_spec(help="validate after the last step"))
+    period: int = _key(0, "validate after every period-th step; 0 = never", ge=0)
+    at_start: bool = _key(False, "validate the initial weights")
+    at_end: bool = _key(False, "validate after the last step")
 
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """The clipped policy loss, for GRPO and PPO alike."""
-    clip_eps: float = field(default=0.2, metadata=_spec(gt=0, le=1, help="clip range of the ratio"))
-    kl_coef: float = field(default=0.0, metadata=_spec(ge=0, help="weight of the KL to the initial policy"))
-    is_clip: float = field(default=2.0, metadata=_spec(gt=0, help="cap of the token-level IS weight"))
+    clip_eps: float = _key(0.2, "clip range of the probability ratio", gt=0, le=1)
+    kl_coef: float = _key(0.0, "weight of the KL to the initial policy; 0 = none", ge=0)
+    is_clip: float = _key(2.0, "cap of the token-level importance weight for stale samples", gt=0)
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    num_generators: int = field(default=1, metadata=_spec(ge=1))
-    max_new_tokens: int = field(default=16, metadata=_spec(ge=1))
-    temperature: float = field(default=1.0, metadata=_spec(ge=0))
-    top_p: float = field(default=1.0, metadata=_spec(gt=0, le=1))
+    num_generators: int = _key(1, "vLLM engines, one actor each", ge=1)
+    max_new_tokens: int = _key(16, "longest completion", ge=1)
+    temperature: float = _key(1.0, "sampling temperature (the trainer scores at the same)", ge=0)
+    top_p: float = _key(1.0, "nucleus sampling mass", gt=0, le=1)
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    zero_stage: int = field(default=0, metadata=_spec(ge=0, le=3))
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    micro_batch_size: int = field(default=8, metadata=_spec(ge=1))
-    grad_accum: int = field(default=1, metadata=_spec(ge=1))
-    lr: float = field(default=1e-4, metadata=_spec(gt=0))
+    """The DeepSpeed engines: the policy's, and PPO's critic's."""
+    zero_stage: int = _key(0, "DeepSpeed ZeRO stage", ge=0, le=3)
+    dtype: Literal["fp32", "bf16"] = _key("fp32", "training dtype")
+    micro_batch_size: int = _key(8, "rows per forward/backward; one optimizer step per batch", ge=1)
+    grad_accum: int = _key(1, "DeepSpeed's nominal accumulation (train_batch_size = micro x accum)", ge=1)
+    lr: float = _key(1e-4, "policy learning rate (AdamW)", gt=0)
 
 
 @dataclass(frozen=True)
 class PpoConfig:
     """PPO's critic and advantages; the policy loss is policy_loss's, as for GRPO."""
-    gamma: float = field(default=1.0, metadata=_spec(ge=0, le=1))
-    lam: float = field(default=0.95, metadata=_spec(ge=0, le=1))
-    value_clip: float = field(default=0.2, metadata=_spec(gt=0, help="clip range of the value loss"))
-    critic_warmup: int = field(default=0, metadata=_spec(ge=0, help="steps that train only the critic"))
-    critic_model: str = field(default="", metadata=_spec(help="critic backbone; empty = model.path"))
-    critic_lr: float = field(default=1e-4, metadata=_spec(gt=0))
-    whiten_advantages: bool = True
+    gamma: float = _key(1.0, "discount", ge=0, le=1)
+    lam: float = _key(0.95, "GAE lambda; 1 = Monte-Carlo returns", ge=0, le=1)
+    value_clip: float = _key(0.2, "clip range of the value loss", gt=0)
+    critic_warmup: int = _key(0, "first steps that train only the critic", ge=0)
+    critic_model: str = _key("", "critic backbone directory; empty = model.path")
+    critic_lr: float = _key(1e-4, "critic learning rate (AdamW)", gt=0)
+    whiten_advantages: bool = _key(True, "scale advantages to unit variance per batch")
 
 
 @dataclass(frozen=True)
 class FaultConfig:
-    max_restarts: int = field(default=2, metadata=_spec(ge=0, help="restarts per generator before the run stops"))
-    max_reward_failures: int = field(default=0, metadata=_spec(
-        ge=0, help="samples whose reward may raise before the run stops"))
+    max_restarts: int = _key(2, "restarts per generator before the run stops", ge=0)
+    max_reward_failures: int = _key(0, "samples whose reward may raise before the run stops", ge=0)
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "dagrl"
-    progress: bool = True
+    tensorboard: bool = _key(True, "write TensorBoard event files in the run directory")
+    wandb: bool = _key(False, "log to Weights & Biases (pip install dagrl[wandb])")
+    wandb_project: str = _key("dagrl", "W&B project")
+    progress: bool = _key(True, "show a progress bar")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = ""
+    path: str = _key("", "HF model directory (save_pretrained); required with backend real")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    train: str = ""
-    val: str = ""
-    reward: str = ""
+    train: str = _key("", "training prompts, JSONL or Parquet; required with backend real")
+    val: str = _key("", "validation prompts; required when validation is scheduled")
+    reward: str = _key("", "reward function as module:function; required with backend real")
 
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Latencies (seconds) of the simulated workers; jitter draws each from
+    """The simulated workers (backend sim): latencies in seconds, each drawn from
     uniform(t * (1 - jitter), t * (1 + jitter)) with the run's seed."""
-    generate_s: float = field(default=0.05, metadata=_spec(ge=0))
-    train_s: float = field(default=0.05, metadata=_spec(ge=0))
-    refit_s: float = field(default=0.01, metadata=_spec(ge=0))
-    validate_s: float = field(default=0.02, metadata=_spec(ge=0))
-    jitter: float = field(default=0.0, metadata=_spec(ge=0, le=1))
-    num_val_prompts: int = field(default=8, metadata=_spec(ge=1))
-    # Fault injection for tests and the soak: after `fault_after` good calls,
-    # the named leaf raises, or hangs until the run's deadlines catch it.
-    # `*_exit` ends the worker's process (as a crash or an OOM kill would);
-    # `reward_raise` makes the simulated reward raise on every `fault_after`-th sample.
+    generate_s: float = _key(0.05, "one engine call's generation time", ge=0)
+    train_s: float = _key(0.05, "one train step's time", ge=0)
+    refit_s: float = _key(0.01, "one weight load's time", ge=0)
+    validate_s: float = _key(0.02, "one validation's time", ge=0)
+    jitter: float = _key(0.0, "relative spread of every latency", ge=0, le=1)
+    num_val_prompts: int = _key(8, "validation prompts", ge=1)
+    # Fault injection, for the tests and the soak: *_exit ends the worker's process
+    # as a crash or an OOM kill would; *_hang waits until the run's deadlines catch it.
     fault: Literal["", "train_raise", "train_hang", "train_exit", "generate_raise", "generate_hang",
-                   "generate_exit", "reward_raise"] = ""
-    fault_after: int = field(default=0, metadata=_spec(ge=0))
-    fault_worker: int = field(default=0, metadata=_spec(ge=0, help="generator index that generate_* faults hit"))
-    # A restarted generator is a new process; it faults again only while its
-    # incarnation (0 = first start) is below this.
-    fault_incarnations: int = field(default=1, metadata=_spec(ge=1))
+                   "generate_exit", "reward_raise"] = _key("", "inject this fault after fault_after good calls")
+    fault_after: int = _key(0, "good calls before the fault (reward_raise: every N-th sample raises)", ge=0)
+    fault_worker: int = _key(0, "generator index that generate_* faults hit", ge=0)
+    fault_incarnations: int = _key(1, "a replaced generator faults again only while its restart count is below "
+                                   "this", ge=1)
 
 
 @dataclass(frozen=True)
 class Config:
-    backend: Literal["sim", "real"] = "sim"
-    algorithm: Literal["grpo", "ppo"] = "grpo"
+    backend: Literal["sim", "real"] = _key("sim", "real: vLLM and DeepSpeed; sim: simulated workers, no model")
+    algorithm: Literal["grpo", "ppo"] = _key("grpo", "grpo, or ppo with a critic")
     run: RunConfig = RunConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     validation: ValidationConfig = ValidationConfig()
@@ -155,10 +154,10 @@ class Config:
     training: TrainingConfig = TrainingConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
-    sim: SimConfig = SimConfig()
     ppo: PpoConfig = PpoConfig()
     fault: FaultConfig = FaultConfig()
     metrics: MetricsConfig = MetricsConfig()
+    sim: SimConfig = SimConfig()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -186,6 +185,31 @@ def _moved(dotted: str) -> str | None:
     if inside:
         return f"section {dotted!r} is gone; its keys moved: " + ", ".join(inside)
     return None
+
+
+def reference_table() -> str:
+    """Every key as a Markdown table row (README "Configuration"), read off the
+    dataclasses above, so the documentation cannot drift from the loader."""
+    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            typ, dotted = hints[f.name], prefix + f.name
+            if dataclasses.is_dataclass(typ):
+                walk(typ, dotted + ".")
+                continue
+            meta = f.metadata
+            if typing.get_origin(typ) is Literal:
+                allowed = " / ".join(repr(a) for a in typing.get_args(typ))
+            else:
+                bounds = [f"{op} {meta[k]:g}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="))
+                          if meta.get(k) is not None]
+                allowed = f"{typ.__name__} " + ", ".join(bounds) if bounds else typ.__name__
+            default = "true" if f.default is True else "false" if f.default is False else repr(f.default)
+            rows.append(f"| `{dotted}` | `{default}` | {allowed.strip()} | {meta['help']} |")
+    walk(Config, "")
+    return "\n".join(rows) + "\n"
 
 
 def _coerce(key: str, value: Any, typ: Any, meta: dict) -> Any:

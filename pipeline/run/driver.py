@@ -1,6 +1,6 @@
 """The driver: start the workers, build the step graph, run it once per step.
 
-    resume?: load the latest complete checkpoint into every worker
+    restore?: load the latest complete checkpoint into every worker (--resume)
     prologue: validate v0 if asked; launch the first max_age + 1 batches
     for step in steps: run the step graph with StepPlan(step, validate?); checkpoint every N
     finish: account for every batch, write the summary
@@ -25,6 +25,7 @@ import yaml
 
 from dags.step_graph import TRAIN_SUBGRAPHS, build_finish_graph, build_prologue_graph, build_step_graph
 from dags.tokens import StepPlan, TrainOut
+from pipeline.actors.generator import generator_name
 from pipeline.engines import backends
 from pipeline.io.config import Config
 from pipeline.run import checkpoint
@@ -35,7 +36,6 @@ from pipeline.run.pool import (
     actor_names,
     begin_run,
     generator_index,
-    generator_name,
     replace_generator,
     start_workers,
     stop_workers,
@@ -43,11 +43,9 @@ from pipeline.run.pool import (
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied
 from pipeline.tools.timeline import write_trace
 
-__all__ = ["GraphRunner", "PipelineError", "start_workers", "stop_workers", "train", "resolve_dag_mode"]
-
 
 def validation_due(step: int, cfg: Config) -> bool:
-    """NeMo-RL's meaning: after step s when (s + 1) % val_period == 0, and after the last step if val_at_end."""
+    """NeMo-RL's meaning: after step s when (s + 1) % validation.period == 0, and after the last one if validation.at_end."""
     v = cfg.validation
     return (v.period > 0 and (step + 1) % v.period == 0) or (v.at_end and step == cfg.run.steps - 1)
 
@@ -184,13 +182,25 @@ class Execution:
             self.step_runner.close()
 
 
-def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunner | None = None,
-          quiet: bool = False, resume: str | None = None) -> dict:
-    """Run a whole training job; returns the summary (also written to summary.json).
+def train(cfg: Config, *, restore_from: str | None = None, quiet: bool = False) -> dict:
+    """Run a whole training job on workers of its own; returns the summary (also
+    written to summary.json). `restore_from`: a run directory to continue from
+    its latest complete checkpoint (the CLI's --resume)."""
+    return _train(cfg, None, None, restore_from, quiet)
 
-    `resume`: a run directory to continue from its latest complete checkpoint.
-    Tests pass `workers` (and a `step_runner` over them) to run many short
-    schedules on one set of actors; the caller then owns both."""
+
+def train_on(cfg: Config, workers: Workers, *, step_runner: GraphRunner | None = None,
+             restore_from: str | None = None, quiet: bool = False) -> dict:
+    """`train` on actors the caller holds and keeps (start_workers): one pool
+    serves many short runs, as sweeps and benchmarks do. `step_runner`: the
+    caller's runner over those actors, kept across runs (a compiled graph
+    compiles once) or wired differently (the tests' mutated graphs). The
+    caller closes the runner and stops the workers."""
+    return _train(cfg, workers, step_runner, restore_from, quiet)
+
+
+def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None, restore_from: str | None,
+           quiet: bool) -> dict:
     say = (lambda *a: None) if quiet else print
     entered = time.time()
     model_check = backends.preflight(cfg)
@@ -204,8 +214,8 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
             model_check.result()
             startup["model_check_wait_s"] = time.time() - waited
         ckpt, start = None, 0
-        if resume is not None:
-            run_dir = Path(resume)
+        if restore_from is not None:
+            run_dir = Path(restore_from)
             ckpt = checkpoint.latest(run_dir)
             start = checkpoint.read_meta(ckpt, cfg)
             kept = checkpoint.archive_attempt(run_dir, start)
@@ -266,7 +276,7 @@ def train(cfg: Config, *, workers: Workers | None = None, step_runner: GraphRunn
                                                             cfg.run.startup_deadline_s))
         summary["accounting"] = ray.get(execution.workers.controller.finish.remote(log.now()),
                                         timeout=cfg.run.deadline_s)
-        summary["generator_restarts"] = dict(sorted((f"gen{i}", n) for i, n in execution.incarnations.items()))
+        summary["generator_restarts"] = dict(sorted((generator_name(i), n) for i, n in execution.incarnations.items()))
     except BaseException as exc:
         summary["error"] = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
         raise

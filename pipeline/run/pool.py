@@ -18,10 +18,10 @@ import ray
 from dags.step_graph import build_relaunch_graph
 from dags.tokens import RelaunchPlan
 from pipeline.actors.controller import Controller
-from pipeline.actors.generator import GeneratorWorker
+from pipeline.actors.generator import GeneratorWorker, generator_name
 from pipeline.actors.trainer import TrainerWorker
 from pipeline.io.config import Config
-from pipeline.io.tiny import ModelError
+from pipeline.io.models import ModelError
 from pipeline.run.events import EventLog
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, task_error
 
@@ -31,7 +31,7 @@ class Workers:
     controller: Any          # sample, validation_gate, resume, train_done
     trainer: Any             # train
     generators: tuple        # refit, validate, collect
-    critic: Any = None       # PPO only: advantages, train
+    critic: Any = None       # PPO only: critic_values, critic_train
 
     def first(self, num_generators: int) -> "Workers":
         return Workers(self.controller, self.trainer, self.generators[:num_generators], self.critic)
@@ -41,10 +41,10 @@ class Workers:
         gens[index] = actor
         return Workers(self.controller, self.trainer, tuple(gens), self.critic)
 
-    def actors(self, generator_name: Callable[[int], str] = "gen{}".format) -> dict[str, Any]:
+    def actors(self, name_of: Callable[[int], str] = generator_name) -> dict[str, Any]:
         """Every actor by the name its event log uses."""
         named = {"controller": self.controller, "trainer": self.trainer,
-                 **{generator_name(i): g for i, g in enumerate(self.generators)}}
+                 **{name_of(i): g for i, g in enumerate(self.generators)}}
         if self.critic is not None:
             named["critic"] = self.critic
         return named
@@ -73,10 +73,6 @@ def stop_workers(workers: Workers) -> None:
         ray.kill(actor)
 
 
-def generator_name(index: int, incarnation: int) -> str:
-    return f"gen{index}" + (f"r{incarnation}" if incarnation else "")
-
-
 def actor_names(workers: Workers, incarnations: dict[int, int]) -> dict[str, object]:
     """Actors by the name their event log uses (a replaced generator is gen<i>r<k>)."""
     return workers.actors(lambda i: generator_name(i, incarnations.get(i, 0)))
@@ -92,11 +88,11 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
               ckpt: Path | None, log: EventLog) -> Workers:
     """Set up every worker for this run; a pool may hold more generators than it uses."""
     used = workers.first(cfg.generation.num_generators)
-    resume = (lambda part: str(ckpt / part)) if ckpt is not None else (lambda part: None)
-    setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, resume("controller")),
-             used.trainer.begin_run.remote(cfg, str(run_dir), t0, resume("trainer_state"), start_step)]
+    restore = (lambda part: str(ckpt / part)) if ckpt is not None else (lambda part: None)
+    setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, restore("controller")),
+             used.trainer.begin_run.remote(cfg, str(run_dir), t0, restore("trainer_state"), start_step)]
     if used.critic is not None:
-        setup.append(used.critic.begin_run.remote(cfg, str(run_dir), t0, resume("critic_state")))
+        setup.append(used.critic.begin_run.remote(cfg, str(run_dir), t0, restore("critic_state")))
     if ckpt is None:
         # A fresh run's generators start from the model directory, as the trainer does: all start at once.
         setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, (), log.now())
