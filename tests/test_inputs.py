@@ -1,7 +1,7 @@
 """Bad input to `python -m pipeline train`, one test per kind: an error naming
 the file and the field, a non-zero exit (2 for the recipe, 1 for the model,
 data and reward), and no run directory, because every check runs before
-runs/<name> is made (load_config, then backends.preflight in driver.train).
+runs/<name> is made (load_config, then pipeline/io/preflight.py in driver.train).
 
 Each case is the good recipe of `recipe` with one thing broken;
 test_the_good_recipe_passes_every_check shows that recipe itself passes."""
@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from pipeline.__main__ import main
-from pipeline.engines import backends
 from pipeline.io.config import load_config
+from pipeline.io.preflight import preflight
 from pipeline.io.tiny import tiny_task_rows
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,10 +61,10 @@ def train_cli(tmp_path: Path, config: Path, *overrides: str, capsys) -> tuple[in
 
 def test_the_good_recipe_passes_every_check(tmp_path, recipe, tiny_model):
     """Without this, every test below could pass because of some other fault."""
-    backends.preflight(load_config(write(tmp_path, recipe))).result()
+    preflight(load_config(write(tmp_path, recipe))).result()
     recipe.update(algorithm="ppo", ppo={"critic_model": str(tiny_model)})
     recipe["schedule"]["group_size"] = 1  # fine for PPO, which needs no group
-    backends.preflight(load_config(write(tmp_path, recipe))).result()
+    preflight(load_config(write(tmp_path, recipe))).result()
     assert not (tmp_path / "runs").exists()
 
 

@@ -9,14 +9,13 @@ import subprocess
 import sys
 import time
 
-import pyarrow as pa
 import pytest
 import ray
+from test_controller import trajectories
 
 from dags.tokens import Resume, ValOut
 from pipeline.actors.controller import Controller
 from pipeline.actors.trainer import TrainerWorker
-from pipeline.engines.interface import TRAJECTORY_SCHEMA
 from pipeline.io.config import load_config
 from pipeline.run import checkpoint
 from pipeline.run.driver import train, train_on
@@ -261,16 +260,6 @@ def test_resume_when_every_batch_had_arrived_at_the_checkpoint(tmp_path, monkeyp
 
 
 # --------------------------------------------- the controller's own round trip
-
-def trajectories(launch, version: int) -> pa.Table:
-    n = len(launch.prompts)
-    given = {"batch_id": launch.batch_id, "target": launch.target, "version": version}
-    blank = {pa.types.is_string: "", pa.types.is_integer: 0, pa.types.is_floating: 0.0, pa.types.is_list: []}
-    cols = {f.name: pa.array([given.get(f.name, next(v for is_, v in blank.items() if is_(f.type)))] * n, f.type)
-            for f in TRAJECTORY_SCHEMA}
-    cols["prompt_id"] = pa.array([p.id for p in launch.prompts])
-    return pa.table(cols, schema=TRAJECTORY_SCHEMA)
-
 
 class Schedule:
     """A Controller (the plain class) driven as the step graph drives it: the

@@ -5,7 +5,6 @@ processes that run them.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from pipeline.engines.interface import GenerationEngine, Prompt, TrainingEngine
@@ -71,49 +70,6 @@ def val_prompts(cfg: Config) -> list[Prompt]:
         return []
     from pipeline.io.data import load_prompts
     return load_prompts(cfg.data.val, kind="val")
-
-
-def preflight(cfg: Config) -> Future | None:
-    """Check the model, data and reward before any worker starts, so that bad
-    input is an error naming the path or spec, not a worker's traceback.
-
-    The quick checks raise here. Whether transformers can load the model's
-    config and tokenizer takes seconds of imports, so it runs on a thread while
-    the caller starts Ray: the returned future's result() raises what it found,
-    and must be called before any worker starts (None: nothing to wait for)."""
-    if cfg.backend == "sim":
-        return None
-    from pipeline.io.data import DataError, load_prompts
-    from pipeline.io.models import ModelError, check_model_files, check_model_loads
-    from pipeline.io.rewards import RewardError, load_reward
-
-    def check(key: str, fn: Callable, *args, **kwargs):
-        # Prefix the recipe key, so the error also says which setting named the bad path or spec.
-        try:
-            return fn(*args, **kwargs)
-        except (DataError, ModelError, RewardError) as exc:
-            raise type(exc)(f"{key}: {exc}") from None
-
-    models = [("model.path", cfg.model.path, None)]
-    if cfg.algorithm == "ppo" and cfg.ppo.critic_model:
-        models.append(("ppo.critic_model", cfg.ppo.critic_model, cfg.model.path))
-    for key, path, tokenizer_dir in models:
-        check(key, check_model_files, path, own_tokenizer=tokenizer_dir is None)
-    # Empty files are DataErrors inside load_prompts. data.val is read whenever it is
-    # set: the generators load it at start-up even when no validation is scheduled.
-    check("data.train", load_prompts, cfg.data.train, kind="train")
-    if cfg.data.val:
-        check("data.val", load_prompts, cfg.data.val, kind="val")
-    check("data.reward", load_reward, cfg.data.reward)
-
-    def loads() -> None:
-        for key, path, tokenizer_dir in models:
-            check(key, check_model_loads, path, tokenizer_dir=tokenizer_dir)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="preflight")
-    try:
-        return pool.submit(loads)
-    finally:
-        pool.shutdown(wait=False)
 
 
 def critic_engine(cfg: Config):

@@ -26,8 +26,8 @@ import yaml
 from dags.step_graph import TRAIN_SUBGRAPHS, build_finish_graph, build_prologue_graph, build_step_graph
 from dags.tokens import StepPlan, TrainOut
 from pipeline.actors.generator import generator_name
-from pipeline.engines import backends
 from pipeline.io.config import Config
+from pipeline.io.preflight import preflight
 from pipeline.run import checkpoint
 from pipeline.run.events import EventLog, merge_events
 from pipeline.run.metrics import MetricSinks, Progress, step_metrics
@@ -203,7 +203,7 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
            quiet: bool) -> dict:
     say = (lambda *a: None) if quiet else print
     entered = time.time()
-    model_check = backends.preflight(cfg)
+    model_check = preflight(cfg)
     startup = {"preflight_s": time.time() - entered}
     # Ray starts while the model check imports transformers; neither needs the other.
     started_ray = _start_ray(cfg)
