@@ -34,7 +34,7 @@ def _build_tiny(args: argparse.Namespace) -> int:
 
 
 def _config_table(args: argparse.Namespace) -> int:
-    from pipeline.io.config import reference_table
+    from pipeline.tools.config_table import reference_table
     print(reference_table(), end="")
     return 0
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.io.config import ConfigError, load_config, reference_table
+from pipeline.io.config import ConfigError, load_config
+from pipeline.tools.config_table import reference_table
 
 
 def test_recipe_and_overrides(tmp_path):

@@ -275,3 +275,8 @@ def test_tiny_task_is_learnable_by_plain_grpo(tmp_path):
     start, end = sum(means[:3]) / 3, sum(means[-3:]) / 3
     print("tiny task rewards:", [round(m, 3) for m in means])
     assert start < 0.1 and end > 0.3, [round(m, 3) for m in means]
+
+
+def test_a_reward_spec_from_before_the_move_is_told_where_the_rewards_went():
+    with pytest.raises(RewardError, match=r"cannot import module 'pipeline.rewards'.*are in 'pipeline.io.rewards'"):
+        load_reward("pipeline.rewards:tiny_reward")

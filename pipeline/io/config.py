@@ -149,15 +149,15 @@ class Config:
     run: RunConfig = RunConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     validation: ValidationConfig = ValidationConfig()
-    policy_loss: PolicyLossConfig = PolicyLossConfig()
-    generation: GenerationConfig = GenerationConfig()
-    training: TrainingConfig = TrainingConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
     ppo: PpoConfig = PpoConfig()
+    training: TrainingConfig = TrainingConfig()
+    generation: GenerationConfig = GenerationConfig()
+    sim: SimConfig = SimConfig()
     fault: FaultConfig = FaultConfig()
     metrics: MetricsConfig = MetricsConfig()
-    sim: SimConfig = SimConfig()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -185,31 +185,6 @@ def _moved(dotted: str) -> str | None:
     if inside:
         return f"section {dotted!r} is gone; its keys moved: " + ", ".join(inside)
     return None
-
-
-def reference_table() -> str:
-    """Every key as a Markdown table row (README "Configuration"), read off the
-    dataclasses above, so the documentation cannot drift from the loader."""
-    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
-
-    def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            typ, dotted = hints[f.name], prefix + f.name
-            if dataclasses.is_dataclass(typ):
-                walk(typ, dotted + ".")
-                continue
-            meta = f.metadata
-            if typing.get_origin(typ) is Literal:
-                allowed = " / ".join(repr(a) for a in typing.get_args(typ))
-            else:
-                bounds = [f"{op} {meta[k]:g}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="))
-                          if meta.get(k) is not None]
-                allowed = f"{typ.__name__} " + ", ".join(bounds) if bounds else typ.__name__
-            default = "true" if f.default is True else "false" if f.default is False else repr(f.default)
-            rows.append(f"| `{dotted}` | `{default}` | {allowed.strip()} | {meta['help']} |")
-    walk(Config, "")
-    return "\n".join(rows) + "\n"
 
 
 def _coerce(key: str, value: Any, typ: Any, meta: dict) -> Any:

@@ -14,7 +14,6 @@ give a row within a read block, not the line of the file.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.engines.interface import Prompt
+from pipeline.io.jsonl import JsonLineError, json_lines
 
 GSM8K_TEMPLATE = ("{question}\nLet's think step by step and output the final answer "
                   "after \"####\".\n")
@@ -56,14 +56,12 @@ def _read_jsonl(p: Path) -> _Rows:
         line = raw[:exc.start].count(b"\n") + 1
         raise DataError(f"{p}: line {line}: not UTF-8 text") from None
     rows, where, names = [], [], {}
-    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line breaks.
-    for n, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{p}: line {n}, column {exc.colno}: not valid JSON: {exc.msg}") from None
+    try:
+        # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line breaks.
+        decoded = list(json_lines(text.split("\n")))
+    except JsonLineError as exc:
+        raise DataError(f"{p}: line {exc.line}, column {exc.column}: not valid JSON: {exc.msg}") from None
+    for n, row in decoded:
         if not isinstance(row, dict):
             got = _JSON_TYPES.get(type(row), type(row).__name__)
             raise DataError(f"{p}: line {n}: expected a JSON object such as "

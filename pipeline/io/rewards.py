@@ -35,8 +35,10 @@ def load_reward(spec: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - a module's import can raise anything
+        # The built-in rewards lived in pipeline.rewards before pipeline/ was grouped by role.
+        moved = "; the built-in rewards are in 'pipeline.io.rewards'" if module_name == "pipeline.rewards" else ""
         raise RewardError(f"reward spec {spec!r}: cannot import module {module_name!r}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+                          f"{type(exc).__name__}: {exc}{moved}") from exc
     fn = module
     for part in attr.split("."):
         if not hasattr(fn, part):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from pipeline.io.jsonl import JsonLineError, json_lines
 from pipeline.tools.check_order import (
     Judge,
     Violation,
@@ -60,16 +61,13 @@ def load_events(run_dir: str | Path) -> list[dict]:
     events = []
     for path in files:
         with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(event, dict) or not isinstance(event.get("t"), (int, float)):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a numeric 't'")
-                events.append(event)
+            try:
+                for lineno, event in json_lines(f):
+                    if not isinstance(event, dict) or not isinstance(event.get("t"), (int, float)):
+                        raise ValueError(f"{path}:{lineno}: expected a JSON object with a numeric 't'")
+                    events.append(event)
+            except JsonLineError as e:
+                raise ValueError(f"{path}:{e.line}: not valid JSON ({e.msg})") from None
     events.sort(key=lambda e: e["t"])  # stable: equal times keep file order
     return events
 

@@ -1,0 +1,24 @@
+"""JSON Lines, read one way: datasets (pipeline/io/data.py) and event logs
+(pipeline/tools/check.py) each word the error for their own reader."""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Iterator
+
+
+class JsonLineError(ValueError):
+    def __init__(self, line: int, column: int, msg: str):
+        super().__init__(f"line {line}, column {column}: {msg}")
+        self.line, self.column, self.msg = line, column, msg
+
+
+def json_lines(lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
+    """(line number, value) for each non-blank line of a JSONL text; a line that
+    is not JSON raises JsonLineError with its position."""
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise JsonLineError(n, exc.colno, exc.msg) from None

@@ -1,0 +1,35 @@
+"""The README's configuration table, read off the dataclasses in
+pipeline/io/config.py so that the documentation cannot drift from the loader
+(tests/test_config.py compares the README's copy with it)."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Literal
+
+from pipeline.io.config import Config
+
+
+def reference_table() -> str:
+    """Every key as a Markdown table row (README "Configuration"), read off the
+    dataclasses above, so the documentation cannot drift from the loader."""
+    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            typ, dotted = hints[f.name], prefix + f.name
+            if dataclasses.is_dataclass(typ):
+                walk(typ, dotted + ".")
+                continue
+            meta = f.metadata
+            if typing.get_origin(typ) is Literal:
+                allowed = " / ".join(repr(a) for a in typing.get_args(typ))
+            else:
+                bounds = [f"{op} {meta[k]:g}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="))
+                          if meta.get(k) is not None]
+                allowed = f"{typ.__name__} " + ", ".join(bounds) if bounds else typ.__name__
+            default = "true" if f.default is True else "false" if f.default is False else repr(f.default)
+            rows.append(f"| `{dotted}` | `{default}` | {allowed.strip()} | {meta['help']} |")
+    walk(Config, "")
+    return "\n".join(rows) + "\n"
