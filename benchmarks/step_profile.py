@@ -187,7 +187,7 @@ def leaves(model: Path, calls: int = 20) -> dict:
         engine.sample(prompts, seeds)
     prof.disable()
     table = pstats.Stats(prof).stats
-    total = sum(ct for (f, _, fn), (_, _, _, ct, _) in table.items() if fn == "sample" and "vllm_engine" in f)
+    total = sum(ct for (f, _, fn), (_, _, _, ct, _) in table.items() if fn == "sample" and "vllm_generator" in f)
     buckets = {name: sum(ct for (f, _, fn), (_, _, _, ct, _) in table.items() if f.endswith(file) and fn == func)
                for name, (file, func) in VLLM_BUCKETS.items()}
     engine.close()
