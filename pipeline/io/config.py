@@ -144,16 +144,16 @@ class SimConfig:
 
 @dataclass(frozen=True)
 class Config:
-    backend: Literal["sim", "real"] = _key("sim", "real: vLLM and DeepSpeed; sim: simulated workers, no model")
-    algorithm: Literal["grpo", "ppo"] = _key("grpo", "grpo, or ppo with a critic")
     run: RunConfig = RunConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     validation: ValidationConfig = ValidationConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    algorithm: Literal["grpo", "ppo"] = _key("grpo", "grpo, or ppo with a critic")
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     ppo: PpoConfig = PpoConfig()
     training: TrainingConfig = TrainingConfig()
+    backend: Literal["sim", "real"] = _key("sim", "real: vLLM and DeepSpeed; sim: simulated workers, no model")
     generation: GenerationConfig = GenerationConfig()
     sim: SimConfig = SimConfig()
     fault: FaultConfig = FaultConfig()
