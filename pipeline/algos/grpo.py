@@ -6,7 +6,9 @@ the policy update reads it as it reads PPO's (pipeline/algos/policy_loss.py).
 """
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch import Tensor
 
@@ -44,18 +46,20 @@ def grpo_advantages(table: pa.Table, group_size: int) -> pa.Table:
     row i of `table`, whose rows must be consecutive groups of `group_size`
     samples of one prompt.
     """
-    rows = table.select([*GROUP_KEYS, "response_ids", "reward"]).to_pylist()
-    if group_size < 1 or len(rows) % group_size:
-        raise ValueError(f"{len(rows)} rows do not split into groups of {group_size}")
-    for i, row in enumerate(rows):
-        if row["reward"] is None:
-            raise ValueError(f"row {i} has no reward")
-    _check_groups(rows, group_size)
-    if not rows:  # torch warns about the std of no samples
+    if group_size < 1 or table.num_rows % group_size:
+        raise ValueError(f"{table.num_rows} rows do not split into groups of {group_size}")
+    rewards = table.column("reward")
+    if rewards.null_count:
+        raise ValueError(f"row {pc.index(pc.is_null(rewards), True).as_py()} has no reward")
+    _check_groups(table.select(list(GROUP_KEYS)).to_pylist(), group_size)
+    if not table.num_rows:  # torch warns about the std of no samples
         return GRPO_ADVANTAGE_SCHEMA.empty_table()
-    adv = group_advantages(torch.tensor([r["reward"] for r in rows], dtype=torch.float32), group_size)
-    return pa.table({"advantages": [[a] * len(r["response_ids"]) for a, r in zip(adv.tolist(), rows)]},
-                    schema=GRPO_ADVANTAGE_SCHEMA)
+    adv = group_advantages(torch.from_numpy(rewards.to_numpy().astype(np.float32)), group_size).numpy()
+    # Built from offsets, not per-token Python lists: a long response costs one repeat, not a list.
+    lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_numpy()
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
+    tokens = pa.ListArray.from_arrays(offsets, pa.array(np.repeat(adv, lengths), pa.float32()))
+    return pa.Table.from_arrays([tokens], schema=GRPO_ADVANTAGE_SCHEMA)
 
 
 def _check_groups(rows: list[dict], group_size: int) -> None:

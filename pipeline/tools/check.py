@@ -352,9 +352,3 @@ def main(run_dir: str) -> int:
               "batches never trained or dropped are not counted as lost")
     print(f"{len(report.violations)} violations (invariants 1-5) in {len(events)} events")
     return 1 if report.violations else 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m pipeline.tools.check runs/<name>")
-    sys.exit(main(sys.argv[1]))
