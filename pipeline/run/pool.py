@@ -28,7 +28,7 @@ from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, task_err
 
 @dataclass(frozen=True)
 class Workers:
-    controller: Any          # sample, validation_gate, resume, train_done
+    controller: Any          # sample, validation_gate, resume, train_done, relaunch
     trainer: Any             # train
     generators: tuple        # refit, validate, collect
     critic: Any = None       # PPO only: critic_values, critic_train
