@@ -72,6 +72,12 @@ class GenerationConfig:
     max_new_tokens: int = _key(16, "longest completion", ge=1)
     temperature: float = _key(1.0, "sampling temperature (the trainer scores at the same)", ge=0)
     top_p: float = _key(1.0, "nucleus sampling mass", gt=0, le=1)
+    tensor_parallel_size: int = _key(1, "GPUs per vLLM engine (tensor parallel), each in a bundle of its "
+                                     "generator; 1 on CPU", ge=1)
+    weight_sync: Literal["object_store", "collective"] = _key(
+        "object_store", "how a refit moves weights: the object store, or a broadcast from trainer rank 0 to the "
+        "engines over a process group (gloo on CPU, NCCL on GPU)")
+    sync_bucket_mb: float = _key(64.0, "collective weight sync: size of one broadcast bucket in MiB", gt=0)
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,8 @@ class TrainingConfig:
     micro_batch_size: int = _key(8, "rows per forward/backward; one optimizer step per batch", ge=1)
     grad_accum: int = _key(1, "DeepSpeed's nominal accumulation (train_batch_size = micro x accum)", ge=1)
     lr: float = _key(1e-4, "policy learning rate (AdamW)", gt=0)
+    num_workers: int = _key(1, "data-parallel policy ranks, one DeepSpeed engine (and trainer actor) each; "
+                            "whole prompt groups are sharded across them", ge=1)
 
 
 @dataclass(frozen=True)
@@ -94,12 +102,34 @@ class PpoConfig:
     critic_model: str = _key("", "critic backbone directory; empty = model.path")
     critic_lr: float = _key(1e-4, "critic learning rate (AdamW)", gt=0)
     whiten_advantages: bool = _key(True, "scale advantages to unit variance per batch")
+    critic_num_workers: int = _key(1, "data-parallel critic ranks, one DeepSpeed engine each", ge=1)
 
 
 @dataclass(frozen=True)
 class FaultConfig:
     max_restarts: int = _key(2, "restarts per generator before the run stops", ge=0)
     max_reward_failures: int = _key(0, "samples whose reward may raise before the run stops", ge=0)
+
+
+@dataclass(frozen=True)
+class RoleResources:
+    """What one actor of a role asks Ray for: its bundle in the run's placement group."""
+    num_cpus: float = _key(0.5, "logical CPUs of one actor of this role", ge=0)
+    num_gpus: float = _key(0.0, "GPUs of one actor of this role (a generator: of each of its "
+                           "tensor_parallel_size bundles)", ge=0)
+    node_resource: str = _key("", "a custom resource the role's bundles ask a token amount of: pins the role "
+                              "to the nodes started with it (ray start --resources)")
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    """The placement group: one bundle per actor (a generator: one per tensor-parallel rank)."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _key(
+        "PACK", "Ray placement strategy of the run's bundles")
+    trainer: RoleResources = RoleResources()
+    generator: RoleResources = RoleResources()
+    critic: RoleResources = RoleResources()
+    controller: RoleResources = RoleResources()
 
 
 @dataclass(frozen=True)
@@ -157,6 +187,7 @@ class Config:
     generation: GenerationConfig = GenerationConfig()
     sim: SimConfig = SimConfig()
     fault: FaultConfig = FaultConfig()
+    resources: ResourcesConfig = ResourcesConfig()
     metrics: MetricsConfig = MetricsConfig()
 
     def to_dict(self) -> dict:
@@ -373,6 +404,13 @@ def _check_cross_fields(cfg: Config) -> Config:
             # The trainer divides its logits by the sampling temperature to match vLLM's logprobs.
             raise fail("generation.temperature", "0 (greedy) cannot be trained on; the trainer's logprobs "
                        "are taken at the sampling temperature, so it must be > 0")
+    g = cfg.generation
+    if g.weight_sync == "collective" and cfg.backend != "real":
+        raise fail("generation.weight_sync", "'collective' broadcasts tensors between the DeepSpeed trainer and "
+                   "the vLLM engines; it needs backend 'real'")
+    if g.tensor_parallel_size > 1 and cfg.resources.generator.num_gpus == 0:
+        raise fail("generation.tensor_parallel_size", f"{g.tensor_parallel_size} needs GPUs "
+                   "(resources.generator.num_gpus > 0): on CPU each vLLM engine runs in its generator's process")
     if cfg.algorithm == "grpo" and cfg.schedule.group_size < 2:
         raise fail("schedule.group_size", f"{cfg.schedule.group_size} gives every sample a zero advantage (GRPO "
                    "compares the samples of one prompt); it must be >= 2 with algorithm 'grpo'")
