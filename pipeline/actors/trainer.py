@@ -9,24 +9,43 @@ from __future__ import annotations
 import os
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 
 from dags.tokens import Advantages, Batch, Clock, TrainOut
 from pipeline.actors.node import Actor, node, one_thread, reopen_log
 from pipeline.engines import backends, weights
+from pipeline.engines.data_parallel import Rendezvous, batch_shards, free_port
 from pipeline.io.config import Config
 from pipeline.run import spans
 
 
+def trainer_name(rank: int, world_size: int) -> str:
+    """trainer, or trainer<r> for rank r of several: its name in events, metrics and errors."""
+    return "trainer" if world_size == 1 else f"trainer{rank}"
+
+
 class TrainerWorker(Actor):
+    """One data-parallel rank of the policy. Rank 0 also exports the weights
+    the generators load."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+
+    def rendezvous(self, world_size: int, timeout_s: float) -> Rendezvous:
+        """Rank 0: where the ranks' process group meets (this node's address, a free port)."""
+        host = ray.util.get_node_ip_address()
+        return Rendezvous(host, free_port(host), world_size, timeout_s)
+
     def begin_run(self, cfg: Config, run_dir: str, t0: float, restore_dir: str | None = None,
-                  start_version: int = 0) -> Clock:
+                  start_version: int = 0, rendezvous: Rendezvous | None = None) -> Clock:
         one_thread()
         spans.take()
         self.cfg = cfg
-        self.log = reopen_log(self, run_dir, "trainer", t0)
-        self.log.emit("worker_start", pid=os.getpid())
-        self.engine = backends.training_engine(cfg)
+        self.world_size = cfg.training.num_workers
+        self.log = reopen_log(self, run_dir, trainer_name(self.rank, self.world_size), t0)
+        self.log.emit("worker_start", pid=os.getpid(), rank=self.rank)
+        self.engine = backends.training_engine(cfg, self.rank, rendezvous)
         if restore_dir is not None:
             self.engine.load_state(restore_dir)
         self.version = start_version
@@ -42,6 +61,7 @@ class TrainerWorker(Actor):
         made them, for a generator that starts mid-run: its load is after that event."""
         version, ref, clock = self._live
         if ref is None:
+            # Only rank 0 is asked: under ZeRO-3 this gather would need every rank (see Controller.sample).
             ref = ray.put((version, weights.pack(self.engine.export_weights())))
             self._live = (version, ref, clock)
         return version, (ref,), clock
@@ -61,12 +81,14 @@ class TrainerWorker(Actor):
         if advantages is not None and batch.step < self.cfg.ppo.critic_warmup:
             metrics = {"policy_frozen": 1.0}
         else:
-            metrics = self.engine.train_step(table, self._advantages(table, advantages))
+            metrics = self._train_shard(table, self._advantages(table, advantages))
         self.version += 1
         with spans.span("export_weights"):
-            exported = weights.pack(self.engine.export_weights())
-        with spans.span("weights.put"):
-            weights_ref = ray.put((self.version, exported))
+            exported = self.engine.export_weights()
+        weights_ref = None
+        if self.rank == 0:
+            with spans.span("weights.put"):
+                weights_ref = ray.put((self.version, weights.pack(exported)))
         self.log.emit("train_end", step=batch.step, version=self.version)
         # Kept alive until the next step's refits are done (see Controller.sample).
         self._live = (self.version, weights_ref, self.log.now())
@@ -77,7 +99,20 @@ class TrainerWorker(Actor):
                    "age_mean": _mean([batch.step - v for v in batch.versions]),
                    "age_max": float(max(batch.step - v for v in batch.versions)),
                    "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist()))}
-        return TrainOut(batch.step, self.version, (weights_ref,), tuple(sorted(metrics.items())))
+        return TrainOut(batch.step, self.version, (weights_ref,) if weights_ref else (),
+                        tuple(sorted(metrics.items())))
+
+    def _train_shard(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
+        """This rank's update: its whole prompt groups of the batch (all of it when alone)."""
+        if self.world_size == 1:
+            return self.engine.train_step(table, advantages)
+        lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_pylist()
+        shard = batch_shards(lengths, self.cfg.schedule.group_size, self.world_size,
+                             self.cfg.training.micro_batch_size)[self.rank]
+        rows = shard.stop - shard.start
+        metrics = self.engine.train_step(table.slice(shard.start, rows), advantages.slice(shard.start, rows),
+                                         shard)
+        return {**metrics, "shard_rows": float(rows)}
 
     def _advantages(self, table: pa.Table, advantages: Advantages | None) -> pa.Table:
         """The critic's table (PPO), else the group advantages of the table's rewards."""
@@ -89,9 +124,11 @@ class TrainerWorker(Actor):
             return grpo_advantages(table, self.cfg.schedule.group_size)
 
     def save(self, path: str) -> None:
+        """Every rank: rank 0 writes the HF checkpoint, the others join its gather."""
         self.engine.save(path)
 
     def save_state(self, path: str) -> None:
+        """Every rank: each writes its own optimizer partition into the same directory."""
         self.engine.save_state(path)
 
 

@@ -33,7 +33,8 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
                                     temperature=g.temperature, top_p=g.top_p, kv_cache_seqs=max(requests, 32))
 
 
-def training_engine(cfg: Config) -> TrainingEngine:
+def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngine:
+    """Rank `rank` of the policy's data-parallel group (`rendezvous`: where the ranks meet)."""
     if cfg.backend == "sim":
         from pipeline.engines.sim import SimTrainingEngine
         return SimTrainingEngine(cfg.sim, seed=cfg.run.seed * 1000 + 999)
@@ -43,7 +44,8 @@ def training_engine(cfg: Config) -> TrainingEngine:
         return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
                                      micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
                                      lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
-                                     seed=cfg.run.seed, temperature=cfg.generation.temperature)
+                                     seed=cfg.run.seed, temperature=cfg.generation.temperature,
+                                     rank=rank, rendezvous=rendezvous)
 
 
 def reward_function(cfg: Config) -> Callable[[Prompt, str], float]:

@@ -4,49 +4,43 @@ table's rows, the micro-batch update, weights and checkpoint state.
 The engines (pipeline/engines/deepspeed_policy.py, deepspeed_critic.py) are
 DeepSpeedEngine subclasses that build their model and compute their loss.
 
-Runs in one process (a Ray actor): torch.distributed with world size 1 on a
-free port, gloo on CPU, nccl on a GPU. Pinned to deepspeed 0.19.8 because of
+Each rank is one process (a Ray actor): torch.distributed over the ranks
+(world size 1 on a free local port when alone), gloo on CPU, nccl on a GPU. Pinned to deepspeed 0.19.8 because of
 the private shared-memory hook below (see DESIGN.md, "DeepSpeed").
 """
 from __future__ import annotations
 
 import abc
 import contextlib
+import datetime
 import importlib
 import os
 import random
-import socket
 import warnings
 from pathlib import Path
 
 import pyarrow as pa
 import torch
 
+from pipeline.engines.data_parallel import Rendezvous, Shard, free_port
 from pipeline.io.models import check_model_files
 from pipeline.run.spans import span
 
 REQUIRED_COLUMNS = ("batch_id", "prompt_id", "prompt_ids", "response_ids", "logprobs", "reward")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_single_process(cuda: bool):
-    """Import deepspeed and bring up its comm backend with world size 1."""
+def _init_distributed(cuda: bool, rank: int, rendezvous: Rendezvous | None):
+    """Import deepspeed and join its process group: world size 1 on a free local
+    port, or rank `rank` of `rendezvous`."""
     if not cuda:
         # Read when deepspeed first picks its accelerator, so it must precede the import.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        raise RuntimeError("the DeepSpeed engines run one process; WORLD_SIZE="
-                           f"{os.environ['WORLD_SIZE']} (a multi-process launch) is not supported")
     if not cuda:
         # deepspeed compiles a shared-memory all-reduce op on the first backend start
-        # (30-110 s on a fresh machine); one process never uses it. Private hook of
+        # (30-110 s on a fresh machine); gloo's all-reduce does the same job for the
+        # ranks of a Ray job, which need not share a machine. Private hook of
         # deepspeed 0.19.8. `import deepspeed.comm.torch as m` would bind the *torch*
         # package (deepspeed.comm re-exports it), so look the module up by name.
         ds_torch = importlib.import_module("deepspeed.comm.torch")
@@ -56,9 +50,13 @@ def _init_single_process(cuda: bool):
             warnings.warn(f"deepspeed {deepspeed.__version__} has no deepspeed.comm.torch.build_shm_op "
                           "(written for 0.19.8); the first start may compile a shared-memory op")
     if not torch.distributed.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                          RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
+        if rendezvous is None:
+            rendezvous = Rendezvous("127.0.0.1", free_port("127.0.0.1"), 1)
+        # A Ray actor sees only its own GPUs (CUDA_VISIBLE_DEVICES), so its device is 0.
+        os.environ.update(MASTER_ADDR=rendezvous.host, MASTER_PORT=str(rendezvous.port), RANK=str(rank),
+                          LOCAL_RANK="0", WORLD_SIZE=str(rendezvous.world_size))
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
+                                   timeout=datetime.timedelta(seconds=rendezvous.timeout_s))
     return deepspeed
 
 
@@ -125,14 +123,14 @@ def collate(rows: list[dict], device, token_keys: dict[str, str]) -> dict:
             **{k: v.to(device) for k, v in per_token.items()}}
 
 
-def start_deepspeed(num_threads: int | None):
-    """Threads, device and the world-size-1 process group; returns the deepspeed module."""
+def start_deepspeed(num_threads: int | None, rank: int = 0, rendezvous: Rendezvous | None = None):
+    """Threads, device and the process group; returns the deepspeed module."""
     cuda = torch.cuda.is_available()
     if not cuda and num_threads:
         torch.set_num_threads(num_threads)  # more threads on a shared 2-core box is slower
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return _init_single_process(cuda)
+        torch.cuda.set_device(0)
+    return _init_distributed(cuda, rank, rendezvous)
 
 
 def ds_config(*, micro_batch_size: int, grad_accum: int, lr: float, weight_decay: float,
@@ -240,12 +238,15 @@ class DeepSpeedEngine(abc.ABC):
     """
 
     def __init__(self, model_path: str, *, zero_stage: int, dtype: str, micro_batch_size: int,
-                 grad_accum: int, lr: float, seed: int, weight_decay: float, num_threads: int | None):
+                 grad_accum: int, lr: float, seed: int, weight_decay: float, num_threads: int | None,
+                 rank: int = 0, rendezvous: Rendezvous | None = None):
         self.ds_config = ds_config(micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=lr,
                                    weight_decay=weight_decay, zero_stage=zero_stage, dtype=dtype)
         self.model_path = check_model_files(model_path, own_tokenizer=False)
         self.zero_stage, self.dtype, self.micro_batch_size = zero_stage, dtype, micro_batch_size
-        self.deepspeed = start_deepspeed(num_threads)
+        self.deepspeed = start_deepspeed(num_threads, rank, rendezvous)
+        self.rank, self.world_size = rank, torch.distributed.get_world_size()
+        # Every rank starts from the same weights (DeepSpeed does not broadcast them).
         random.seed(seed)
         torch.manual_seed(seed)
         self.engine = initialize(self.deepspeed, self._build_model(), self.ds_config)
@@ -277,39 +278,62 @@ class DeepSpeedEngine(abc.ABC):
                     row[column] = values
         return rows
 
-    def _update(self, rows: list[dict], token_keys: dict[str, str]) -> dict[str, float]:
-        """One optimizer step over `rows`; `token_keys` as in collate.
+    def _update(self, rows: list[dict], token_keys: dict[str, str], shard: Shard | None) -> dict[str, float]:
+        """One optimizer step over `rows` (this rank's shard); `token_keys` as in collate.
 
-        Returns loss (the table's token mean), grad_norm (before clipping),
-        tokens, micro_batches, and the table's token mean of each of _loss's metrics.
+        Returns loss (the batch's token mean), grad_norm (before clipping),
+        tokens, micro_batches (this rank's), and the batch's token mean of each
+        of _loss's metrics: over every rank, so all ranks return the same.
         """
         tokens = sum(len(r["response_ids"]) for r in rows)
-        n = max(tokens, 1)
-        chunks = self._chunks(len(rows))
+        chunks: list[range | None] = list(self._chunks(len(rows)))
+        if shard is None:
+            shard = Shard(0, len(rows), 0, 1, tokens, len(chunks))
+        if shard.world_size != self.world_size or len(chunks) > shard.micro_batches:
+            raise ValueError(f"shard {shard} does not fit this engine (world size {self.world_size}, "
+                             f"{len(chunks)} micro-batches of {self.micro_batch_size})")
+        # A rank with fewer rows runs zero-weight micro-batches: ZeRO-3 gathers and
+        # reduces in every forward and backward, and each must meet the other ranks'.
+        chunks += [None] * (shard.micro_batches - len(chunks))
+        n = max(shard.batch_tokens, 1)
         loss_sum, sums = 0.0, {}
         for k, idx in enumerate(chunks):
             # One optimizer step per table, however many micro-batches it takes
             # (deepspeed's own counter would step every grad_accum micro-batches).
             self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
             with span("train.collate"):
-                batch = collate([rows[i] for i in idx], self.device, token_keys)
-            # Dividing every micro-batch by the table's token count makes their sum
-            # the table's token mean, whatever the split (a short last chunk too).
+                batch = collate([rows[i] for i in idx] if idx is not None else rows[:1], self.device, token_keys)
+            # Dividing every micro-batch by the batch's token count makes their sum
+            # the batch's token mean, whatever the split (a short last chunk too).
             loss, m = self._loss(batch, n)
+            if idx is None:
+                loss, m = loss * 0.0, {}
             with span("train.backward"):
-                self.engine.backward(loss, scale_wrt_gas=False)
+                # DeepSpeed averages gradients over the ranks; the sum is what one process would have.
+                self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             loss_sum += loss.item()
             for key, value in m.items():
                 if key != "tokens":
                     sums[key] = sums.get(key, 0.0) + value * m["tokens"]
         with span("train.optimizer"):
             grad_norm = step_with_grad_norm(self.engine, self.zero_stage, self.dtype)
-        return {"loss": loss_sum, "grad_norm": grad_norm, "tokens": float(tokens),
-                "micro_batches": float(len(chunks)), **{key: s / n for key, s in sums.items()}}
+        keys = sorted(sums)
+        totals = [loss_sum, float(tokens), *(sums[k] for k in keys)]
+        if self.world_size > 1:
+            summed = torch.tensor(totals, dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(summed)
+            totals = summed.tolist()
+        return {"loss": totals[0], "grad_norm": grad_norm, "tokens": totals[1],
+                "micro_batches": float(len(chunks)), **{key: s / n for key, s in zip(keys, totals[2:])}}
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """The module's state dict by parameter name: detached CPU copies in the training dtype."""
-        return cpu_state_dict(self.deepspeed, self.engine.module, self.zero_stage)
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """The module's state dict by parameter name, detached CPU copies in the
+        training dtype, on rank 0; None on the other ranks. Under ZeRO-3 every
+        rank must call it: the gather is a collective."""
+        if self.rank != 0 and self.zero_stage != 3:
+            return None
+        state = cpu_state_dict(self.deepspeed, self.engine.module, self.zero_stage)
+        return state if self.rank == 0 else None
 
     def save_state(self, path: str) -> None:
         """Everything a resumed run needs to continue exactly: weights, optimizer

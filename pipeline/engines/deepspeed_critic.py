@@ -11,6 +11,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.algos.ppo import value_loss
+from pipeline.engines.data_parallel import Rendezvous, Shard
 from pipeline.engines.deepspeed_base import DeepSpeedEngine, collate
 
 
@@ -50,11 +51,11 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
                  value_clip: float = 0.2, seed: int = 0, weight_decay: float = 0.0,
-                 num_threads: int | None = 1):
+                 num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None):
         self.value_clip = value_clip
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
                          grad_accum=grad_accum, lr=lr, seed=seed, weight_decay=weight_decay,
-                         num_threads=num_threads)
+                         num_threads=num_threads, rank=rank, rendezvous=rendezvous)
 
     def _build_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -66,15 +67,22 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
         model.eval()  # no dropout: the old values and the first pass agree exactly
         return model
 
-    def values(self, table: pa.Table) -> list[list[float]]:
-        """V_t for every response token of every row (no update)."""
+    def values(self, table: pa.Table, shard: Shard | None = None) -> list[list[float]]:
+        """V_t for every response token of every row (no update). With a shard,
+        as many forward passes as it says: under ZeRO-3 each gathers parameters
+        together with the other ranks' passes."""
         rows = table.select(["prompt_ids", "response_ids"]).to_pylist()
+        chunks = self._chunks(len(rows))
+        extra = 0 if shard is None else shard.micro_batches - len(chunks)
         out: list[list[float]] = []
         with torch.no_grad():
-            for idx in self._chunks(len(rows)):
+            for idx in chunks:
                 batch = collate([rows[i] for i in idx], self.device, token_keys={})
                 v = self.engine(batch["ids"], batch["attn"], batch["start"])
                 out += [v[j][batch["mask"][j]].tolist() for j in range(len(idx))]
+            for _ in range(extra):
+                batch = collate(rows[:1], self.device, token_keys={})
+                self.engine(batch["ids"], batch["attn"], batch["start"])
         return out
 
     def _loss(self, batch: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -82,7 +90,7 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
         return value_loss(v, batch["old"], batch["returns"], batch["mask"], clip=self.value_clip,
                           num_tokens=num_tokens)
 
-    def train_step(self, table: pa.Table, targets: pa.Table) -> dict[str, float]:
+    def train_step(self, table: pa.Table, targets: pa.Table, shard: Shard | None = None) -> dict[str, float]:
         """One clipped value-loss step (pipeline.algos.ppo.value_loss) towards the
         `returns` column of `targets`, clipped around its `values` column (the
         values the advantages were computed with). `targets` is aligned row by
@@ -94,7 +102,7 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
         """
         t0 = time.perf_counter()
         rows = self._rows(table, targets, ("returns", "values"))
-        m = self._update(rows, {"returns": "returns", "old": "values"})
+        m = self._update(rows, {"returns": "returns", "old": "values"}, shard)
         return {
             "value_loss": m["loss"],
             "value_clip_frac": m["clip_frac"],

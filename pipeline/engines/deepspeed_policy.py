@@ -15,6 +15,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.algos.policy_loss import clipped_policy_loss
+from pipeline.engines.data_parallel import Rendezvous, Shard
 from pipeline.engines.deepspeed_base import DeepSpeedEngine, full_params
 from pipeline.io.models import TOKENIZER_FILES
 from pipeline.run.spans import span
@@ -31,13 +32,14 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
                  clip_eps: float = 0.2, kl_coef: float = 0.0, is_clip: float = 2.0,
                  seed: int = 0, temperature: float = 1.0,
-                 weight_decay: float = 0.0, num_threads: int | None = 1):
+                 weight_decay: float = 0.0, num_threads: int | None = 1, rank: int = 0,
+                 rendezvous: Rendezvous | None = None):
         self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
         # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
         self.temperature = temperature
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
                          grad_accum=grad_accum, lr=lr, seed=seed, weight_decay=weight_decay,
-                         num_threads=num_threads)
+                         num_threads=num_threads, rank=rank, rendezvous=rendezvous)
         if self.ref is not None:
             self.ref.to(self.device)
 
@@ -75,7 +77,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                                    clip_eps=self.clip_eps, kl_coef=self.kl_coef, ref_logprobs=ref,
                                    is_clip=self.is_clip, num_tokens=num_tokens)
 
-    def train_step(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
+    def train_step(self, table: pa.Table, advantages: pa.Table, shard: Shard | None = None) -> dict[str, float]:
         """One policy update on the table: clipped ratio plus the truncated IS
         correction (pipeline.algos.policy_loss.clipped_policy_loss).
 
@@ -90,16 +92,20 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         """
         t0 = time.perf_counter()
         rows = self._rows(table, advantages, ("advantages",))
-        metrics = self._update(rows, {"gen": "logprobs", "adv": "advantages"})
+        metrics = self._update(rows, {"gen": "logprobs", "adv": "advantages"}, shard)
         return {**metrics, "step": float(self.steps), "time_s": time.perf_counter() - t0}
 
     def save(self, path: str) -> None:
-        """An HF checkpoint of the current weights, with the model directory's tokenizer files."""
+        """An HF checkpoint of the current weights, with the model directory's
+        tokenizer files, written by rank 0; every rank calls it (ZeRO-3 gathers)."""
         out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
         state = self.export_weights()
         with full_params(self.deepspeed, self.engine.module, self.zero_stage):
-            self.engine.module.save_pretrained(out, state_dict=state)
+            if self.rank == 0:
+                out.mkdir(parents=True, exist_ok=True)
+                self.engine.module.save_pretrained(out, state_dict=state)
+        if self.rank != 0:
+            return
         for name in TOKENIZER_FILES:
             if (self.model_path / name).is_file():
                 shutil.copy2(self.model_path / name, out / name)

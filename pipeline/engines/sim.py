@@ -80,7 +80,9 @@ class SimTrainingEngine:
         self.cfg = cfg
         self.updates = 0
 
-    def train_step(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
+    def train_step(self, table: pa.Table, advantages: pa.Table, shard=None) -> dict[str, float]:
+        """`shard` (data-parallel ranks) changes nothing here: each rank's stand-in
+        counts the same updates."""
         _maybe_fault(self.cfg, "train", self.updates)
         # The real engine refuses a misaligned table; so must the stand-in.
         _check_token_column(table, advantages, "advantages")

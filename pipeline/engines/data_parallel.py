@@ -1,0 +1,62 @@
+"""Data parallelism without torch: where the ranks meet, and which rows of a
+step's batch each rank trains on.
+
+Whole prompt groups go to one rank, so GRPO's group advantages (computed on
+the whole table before it is cut) are those of the whole group, and the rows
+of a group meet the same optimizer step as in one process. Every rank gets the
+whole batch's token count, so that its token losses divide by the batch's
+tokens, not its own: DeepSpeed averages gradients over ranks, and a per-rank
+mean would weigh a rank's tokens by its share of rows.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+
+def free_port(host: str = "") -> int:
+    """A port the OS calls free on `host` (all interfaces by default), for a rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one process group meet: rank 0's address and a port free there."""
+    host: str
+    port: int
+    world_size: int
+    timeout_s: float = 1800.0  # a collective waiting on a dead rank fails after this
+
+
+@dataclass(frozen=True)
+class Shard:
+    start: int              # this rank's rows of the batch table: [start, stop)
+    stop: int
+    rank: int
+    world_size: int
+    batch_tokens: int       # response tokens of the whole batch
+    micro_batches: int      # the most any rank needs; every rank runs as many, so their collectives pair up
+
+
+def batch_shards(response_lengths: list[int], group_size: int, world_size: int,
+                 micro_batch_size: int) -> tuple[Shard, ...]:
+    """One Shard per rank: contiguous runs of whole groups, as even as groups allow
+    (the first `groups % world_size` ranks take one group more)."""
+    rows = len(response_lengths)
+    if group_size < 1 or rows % group_size:
+        raise ValueError(f"{rows} rows do not split into groups of {group_size}")
+    groups = rows // group_size
+    if groups < world_size:
+        raise ValueError(f"a batch of {groups} prompt groups cannot feed {world_size} data-parallel ranks: "
+                         "every rank needs at least one group (schedule.prompts_per_step >= training.num_workers)")
+    bounds, start = [], 0
+    for rank in range(world_size):
+        stop = start + (groups // world_size + (rank < groups % world_size)) * group_size
+        bounds.append((start, stop))
+        start = stop
+    micro = max(-(-(stop - start) // micro_batch_size) for start, stop in bounds)
+    tokens = sum(response_lengths)
+    return tuple(Shard(start, stop, rank, world_size, tokens, micro) for rank, (start, stop) in enumerate(bounds))
+
