@@ -52,7 +52,7 @@ def hand_step(w: Workers, plan: StepPlan, timeout: float = DEADLINE_S) -> dict:
     """One step as plain actor calls, in the order dags/step_graph.py states, waiting
     on each result before the calls that depend on it (NeMo-RL / verl style)."""
     batch = ray.get(w.controller.sample.remote(plan), timeout=timeout)
-    train = ray.get(w.trainer.train.remote(batch), timeout=timeout)
+    train = ray.get(w.trainers[0].train.remote(batch), timeout=timeout)
     gate = ray.get(w.controller.validation_gate.remote(plan, train), timeout=timeout)
     refits = ray.get([g.refit.remote(train, gate) for g in w.generators], timeout=timeout)
     vals = ray.get([g.validate.remote(r) for g, r in zip(w.generators, refits)], timeout=timeout)
@@ -146,7 +146,7 @@ def measure_sim(w: Workers, mode: str, lat: dict, steps: int, warm: int, max_age
     log = EventLog(run_dir, "driver", t0)
     log.emit("run_start", max_age=max_age, steps=steps, start_step=0, dag_mode=mode, refit_mode="drain")
     configure(w, busy=busy)
-    ray.get([w.controller.begin_run.remote(cfg, str(run_dir), t0), w.trainer.begin_run.remote(cfg, str(run_dir), t0),
+    ray.get([w.controller.begin_run.remote(cfg, str(run_dir), t0), w.trainers[0].begin_run.remote(cfg, str(run_dir), t0),
              *[g.begin_run.remote(cfg, str(run_dir), t0, w.controller) for g in w.generators]], timeout=DEADLINE_S)
     stepper = Stepper(w, mode, run_dir)
     times = []

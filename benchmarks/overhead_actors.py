@@ -98,13 +98,13 @@ class BenchGenerator(_Switchable, GeneratorWorker):
 def start_pool(num_generators: int) -> Workers:
     """pipeline.run.driver.start_workers, with the same actor options, on the switchable workers."""
     return Workers(ray.remote(BenchController).options(num_cpus=0.5, max_concurrency=8).remote(),
-                   ray.remote(BenchTrainer).options(num_cpus=0.5, max_concurrency=2).remote(),
+                   (ray.remote(BenchTrainer).options(num_cpus=0.5, max_concurrency=2).remote(),),
                    tuple(ray.remote(BenchGenerator).options(num_cpus=0.5, max_concurrency=4).remote(i)
                          for i in range(num_generators)))
 
 
 def actors(w: Workers) -> list:
-    return [w.controller, w.trainer, *w.generators]
+    return [w.controller, *w.trainers, *w.generators]
 
 
 def configure(w: Workers, **flags) -> None:

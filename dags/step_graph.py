@@ -2,6 +2,10 @@
 
     plan -> sample -> [train sub-graph] -> validation_gate -> refit[g] -> validate[g] -> resume -> collect[g]
 
+The train sub-graph fans out to the policy's data-parallel ranks (train[r],
+each on its shard of the batch) and joins them in train_done, which passes one
+TrainOut on; with one rank and GRPO it is the single `train` node.
+
 A node runs only once the nodes whose tokens it takes have returned, so:
 rollouts start only in `collect`, which waits for `resume`, which waits for
 every generator's validation, which waits for that generator's refit, which
@@ -21,9 +25,9 @@ Named = list[tuple[str, Any]]   # (node name, DAG node) in topological order
 class Workers(Protocol):
     """The actor handles a graph binds (pipeline/run/pool.py holds the live ones)."""
     controller: Any          # sample, validation_gate, resume, train_done, relaunch
-    trainer: Any             # train
+    trainers: tuple          # train, one per data-parallel rank; rank 0 exports the weights
     generators: tuple        # refit, validate, collect
-    critic: Any              # PPO only: critic_values, critic_train
+    critics: tuple           # PPO only: critic_values, critic_train, one per rank; rank 0 also advantages
 
 
 @dataclass(frozen=True)
@@ -32,18 +36,28 @@ class StepGraph:
     node_names: tuple[str, ...]
 
 
+def _ranked(name: str, nodes: list) -> Named:
+    return [(name, nodes[0])] if len(nodes) == 1 else [(f"{name}[{r}]", n) for r, n in enumerate(nodes)]
+
+
 def grpo_train_subgraph(workers: Workers, batch) -> Named:
-    return [("train", workers.trainer.train.bind(batch))]
+    """Every rank trains on its shard; train_done joins them (nothing to join with one rank)."""
+    ranks = [t.train.bind(batch) for t in workers.trainers]
+    if len(ranks) == 1:
+        return _ranked("train", ranks)
+    return [*_ranked("train", ranks), ("train_done", workers.controller.train_done.bind(*ranks))]
 
 
 def ppo_train_subgraph(workers: Workers, batch) -> Named:
-    """Old critic's values -> GAE; then policy and critic update side by side;
-    train_done joins them so nothing downstream runs before both are done."""
-    advantages = workers.critic.critic_values.bind(batch)
-    policy = workers.trainer.train.bind(batch, advantages)
-    critic = workers.critic.critic_train.bind(advantages)
-    return [("critic_values", advantages), ("train", policy), ("critic_train", critic),
-            ("train_done", workers.controller.train_done.bind(policy, critic))]
+    """The old critic's values of every shard -> GAE over the whole batch (critic
+    rank 0); then the policy and critic ranks update side by side; train_done
+    joins them so nothing downstream runs before all are done."""
+    values = [c.critic_values.bind(batch) for c in workers.critics]
+    advantages = workers.critics[0].advantages.bind(*values)
+    ranks = [t.train.bind(batch, advantages) for t in workers.trainers]
+    critics = [c.critic_train.bind(advantages) for c in workers.critics]
+    return [*_ranked("critic_values", values), ("advantages", advantages), *_ranked("train", ranks),
+            *_ranked("critic_train", critics), ("train_done", workers.controller.train_done.bind(*ranks, *critics))]
 
 
 TRAIN_SUBGRAPHS: dict[str, Callable[[Workers, Any], Named]] = {

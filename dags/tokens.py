@@ -40,6 +40,15 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class Values:
+    """PPO: one critic rank's values of its shard of a step's batch."""
+    step: int
+    rank: int
+    values_ref: tuple[Any, ...] = ()  # (ObjectRef,) of list[list[float]]: per response token of each row
+    clock: Clock = ()
+
+
+@dataclass(frozen=True)
 class Advantages:
     """PPO: the critic's values, GAE advantages and returns for one step's batch."""
     step: int

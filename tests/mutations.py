@@ -89,7 +89,7 @@ class MutantController(Controller):
 def start_mutant_workers(num_generators: int) -> Workers:
     """pipeline.run.pool.start_workers with MutantGenerator actors (the same options)."""
     return Workers(ray.remote(MutantController).options(num_cpus=0.5, max_concurrency=8).remote(),
-                   ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote(),
+                   (ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote(),),
                    tuple(ray.remote(MutantGenerator).options(num_cpus=0.5, max_concurrency=4).remote(i)
                          for i in range(num_generators)))
 
@@ -106,7 +106,7 @@ def _step(w: Workers, plan, *, refit=None, resume_after: str = "validate", colle
           collect_from=None) -> StepGraph:
     """The GRPO step graph with the given wiring changes (the defaults are production's)."""
     batch = w.controller.sample.bind(plan)
-    train = w.trainer.train.bind(batch)
+    train = w.trainers[0].train.bind(batch)
     gate = w.controller.validation_gate.bind(plan, train)
     refits = [refit(g, plan) if refit else g.refit.bind(train, gate) for g in w.generators]
     vals = [g.validate.bind(r) for g, r in zip(w.generators, refits)]

@@ -47,11 +47,11 @@ def test_a_stale_drop_in_a_simulated_run_passes_the_checker(tmp_path, ray_sessio
                              "sim.generate_s=0.01", "sim.train_s=0.01", "metrics.tensorboard=false"])
     pool = start_workers(1)
     controller = ray.remote(LaunchesOneTooFarAhead).options(num_cpus=0.5, max_concurrency=8).remote()
-    workers = Workers(controller, pool.trainer, pool.generators)
+    workers = Workers(controller, pool.trainers, pool.generators)
     try:
         summary = train_on(cfg, workers, quiet=True)
     finally:
-        stop_workers(Workers(pool.controller, pool.trainer, pool.generators))
+        stop_workers(Workers(pool.controller, pool.trainers, pool.generators))
         ray.kill(controller)
     # Launched at step 1's resume with version 2 for step 5; at step 4, 4 - 2 > max_age: dropped there.
     run_events = load_events(tmp_path / "stale")

@@ -70,7 +70,7 @@ def test_save_writes_every_part_then_renames_it_into_place(actors, tmp_path):
     cfg = config(tmp_path, "generation.num_generators=2")
     run_dir = tmp_path / "run"
     begin(actors, cfg, run_dir)
-    workers = Workers(actors["controller"], actors["trainer"], ())
+    workers = Workers(actors["controller"], (actors["trainer"],), ())
     (run_dir / "checkpoints" / "step_3.partial").mkdir(parents=True)   # a save killed halfway, earlier
     (run_dir / "checkpoints" / "step_3.partial" / "junk").write_text("x")
 
@@ -97,11 +97,11 @@ def test_ppo_saves_the_critic_and_a_failed_save_leaves_no_checkpoint(actors, tmp
     cfg = config(tmp_path, "algorithm=ppo", "generation.num_generators=2")
     run_dir = tmp_path / "run"
     begin(actors, cfg, run_dir)
-    good = Workers(actors["controller"], actors["trainer"], (), actors["critic"])
+    good = Workers(actors["controller"], (actors["trainer"],), (), (actors["critic"],))
     first = checkpoint.save(good, run_dir, 2, cfg, timeout_s=60)
     assert (first / "critic_state" / "critic.json").is_file() and read_meta(first, cfg) == 2
 
-    broken = Workers(actors["controller"], actors["trainer"], (), actors["broken"])
+    broken = Workers(actors["controller"], (actors["trainer"],), (), (actors["broken"],))
     with pytest.raises(ray.exceptions.RayTaskError, match="No space left on device"):
         checkpoint.save(broken, run_dir, 4, cfg, timeout_s=60)
     assert not (run_dir / "checkpoints" / "step_4").exists()

@@ -1,5 +1,5 @@
-"""The PPO critic actor's two nodes, critic_values and critic_train, on the
-simulated and the DeepSpeed critic, and its state round trip.
+"""The PPO critic actor's nodes, critic_values, advantages and critic_train,
+on the simulated and the DeepSpeed critic, and its state round trip.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 
 @pytest.mark.parametrize("backend", ["sim", "real"])
 def test_critic_worker_nodes(tmp_path, ray_session, model_dir, backend):
-    from dags.tokens import Advantages, Batch, CriticOut
+    from dags.tokens import Advantages, Batch, CriticOut, Values
     from pipeline.actors.critic import CriticWorker
     from pipeline.actors.node import NodeError
     from pipeline.io.config import load_config
@@ -25,7 +25,9 @@ def test_critic_worker_nodes(tmp_path, ray_session, model_dir, backend):
     table = make_table()
     w = CriticWorker()
     w.begin_run(cfg, str(tmp_path / "run"), time.time())
-    adv = w.critic_values(Batch(3, ("b0",), (2,), (ray.put(table),)))
+    values = w.critic_values(Batch(3, ("b0",), (2,), (ray.put(table),)))
+    assert isinstance(values, Values) and values.step == 3 and values.rank == 0
+    adv = w.advantages(values)
     assert isinstance(adv, Advantages) and adv.step == 3
     got = ray.get(adv.table_ref[0])
     # values start at 0 for both engines, so A = R = the row's reward on every token

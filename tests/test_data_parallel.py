@@ -11,6 +11,7 @@ near eps turns the round-off of a different summation order into a visible
 share of a step. The test allows 1e-5, a hundredth of one step's lr."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -88,3 +89,60 @@ def test_two_ranks_take_the_single_process_step(model_dir, tmp_path, ray_session
 def _initial(model) -> dict:
     from transformers import AutoModelForCausalLM
     return {k: v.float() for k, v in AutoModelForCausalLM.from_pretrained(model).state_dict().items()}
+
+
+def test_a_dead_rank_is_a_named_error_not_a_hang(tmp_path, ray_session, tiny_model):
+    """Rank 1 is killed (SIGKILL, as the OOM killer would) after its first step;
+    rank 0 is then waiting in a collective that will never complete. The run
+    must stop with an error naming trainer1 and --resume, within the node
+    deadline, and leave no actor behind."""
+    import os
+    import signal
+    import threading
+
+    from pipeline.run.driver import train
+    from pipeline.run.runner import PipelineError
+
+    cfg = load_config("examples/tiny_grpo.yaml", [
+        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=dead", "run.steps=40",
+        "run.dag_mode=classic", "run.deadline_s=30", "training.num_workers=2", "metrics.tensorboard=false"])
+    events = tmp_path / "dead" / "events" / "trainer1.jsonl"
+    killed: list[int] = []
+    done = threading.Event()
+
+    def kill_rank_one():
+        # Waits for a condition (rank 1 has trained once), it does not order anything.
+        while not done.wait(0.2):
+            lines = events.read_text().splitlines() if events.is_file() else []
+            if any('"train_end"' in line for line in lines):
+                pid = next(json.loads(line)["pid"] for line in lines if '"worker_start"' in line)
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+
+    killer = threading.Thread(target=kill_rank_one, daemon=True)
+    killer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(PipelineError, match=r"worker trainer1 died.*--resume"):
+            train(cfg, quiet=True)
+    finally:
+        done.set()
+        killer.join()
+    assert killed, "rank 1 never trained"
+    assert time.monotonic() - started < 240
+    # Rank 0, left waiting in the collective, was stopped with the run.
+    rank0 = tmp_path / "dead" / "events" / "trainer0.jsonl"
+    pid0 = next(json.loads(line)["pid"] for line in rank0.read_text().splitlines() if '"worker_start"' in line)
+    end = time.monotonic() + 30
+    while _running(pid0) and time.monotonic() < end:
+        time.sleep(0.2)  # waits for another process to exit; orders nothing
+    assert not _running(pid0), f"rank 0 (pid {pid0}) outlived the run"
+
+
+def _running(pid: int) -> bool:
+    import psutil
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -22,7 +22,9 @@ def sim_config(tmp_path, name: str, **overrides):
 
 
 def trained_batches(events):
-    return [b for e in events if e["ev"] == "train_start" for b in e["batches"]]
+    """Batches trained, as rank 0 saw them (every rank trains a shard of each)."""
+    return [b for e in events if e["ev"] == "train_start" and e["worker"] in ("trainer", "trainer0")
+            for b in e["batches"]]
 
 
 @settings(max_examples=6, deadline=None, derandomize=True,
@@ -82,16 +84,18 @@ def test_restarts_exhausted_stops_naming_the_worker(tmp_path, ray_session):
     assert "fault.max_restarts" in end["error"]
 
 
-def test_trainer_death_is_an_error_and_resume_completes(tmp_path, ray_session):
+@pytest.mark.parametrize("ranks,dead", [(1, "trainer"), (2, "trainer1")])
+def test_trainer_death_is_an_error_and_resume_completes(tmp_path, ray_session, ranks, dead):
+    # With two ranks only rank 1 dies: rank 0 lives on, and must not hold the run up.
     cfg = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, sim__fault="train_exit",
-                     sim__fault_after=5)
+                     sim__fault_after=5, sim__fault_worker=ranks - 1, training__num_workers=ranks)
     started = time.monotonic()
-    with pytest.raises(PipelineError, match=r"worker trainer died.*--resume"):
+    with pytest.raises(PipelineError, match=rf"worker {dead} died.*--resume"):
         train(cfg, quiet=True)
     assert time.monotonic() - started < 60
     run_dir = tmp_path / "t"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
-    fixed = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2)
+    fixed = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, training__num_workers=ranks)
     summary = train(fixed, quiet=True, restore_from=str(run_dir))
     assert summary["error"] is None and summary["start_step"] == 4 and summary["steps"] == 8
     assert check_events(load_events(run_dir)) == []

@@ -44,7 +44,7 @@ def run_log(mutant_pool, tmp_path_factory):
                                      "run.dag_mode=classic", "run.steps=5", "schedule.max_age=1", "validation.period=1",
                                      "generation.num_generators=2", "metrics.tensorboard=false", "sim.jitter=0.3",
                                      *(f"{k}={v}" for k, v in PROFILES[profile].items())])
-            setup = {k: mutant_pool.trainer if k == "trainer" else v for k, v in m.configure.items()}
+            setup = {k: mutant_pool.trainers[0] if k == "trainer" else v for k, v in m.configure.items()}
             ray.get([g.configure.remote(**setup) for g in mutant_pool.generators])
             runner = m.runner(m.build(mutant_pool), "classic", first_deadline_s=60)
             try:

@@ -25,7 +25,7 @@ from pipeline.tools.render import viz_workers
 # in GRPO; in PPO the join of the policy and critic updates, so nothing
 # downstream starts before both are done.
 TRAINED = {"grpo": "train", "ppo": "train_done"}
-TRAIN_NODES = {"grpo": {"train"}, "ppo": {"critic_values", "train", "critic_train", "train_done"}}
+TRAIN_NODES = {"grpo": {"train"}, "ppo": {"critic_values", "advantages", "train", "critic_train", "train_done"}}
 
 
 def structure(graph: StepGraph, workers: Workers) -> dict[str, tuple]:
@@ -80,11 +80,12 @@ def test_ordering_subgraph_is_identical_for_grpo_and_ppo(generators):
         assert a[f"collect[{i}]"] == (f"gen{i}", "collect", ("resume",))
     assert a["resume"] == ("controller", "resume", tuple(f"validate[{i}]" for i in g))
 
-    # PPO's train sub-graph: values -> (policy, critic) side by side -> join.
+    # PPO's train sub-graph: values -> advantages -> (policy, critic) side by side -> join.
     p = structure(ppo, ppo_workers)
     assert p["critic_values"] == ("critic", "critic_values", ("sample",))
-    assert p["train"] == ("trainer", "train", ("sample", "critic_values"))
-    assert p["critic_train"] == ("critic", "critic_train", ("critic_values",))
+    assert p["advantages"] == ("critic", "advantages", ("critic_values",))
+    assert p["train"] == ("trainer", "train", ("sample", "advantages"))
+    assert p["critic_train"] == ("critic", "critic_train", ("advantages",))
     assert p["train_done"] == ("controller", "train_done", ("train", "critic_train"))
     assert structure(grpo, grpo_workers)["train"] == ("trainer", "train", ("sample",))
 
@@ -121,7 +122,7 @@ _run_ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def ppo_pool(ray_session):
-    pool = start_workers(3, critic=True)
+    pool = start_workers(3, critics=1)
     try:
         yield pool
     finally:
@@ -160,8 +161,9 @@ def check_ppo_schedule(tmp_path, pool, runner, s: dict) -> None:
     # updates, the join after both, and nothing of the ordering part before the join.
     for step in range(s["steps"]):
         t = node_times(events, step)
-        values, policy, critic, done = t["critic_values"], t["train"], t["critic_train"], t["train_done"]
-        assert values[1] <= policy[0] and values[1] <= critic[0], (step, t)
+        values, adv, policy, critic, done = (t["critic_values"], t["advantages"], t["train"], t["critic_train"],
+                                             t["train_done"])
+        assert values[1] <= adv[0] and adv[1] <= policy[0] and adv[1] <= critic[0], (step, t)
         assert done[0] >= max(policy[1], critic[1]), (step, t)
         later = [v[0] for k, v in t.items() if k.split("@")[0] in ("validation_gate", "refit")]
         assert later and min(later) >= done[1], (step, t)

@@ -11,7 +11,6 @@ logs after their rollout_ends and hands that on in its Batch.
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import pyarrow.parquet as pq
 import ray
 
 from dags.tokens import Batch, Clock, CriticOut, Gate, Launch, RelaunchPlan, Resume, StepPlan, TrainOut, ValOut
-from pipeline.actors.node import Actor, node, reopen_log
+from pipeline.actors.node import Actor, node, reopen_log, whereabouts
 from pipeline.actors.replay_buffer import ReplayBuffer
 from pipeline.engines import backends
 from pipeline.engines.interface import Prompt
@@ -35,7 +34,7 @@ class Controller(Actor):
                   restore_dir: str | None = None) -> Clock:
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, "controller", t0)
-        self.log.emit("worker_start", pid=os.getpid())
+        self.log.emit("worker_start", **whereabouts())
         self.buffer = ReplayBuffer(cfg.schedule.max_age, self.log)
         self.prompts = backends.train_prompts(cfg)
         self.rng = random.Random(cfg.run.seed)
@@ -78,9 +77,20 @@ class Controller(Actor):
         return Gate(plan.step, train.version if train is not None else self.start_step, plan.validate)
 
     @node("train_done")
-    def train_done(self, policy: TrainOut, critic: CriticOut) -> TrainOut:
-        metrics = dict(policy.metrics) | {f"critic/{k}": v for k, v in critic.metrics}
-        return TrainOut(policy.step, policy.version, policy.weights_ref, tuple(sorted(metrics.items())))
+    def train_done(self, *outs: TrainOut | CriticOut) -> TrainOut:
+        """Joins the train sub-graph: the policy ranks' TrainOuts (rank 0's first:
+        its weights and its metrics, which are the batch's on every rank) and
+        PPO's CriticOut, whose metrics it adds under critic/."""
+        policy = [o for o in outs if isinstance(o, TrainOut)]
+        made = {(o.step, o.version) for o in policy}
+        if len(made) != 1:
+            raise RuntimeError(f"the policy ranks disagree on (step, version): {sorted(made)}")
+        head = policy[0]
+        if not head.weights_ref:
+            raise RuntimeError(f"step {head.step}: the first policy rank sent no weights")
+        metrics = dict(head.metrics) | {f"critic/{k}": v for o in outs if isinstance(o, CriticOut)
+                                        for k, v in o.metrics}
+        return TrainOut(head.step, head.version, head.weights_ref, tuple(sorted(metrics.items())))
 
     @node("resume")
     def resume(self, *vals: ValOut) -> Resume:

@@ -8,7 +8,6 @@ waits on another node except through its arguments.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -16,7 +15,7 @@ import pyarrow as pa
 import ray
 
 from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
-from pipeline.actors.node import Actor, node, one_thread, reopen_log
+from pipeline.actors.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.engines import backends, weights
 from pipeline.engines.interface import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
 from pipeline.io.config import Config
@@ -68,7 +67,7 @@ class GeneratorWorker(Actor):
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, generator_name(self.index, incarnation), t0)
         self.log.merge(after)
-        self.log.emit("worker_start", pid=os.getpid(), incarnation=incarnation, generator=self.index)
+        self.log.emit("worker_start", **whereabouts(), incarnation=incarnation, generator=self.index)
         self.engine = backends.generation_engine(cfg, self.index, incarnation)
         self.reward_fn = backends.reward_function(cfg)
         self.val_prompts = backends.val_prompts(cfg)[self.index::cfg.generation.num_generators]

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import os
 
+from pipeline.engines.data_parallel import Rendezvous, free_port
 from pipeline.run import spans
 from pipeline.run.events import EventLog
 
@@ -50,6 +51,14 @@ def node(name: str):
     return wrap
 
 
+def whereabouts() -> dict:
+    """The process and the Ray node a worker runs on, for its worker_start event:
+    where each rank and engine landed (placement, several nodes)."""
+    import ray
+    node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    return {"pid": os.getpid(), "node": node_id}
+
+
 def reopen_log(worker, run_dir: str, name: str, t0: float) -> EventLog:
     """A pooled actor serves many runs: close the last run's log file first."""
     if getattr(worker, "log", None) is not None:
@@ -63,3 +72,10 @@ class Actor:
 
     def ping(self) -> bool:
         return True
+
+    def rendezvous(self, world_size: int, timeout_s: float) -> Rendezvous:
+        """Asked of rank 0 of a data-parallel role: where the ranks' process group
+        meets (this node's address and a port free on it)."""
+        import ray
+        host = ray.util.get_node_ip_address()
+        return Rendezvous(host, free_port(host), world_size, timeout_s)

@@ -6,16 +6,15 @@ and puts the new weights in the object store for the generators' refits.
 """
 from __future__ import annotations
 
-import os
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
 from dags.tokens import Advantages, Batch, Clock, TrainOut
-from pipeline.actors.node import Actor, node, one_thread, reopen_log
+from pipeline.actors.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.engines import backends, weights
-from pipeline.engines.data_parallel import Rendezvous, batch_shards, free_port
+from pipeline.engines.data_parallel import Rendezvous, batch_shards
 from pipeline.io.config import Config
 from pipeline.run import spans
 
@@ -32,11 +31,6 @@ class TrainerWorker(Actor):
     def __init__(self, rank: int = 0):
         self.rank = rank
 
-    def rendezvous(self, world_size: int, timeout_s: float) -> Rendezvous:
-        """Rank 0: where the ranks' process group meets (this node's address, a free port)."""
-        host = ray.util.get_node_ip_address()
-        return Rendezvous(host, free_port(host), world_size, timeout_s)
-
     def begin_run(self, cfg: Config, run_dir: str, t0: float, restore_dir: str | None = None,
                   start_version: int = 0, rendezvous: Rendezvous | None = None) -> Clock:
         one_thread()
@@ -44,7 +38,7 @@ class TrainerWorker(Actor):
         self.cfg = cfg
         self.world_size = cfg.training.num_workers
         self.log = reopen_log(self, run_dir, trainer_name(self.rank, self.world_size), t0)
-        self.log.emit("worker_start", pid=os.getpid(), rank=self.rank)
+        self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         self.engine = backends.training_engine(cfg, self.rank, rendezvous)
         if restore_dir is not None:
             self.engine.load_state(restore_dir)
@@ -109,10 +103,7 @@ class TrainerWorker(Actor):
         lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_pylist()
         shard = batch_shards(lengths, self.cfg.schedule.group_size, self.world_size,
                              self.cfg.training.micro_batch_size)[self.rank]
-        rows = shard.stop - shard.start
-        metrics = self.engine.train_step(table.slice(shard.start, rows), advantages.slice(shard.start, rows),
-                                         shard)
-        return {**metrics, "shard_rows": float(rows)}
+        return {**self.engine.train_step(table, advantages, shard), "shard_rows": float(shard.stop - shard.start)}
 
     def _advantages(self, table: pa.Table, advantages: Advantages | None) -> pa.Table:
         """The critic's table (PPO), else the group advantages of the table's rewards."""

@@ -9,6 +9,7 @@ from typing import Callable
 
 from pipeline.engines.interface import GenerationEngine, Prompt, TrainingEngine
 from pipeline.io.config import Config
+from pipeline.run.placement import vllm_llm_kwargs
 from pipeline.run.spans import span
 
 
@@ -29,15 +30,17 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
     prompts = -(-cfg.schedule.prompts_per_step // g.num_generators)
     requests = prompts * cfg.schedule.group_size * (cfg.schedule.max_age + 1)
     with span("vllm.start"):
+        # T > 1: vLLM's TP workers go into this generator's bundles (pipeline/run/placement.py).
         return VllmGenerationEngine(cfg.model.path, seed=seed, max_new_tokens=g.max_new_tokens,
-                                    temperature=g.temperature, top_p=g.top_p, kv_cache_seqs=max(requests, 32))
+                                    temperature=g.temperature, top_p=g.top_p, kv_cache_seqs=max(requests, 32),
+                                    **vllm_llm_kwargs(cfg))
 
 
 def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngine:
     """Rank `rank` of the policy's data-parallel group (`rendezvous`: where the ranks meet)."""
     if cfg.backend == "sim":
         from pipeline.engines.sim import SimTrainingEngine
-        return SimTrainingEngine(cfg.sim, seed=cfg.run.seed * 1000 + 999)
+        return SimTrainingEngine(cfg.sim, seed=cfg.run.seed * 1000 + 999, faulty=rank == cfg.sim.fault_worker)
     from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
     t, g = cfg.training, cfg.policy_loss
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
@@ -74,8 +77,9 @@ def val_prompts(cfg: Config) -> list[Prompt]:
     return load_prompts(cfg.data.val, kind="val")
 
 
-def critic_engine(cfg: Config):
-    """PPO's critic: values of response tokens and a value-loss update."""
+def critic_engine(cfg: Config, rank: int = 0, rendezvous=None):
+    """PPO's critic: values of response tokens and a value-loss update; rank
+    `rank` of its data-parallel group (`rendezvous`: where the ranks meet)."""
     if cfg.backend == "sim":
         from pipeline.engines.sim import SimCriticEngine
         return SimCriticEngine(cfg.sim, seed=cfg.run.seed * 1000 + 998)
@@ -85,4 +89,4 @@ def critic_engine(cfg: Config):
         return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=t.zero_stage,
                                      dtype=t.dtype, micro_batch_size=t.micro_batch_size,
                                      grad_accum=t.grad_accum, lr=p.critic_lr, value_clip=p.value_clip,
-                                     seed=cfg.run.seed)
+                                     seed=cfg.run.seed, rank=rank, rendezvous=rendezvous)

@@ -269,8 +269,13 @@ class DeepSpeedEngine(abc.ABC):
     def _chunks(self, n: int) -> list[range]:
         return [range(i, min(i + self.micro_batch_size, n)) for i in range(0, n, self.micro_batch_size)]
 
-    def _rows(self, table: pa.Table, per_token: pa.Table, columns: tuple[str, ...]) -> list[dict]:
-        """The table's checked rows, each with `columns` of `per_token` (aligned row by row)."""
+    def _rows(self, table: pa.Table, per_token: pa.Table, columns: tuple[str, ...],
+              shard: Shard | None) -> list[dict]:
+        """The checked rows of the table (of its shard's rows), each with `columns`
+        of `per_token` (aligned row by row with the whole table)."""
+        if shard is not None:
+            table = table.slice(shard.start, shard.stop - shard.start)
+            per_token = per_token.slice(shard.start, shard.stop - shard.start)
         with span("train.rows"):
             rows = trajectory_rows(table)
             for column in columns:

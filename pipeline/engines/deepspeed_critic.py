@@ -70,7 +70,10 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
     def values(self, table: pa.Table, shard: Shard | None = None) -> list[list[float]]:
         """V_t for every response token of every row (no update). With a shard,
         as many forward passes as it says: under ZeRO-3 each gathers parameters
-        together with the other ranks' passes."""
+        together with the other ranks' passes. `table` is the whole batch; a shard's
+        values are those of its rows."""
+        if shard is not None:
+            table = table.slice(shard.start, shard.stop - shard.start)
         rows = table.select(["prompt_ids", "response_ids"]).to_pylist()
         chunks = self._chunks(len(rows))
         extra = 0 if shard is None else shard.micro_batches - len(chunks)
@@ -101,7 +104,7 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
         returns, which it already holds.)
         """
         t0 = time.perf_counter()
-        rows = self._rows(table, targets, ("returns", "values"))
+        rows = self._rows(table, targets, ("returns", "values"), shard)
         m = self._update(rows, {"returns": "returns", "old": "values"}, shard)
         return {
             "value_loss": m["loss"],

@@ -91,7 +91,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         so far), time_s.
         """
         t0 = time.perf_counter()
-        rows = self._rows(table, advantages, ("advantages",))
+        rows = self._rows(table, advantages, ("advantages",), shard)
         metrics = self._update(rows, {"gen": "logprobs", "adv": "advantages"}, shard)
         return {**metrics, "step": float(self.steps), "time_s": time.perf_counter() - t0}
 

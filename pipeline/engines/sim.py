@@ -75,9 +75,10 @@ class SimGenerationEngine:
 
 
 class SimTrainingEngine:
-    def __init__(self, cfg: SimConfig, *, seed: int):
+    def __init__(self, cfg: SimConfig, *, seed: int, faulty: bool = True):
         self.latency = _Latency(cfg, seed)
-        self.cfg = cfg
+        # A rank that sim.fault does not target (another rank) runs clean.
+        self.cfg = cfg if faulty else SimConfig(**{**cfg.__dict__, "fault": ""})
         self.updates = 0
 
     def train_step(self, table: pa.Table, advantages: pa.Table, shard=None) -> dict[str, float]:
@@ -162,10 +163,13 @@ class SimCriticEngine:
         self.updates = 0
         self.estimate = 0.0
 
-    def values(self, table: pa.Table) -> list[list[float]]:
+    def values(self, table: pa.Table, shard=None) -> list[list[float]]:
+        if shard is not None:
+            table = table.slice(shard.start, shard.stop - shard.start)
         return [[self.estimate] * len(r) for r in table.column("response_ids").to_pylist()]
 
-    def train_step(self, table: pa.Table, targets: pa.Table) -> dict[str, float]:
+    def train_step(self, table: pa.Table, targets: pa.Table, shard=None) -> dict[str, float]:
+        """The whole batch's returns whatever the shard: every rank's estimate stays the same."""
         returns = [x for row in _check_token_column(table, targets, "returns") for x in row]
         self.latency.spend(self.cfg.train_s)
         mean = sum(returns) / len(returns) if returns else self.estimate

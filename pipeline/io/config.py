@@ -167,7 +167,8 @@ class SimConfig:
     fault: Literal["", "train_raise", "train_hang", "train_exit", "generate_raise", "generate_hang",
                    "generate_exit", "reward_raise"] = _key("", "inject this fault after fault_after good calls")
     fault_after: int = _key(0, "good calls before the fault (reward_raise: every N-th sample raises)", ge=0)
-    fault_worker: int = _key(0, "generator index that generate_* faults hit", ge=0)
+    fault_worker: int = _key(0, "generator index that generate_* faults hit, trainer rank that train_* faults hit",
+                             ge=0)
     fault_incarnations: int = _key(1, "a replaced generator faults again only while its restart count is below "
                                    "this", ge=1)
 

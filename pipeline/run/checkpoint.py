@@ -24,7 +24,7 @@ from pipeline.run.pool import Workers
 
 # Keys that fix the shape of the launch schedule and the buffer: a resumed run must keep them.
 FROZEN_KEYS = ("algorithm", "backend", "schedule.max_age", "schedule.prompts_per_step", "schedule.group_size",
-               "generation.num_generators")
+               "generation.num_generators", "training.num_workers", "ppo.critic_num_workers")
 
 
 class CheckpointError(ValueError):
@@ -35,11 +35,13 @@ def save(workers: Workers, run_dir: Path, steps_done: int, cfg: Config, timeout_
     final = run_dir / "checkpoints" / f"step_{steps_done}"
     partial = final.with_name(final.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    calls = [workers.trainer.save.remote(str(partial / "policy")),
-             workers.trainer.save_state.remote(str(partial / "trainer_state")),
-             workers.controller.save_state.remote(str(partial / "controller"))]
-    if workers.critic is not None:
-        calls.append(workers.critic.save_state.remote(str(partial / "critic_state")))
+    calls = [workers.controller.save_state.remote(str(partial / "controller")),
+             *(c.save_state.remote(str(partial / "critic_state")) for c in workers.critics)]
+    # Every rank, one call after the other: rank 0 writes the HF model, each rank
+    # its optimizer partition, and under ZeRO-3 both gather; two collectives
+    # in flight at once could pair one rank's save with another's save_state.
+    ray.get([t.save.remote(str(partial / "policy")) for t in workers.trainers], timeout=timeout_s)
+    calls += [t.save_state.remote(str(partial / "trainer_state")) for t in workers.trainers]
     ray.get(calls, timeout=timeout_s)
     (partial / "meta.json").write_text(json.dumps({
         "steps_done": steps_done, "version": steps_done, "time": time.time(),

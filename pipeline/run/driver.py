@@ -31,6 +31,7 @@ from pipeline.io.preflight import preflight
 from pipeline.run import checkpoint
 from pipeline.run.events import EventLog, merge_events
 from pipeline.run.metrics import MetricSinks, Progress, step_metrics
+from pipeline.run.placement import place
 from pipeline.run.pool import (
     Workers,
     actor_names,
@@ -51,7 +52,8 @@ def validation_due(step: int, cfg: Config) -> bool:
 
 
 def graph_actor_count(cfg: Config) -> int:
-    return 2 + cfg.generation.num_generators
+    critics = cfg.ppo.critic_num_workers if cfg.algorithm == "ppo" else 0
+    return 1 + cfg.training.num_workers + cfg.generation.num_generators + critics
 
 
 def resolve_dag_mode(cfg: Config, cores: float) -> str:
@@ -241,7 +243,11 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
     execution = None
     try:
         if own_workers:
-            workers = start_workers(cfg.generation.num_generators, critic=cfg.algorithm == "ppo")
+            # Refuses a recipe the cluster cannot hold before any actor starts.
+            placement = place(cfg, cfg.run.startup_deadline_s)
+            workers = start_workers(cfg.generation.num_generators, trainers=cfg.training.num_workers,
+                                    critics=cfg.ppo.critic_num_workers if cfg.algorithm == "ppo" else 0,
+                                    placement=placement)
         workers = begin_run(workers, cfg, run_dir, t0, start, ckpt, log)
         startup["workers_s"] = time.time() - t0
         mode = summary["dag_mode"] = resolve_dag_mode(cfg, _cores(joined_cluster=bool(_ray_address(cfg))))

@@ -9,7 +9,7 @@ the trainer's weights and the relaunch are then before the graphs it runs next.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,8 +18,9 @@ import ray
 from dags.step_graph import build_relaunch_graph
 from dags.tokens import RelaunchPlan
 from pipeline.actors.controller import Controller
+from pipeline.actors.critic import CriticWorker, critic_name
 from pipeline.actors.generator import GeneratorWorker, generator_name
-from pipeline.actors.trainer import TrainerWorker
+from pipeline.actors.trainer import TrainerWorker, trainer_name
 from pipeline.io.config import Config
 from pipeline.io.models import ModelError
 from pipeline.run.events import EventLog
@@ -29,48 +30,58 @@ from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, task_err
 @dataclass(frozen=True)
 class Workers:
     controller: Any          # sample, validation_gate, resume, train_done, relaunch
-    trainer: Any             # train
+    trainers: tuple          # train, one per data-parallel rank; rank 0 exports the weights
     generators: tuple        # refit, validate, collect
-    critic: Any = None       # PPO only: critic_values, critic_train
+    critics: tuple = ()      # PPO only: critic_values, advantages (rank 0), critic_train, one per rank
+    placement: Any = None    # pipeline.run.placement.Placement, or None: plain fractional CPUs
 
     def first(self, num_generators: int) -> "Workers":
-        return Workers(self.controller, self.trainer, self.generators[:num_generators], self.critic)
+        return replace(self, generators=self.generators[:num_generators])
 
     def replace_generator(self, index: int, actor: Any) -> "Workers":
         gens = list(self.generators)
         gens[index] = actor
-        return Workers(self.controller, self.trainer, tuple(gens), self.critic)
+        return replace(self, generators=tuple(gens))
 
     def actors(self, name_of: Callable[[int], str] = generator_name) -> dict[str, Any]:
         """Every actor by the name its event log uses."""
-        named = {"controller": self.controller, "trainer": self.trainer,
-                 **{name_of(i): g for i, g in enumerate(self.generators)}}
-        if self.critic is not None:
-            named["critic"] = self.critic
+        named = {"controller": self.controller,
+                 **{trainer_name(r, len(self.trainers)): t for r, t in enumerate(self.trainers)},
+                 **{name_of(i): g for i, g in enumerate(self.generators)},
+                 **{critic_name(r, len(self.critics)): c for r, c in enumerate(self.critics)}}
         return named
 
 
-def _generator(index: int):
-    return ray.remote(GeneratorWorker).options(num_cpus=0.5, max_concurrency=4).remote(index)
+def _options(placement, role: str, index: int = 0) -> dict:
+    """Ray options of one actor: its bundle in the run's placement group, or half a CPU."""
+    return placement.options(role, index) if placement is not None else {"num_cpus": 0.5}
 
 
-def start_workers(num_generators: int, critic: bool = False) -> Workers:
+def _generator(index: int, placement=None):
+    return ray.remote(GeneratorWorker).options(**_options(placement, "generator", index),
+                                               max_concurrency=4).remote(index)
+
+
+def start_workers(num_generators: int, critics: int = 0, trainers: int = 1, placement=None) -> Workers:
+    """The actors of a run; `placement` (pipeline.run.placement.place) puts each
+    in its bundle, else each asks half a CPU of wherever Ray puts it."""
     # Generators first: vLLM's import and engine start are the longest of any worker's.
-    generators = tuple(_generator(i) for i in range(num_generators))
+    generators = tuple(_generator(i, placement) for i in range(num_generators))
     # Threaded actors: nodes of a step, the rollout threads' puts and the driver's pings reach them concurrently.
-    controller = ray.remote(Controller).options(num_cpus=0.5, max_concurrency=8).remote()
+    controller = ray.remote(Controller).options(**_options(placement, "controller"), max_concurrency=8).remote()
     # Two threads: `save` between steps must not wait behind a compiled graph's loop.
-    trainer = ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote()
-    critic_actor = None
-    if critic:
-        from pipeline.actors.critic import CriticWorker
-        critic_actor = ray.remote(CriticWorker).options(num_cpus=0.5, max_concurrency=2).remote()
-    return Workers(controller, trainer, generators, critic_actor)
+    ranks = tuple(ray.remote(TrainerWorker).options(**_options(placement, "trainer", r), max_concurrency=2).remote(r)
+                  for r in range(trainers))
+    critic_ranks = tuple(ray.remote(CriticWorker).options(**_options(placement, "critic", r), max_concurrency=2)
+                         .remote(r) for r in range(critics))
+    return Workers(controller, ranks, generators, critic_ranks, placement)
 
 
 def stop_workers(workers: Workers) -> None:
     for actor in workers.actors().values():
         ray.kill(actor)
+    if workers.placement is not None:
+        workers.placement.remove()
 
 
 def actor_names(workers: Workers, incarnations: dict[int, int]) -> dict[str, object]:
@@ -79,7 +90,7 @@ def actor_names(workers: Workers, incarnations: dict[int, int]) -> dict[str, obj
 
 
 def generator_index(name: str, workers: Workers, incarnations: dict[int, int]) -> int | None:
-    """Which generator a worker name is, or None for the controller, trainer or critic."""
+    """Which generator a worker name is, or None for the controller, a trainer or critic rank."""
     return next((i for i in range(len(workers.generators))
                  if generator_name(i, incarnations.get(i, 0)) == name), None)
 
@@ -88,11 +99,17 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
               ckpt: Path | None, log: EventLog) -> Workers:
     """Set up every worker for this run; a pool may hold more generators than it uses."""
     used = workers.first(cfg.generation.num_generators)
+    critics = cfg.ppo.critic_num_workers if cfg.algorithm == "ppo" else 0
+    if (len(used.trainers), len(used.critics)) != (cfg.training.num_workers, critics):
+        raise ValueError(f"the pool has {len(used.trainers)} trainer and {len(used.critics)} critic ranks; the "
+                         f"recipe asks {cfg.training.num_workers} (training.num_workers) and {critics} "
+                         "(ppo.critic_num_workers with algorithm ppo)")
     restore = (lambda part: str(ckpt / part)) if ckpt is not None else (lambda part: None)
     setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, restore("controller")),
-             used.trainer.begin_run.remote(cfg, str(run_dir), t0, restore("trainer_state"), start_step)]
-    if used.critic is not None:
-        setup.append(used.critic.begin_run.remote(cfg, str(run_dir), t0, restore("critic_state")))
+             *(t.begin_run.remote(cfg, str(run_dir), t0, restore("trainer_state"), start_step, meet)
+               for t, meet in zip(used.trainers, _meeting(used.trainers, cfg))),
+             *(c.begin_run.remote(cfg, str(run_dir), t0, restore("critic_state"), meet)
+               for c, meet in zip(used.critics, _meeting(used.critics, cfg)))]
     if ckpt is None:
         # A fresh run's generators start from the model directory, as the trainer does: all start at once.
         setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, (), log.now())
@@ -100,11 +117,20 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
         log.merge(*_wait(setup, cfg))
         return used
     log.merge(*_wait(setup, cfg))
-    _, weights, clock = ray.get(used.trainer.current_weights.remote())
+    _, weights, clock = ray.get(used.trainers[0].current_weights.remote())
     log.merge(clock)
     log.merge(*_wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights, log.now())
                       for g in used.generators], cfg))
     return used
+
+
+def _meeting(ranks: tuple, cfg: Config) -> list:
+    """Each rank's Rendezvous: rank 0's address; alone, a rank makes its own group (None)."""
+    if len(ranks) <= 1:
+        return [None] * len(ranks)
+    meet = ray.get(ranks[0].rendezvous.remote(len(ranks), cfg.run.startup_deadline_s),
+                   timeout=cfg.run.startup_deadline_s)
+    return [meet] * len(ranks)
 
 
 def _wait(calls: list, cfg: Config) -> list:
@@ -132,8 +158,8 @@ def replace_generator(workers: Workers, index: int, died: WorkerDied, incarnatio
         raise PipelineError(f"{died}; it was restarted {incarnation - 1} times and fault.max_restarts is "
                             f"{cfg.fault.max_restarts}")
     ray.kill(workers.generators[index])
-    actor = _generator(index)
-    version, weights, clock = ray.get(workers.trainer.current_weights.remote(), timeout=cfg.run.deadline_s)
+    actor = _generator(index, workers.placement)  # into the dead one's bundle, now free
+    version, weights, clock = ray.get(workers.trainers[0].current_weights.remote(), timeout=cfg.run.deadline_s)
     log.merge(clock)
     log.merge(*_wait([actor.begin_run.remote(cfg, str(run_dir), t0, workers.controller, incarnation, weights,
                                              log.now())], cfg))

@@ -37,9 +37,6 @@ from pipeline.tools.check_order import (
 
 __all__ = ["Report", "Violation", "check_events", "check_report", "format_violation", "load_events", "main"]
 
-NOT_WORKERS = {"driver", "trainer"}
-
-
 @dataclass(frozen=True)
 class Report:
     violations: tuple[Violation, ...]  # the verdict
@@ -196,7 +193,9 @@ def each_batch_trained_once_or_dropped(events: list[dict], finished: bool) -> It
             launches[e.get("batch")].append(e)
         elif kind == "train_start":
             for batch in e.get("batches") or []:
-                uses[batch].append(e)
+                # The data-parallel ranks of one step share its batch: one use.
+                if not any(u.get("ev") == "train_start" and u.get("step") == e.get("step") for u in uses[batch]):
+                    uses[batch].append(e)
                 seen[batch].append(e)
         elif kind in ("drop", "rollout_start"):
             seen[e.get("batch")].append(e)
@@ -227,8 +226,9 @@ def each_batch_trained_once_or_dropped(events: list[dict], finished: bool) -> It
 
 
 def generator_names(events: list[dict]) -> list[str]:
-    return sorted({e.get("worker") for e in events if e.get("ev") in (
-        "launch", "rollout_start", "refit_start", "refit_end")} - NOT_WORKERS)
+    """The workers that roll out and load weights: neither the driver nor a trainer rank."""
+    names = {e.get("worker") for e in events if e.get("ev") in ("launch", "rollout_start", "refit_start", "refit_end")}
+    return sorted(w for w in names if w != "driver" and not str(w).startswith("trainer"))
 
 
 def versions_rise_by_one(events: list[dict], finished: bool) -> Iterator[Violation]:
@@ -238,8 +238,13 @@ def versions_rise_by_one(events: list[dict], finished: bool) -> Iterator[Violati
         if ts.get("version") != ts.get("step"):
             yield Violation(5, f"train_start of step {ts.get('step')} at {t_(ts['t'])} has version "
                                f"{ts.get('version')}, expected {ts.get('step')}", (ts,))
-    train_ends = of(events, "train_end")
-    yield from _rises_by_one(train_ends, "trainer")
+    ends_by_rank: dict[str, list[dict]] = defaultdict(list)
+    for e in of(events, "train_end"):
+        ends_by_rank[e.get("worker")].append(e)
+    for worker, ends in sorted(ends_by_rank.items()):  # every data-parallel rank
+        yield from _rises_by_one(ends, worker)
+    # The generators load what rank 0 exports.
+    train_ends = ends_by_rank.get("trainer") or ends_by_rank.get("trainer0", [])
 
     refit_ends: dict[str, list[dict]] = defaultdict(list)
     for e in of(events, "refit_end"):

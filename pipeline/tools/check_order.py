@@ -258,8 +258,9 @@ def by_wall_clock(ts: dict, starts: list[list]) -> list[dict]:
 
 def weights_come_from_the_trainer(events: list[dict], judge: Judge, generators: Iterable[str]) -> None:
     """Invariant 5: a generator's version v is the trainer's v: each refit_end
-    for step s happened after the trainer's train_end of step s."""
-    train_end = {e.get("step"): e for e in of(events, "train_end")}
+    for step s happened after the train_end of step s of the trainer (of its
+    rank 0, which exports the weights, when there are several)."""
+    train_end = {e.get("step"): e for e in of(events, "train_end") if e.get("worker") in ("trainer", "trainer0")}
     gens = set(generators)
     for fe in of(events, "refit_end"):
         te = train_end.get(fe.get("step"))

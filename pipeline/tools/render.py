@@ -250,23 +250,24 @@ def render(graph: StepGraph, out_path: str | Path, title: str | None = None) -> 
 
 # ---------------------------------------------------------------- from a config
 
-def viz_workers(num_generators: int, algorithm: str = "grpo") -> Workers:
+def viz_workers(num_generators: int, algorithm: str = "grpo", trainers: int = 1, critics: int = 1) -> Workers:
     """Unstarted actors: ClassNodes only describe an actor, so binding them needs no cluster."""
     import ray
 
     from pipeline.actors.controller import Controller
     from pipeline.actors.generator import GeneratorWorker
     from pipeline.actors.trainer import TrainerWorker
-    critic = None
+    critic_ranks = ()
     if algorithm == "ppo":
         from pipeline.actors.critic import CriticWorker
-        critic = ray.remote(CriticWorker).bind()
-    return Workers(ray.remote(Controller).bind(), ray.remote(TrainerWorker).bind(),
-                   tuple(ray.remote(GeneratorWorker).bind(i) for i in range(num_generators)), critic)
+        critic_ranks = tuple(ray.remote(CriticWorker).bind(r) for r in range(critics))
+    return Workers(ray.remote(Controller).bind(), tuple(ray.remote(TrainerWorker).bind(r) for r in range(trainers)),
+                   tuple(ray.remote(GeneratorWorker).bind(i) for i in range(num_generators)), critic_ranks)
 
 
 def graph_for_config(cfg, prologue: bool = False) -> StepGraph:
-    workers = viz_workers(cfg.generation.num_generators, cfg.algorithm)
+    workers = viz_workers(cfg.generation.num_generators, cfg.algorithm, cfg.training.num_workers,
+                          cfg.ppo.critic_num_workers)
     if prologue:
         return build_prologue_graph(workers)
     return build_step_graph(workers, TRAIN_SUBGRAPHS[cfg.algorithm])
@@ -282,9 +283,10 @@ def viz_main(config_path: str | Path | None, overrides: list[str] = (), out_path
         print(f"error: {exc}", file=sys.stderr)
         return 2
     graph = graph_for_config(cfg, prologue)
-    gens = cfg.generation.num_generators
+    gens, ranks = cfg.generation.num_generators, cfg.training.num_workers
     title = (f"{cfg.run.name}: {'prologue' if prologue else 'step graph'}, "
-             f"{gens} generator{'s' if gens != 1 else ''}, max_age {cfg.schedule.max_age}")
+             f"{gens} generator{'s' if gens != 1 else ''}, "
+             + (f"{ranks} trainer ranks, " if ranks > 1 else "") + f"max_age {cfg.schedule.max_age}")
     if not out_paths:
         print(to_dot(graph, title), end="")
         return 0
