@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -377,3 +378,19 @@ def test_a_model_the_engine_cannot_run_is_refused_before_the_first_step(tmp_path
     assert "head_dim=16" in proc.stderr and "Traceback" not in proc.stderr
     lines = (tmp_path / "runs" / RUN / "events.jsonl").read_text().splitlines()
     assert not [e for e in map(json.loads, lines) if e["ev"] == "node_start"], "no graph node may have run"
+
+
+def test_a_recipe_bigger_than_the_cluster_is_refused_before_anything_starts(tmp_path):
+    """Two trainer ranks of one GPU each on a machine without GPUs: the numbers,
+    exit 1, no run directory, no actor."""
+    runs = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "train", "--config", "examples/sim_grpo.yaml",
+                           f"run.output_dir={runs}", "training.num_workers=2", "resources.trainer.num_gpus=1",
+                           "resources.generator.num_gpus=0.5"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 1, proc.stderr
+    assert "the recipe asks 3 GPUs (trainer 2 x 1, generator 2 x 0.5) but the cluster has 0" in proc.stderr, \
+        proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not runs.exists()

@@ -70,6 +70,26 @@ def test_nodes_name_their_worker_and_edges_their_token():
     assert by_name["refit[0]"].color == by_name["collect[1]"].color != by_name["train"].color
 
 
+def test_data_parallel_ranks_fan_out_and_join():
+    """Two policy and two critic ranks (PPO): every rank's node takes the batch
+    (the critics') or the advantages (the policy's), and train_done joins them all."""
+    cfg = load_config(REPO / "examples/sim_ppo.yaml", ["training.num_workers=2", "ppo.critic_num_workers=2"])
+    nodes, edges = describe(graph_for_config(cfg))
+    by_name = {n.name: n for n in nodes}
+    name_of = {n.id: n.name for n in nodes}
+    labelled = {(name_of[e.src], name_of[e.dst]): e.token for e in edges}
+    assert by_name["train[1]"].worker == "TrainerWorker[1]" and by_name["critic_values[1]"].worker == "CriticWorker[1]"
+    for r in (0, 1):
+        assert labelled[("sample", f"critic_values[{r}]")] == "Batch"
+        assert labelled[(f"critic_values[{r}]", "advantages")] == "Values"
+        assert labelled[("advantages", f"train[{r}]")] == "Advantages"
+        assert labelled[("advantages", f"critic_train[{r}]")] == "Advantages"
+        assert labelled[(f"train[{r}]", "train_done")] == "TrainOut"
+        assert labelled[(f"critic_train[{r}]", "train_done")] == "CriticOut"
+    assert by_name["advantages"].worker == "CriticWorker[0]"
+    assert labelled[("train_done", "refit[0]")] == "TrainOut"
+
+
 @pytest.mark.parametrize("generators", [1, 2])
 def test_mermaid_names_every_node_and_token(tmp_path, generators):
     graph = graph_for_config(cfg_for(generators))

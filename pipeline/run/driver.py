@@ -210,11 +210,14 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
     # Ray starts while the model check imports transformers; neither needs the other.
     started_ray = _start_ray(cfg)
     startup["ray_init_s"] = time.time() - entered - startup["preflight_s"]
+    placement = None
     try:
         if model_check is not None:
             waited = time.time()
             model_check.result()
             startup["model_check_wait_s"] = time.time() - waited
+        # Refuses a recipe the cluster cannot hold before any actor or run directory exists.
+        placement = place(cfg, cfg.run.startup_deadline_s) if workers is None else None
         ckpt, start = None, 0
         if restore_from is not None:
             run_dir = Path(restore_from)
@@ -228,6 +231,8 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
         sinks = MetricSinks(run_dir, cfg, start)
     except BaseException:
         # Bad input, or a sink that cannot open (W&B missing): leave nothing running.
+        if placement is not None:
+            placement.remove()
         if started_ray:
             ray.shutdown()
         raise
@@ -243,8 +248,6 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
     execution = None
     try:
         if own_workers:
-            # Refuses a recipe the cluster cannot hold before any actor starts.
-            placement = place(cfg, cfg.run.startup_deadline_s)
             workers = start_workers(cfg.generation.num_generators, trainers=cfg.training.num_workers,
                                     critics=cfg.ppo.critic_num_workers if cfg.algorithm == "ppo" else 0,
                                     placement=placement)
@@ -296,6 +299,8 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
             execution.close(step_runner, failed)
         if own_workers and workers is not None and not failed:
             stop_workers(workers)
+        if own_workers and workers is None and placement is not None:
+            placement.remove()  # the actors never started
         progress.close()
         sinks.close()
         log.emit("run_end", error=summary["error"])
