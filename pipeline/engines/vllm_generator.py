@@ -35,6 +35,11 @@ class VllmGenerationEngine:
     nucleus, which the trainer does not: keep top_p 1 for exact ratios.
     """
 
+    # On CPU, linear layers of at most this many weights keep them plain after
+    # the first load (weights.RefitPlan._unpack): the largest in which F.linear
+    # matched oneDNN at every batch size, timed on this 2-core machine.
+    PLAIN_LINEAR_MAX = 1 << 16
+
     def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, max_new_tokens: int = 16,
                  temperature: float = 1.0, top_p: float = 1.0, max_model_len: int | None = 512,
                  dtype: str = "float32", block_size: int = 32, enforce_eager: bool | None = None,
@@ -53,6 +58,8 @@ class VllmGenerationEngine:
         self.temperature = temperature
         self.top_p = top_p
         on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            _reuse_freed_memory()
         if enforce_eager is None:
             # torch.compile of the model costs tens of seconds on 2 cores and
             # buys little for tiny models; CUDA graphs on a GPU are worth it.
@@ -94,6 +101,8 @@ class VllmGenerationEngine:
         self._stance = "force_eager" if enforce_eager and on_cpu else None
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self._plan: Any = None  # RefitPlan after the first load; False: this model needs reload_weights
+        self._plan_off = ""
         self._probe()
 
     def _probe(self) -> None:
@@ -140,21 +149,77 @@ class VllmGenerationEngine:
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a full HF-named state dict in place, then drop the prefix cache:
-        its KV blocks were computed with the old weights and reload_weights
-        does not invalidate them (without the reset, logprobs after a refit
-        were off by up to 0.48 on a prompt served from the cache)."""
+        its KV blocks were computed with the old weights and a load does not
+        invalidate them (without the reset, logprobs after a refit were off by
+        up to 0.48 on a prompt served from the cache)."""
         items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-        for name, tensor in items:
-            if ("embed_tokens" in name or name.startswith("lm_head")) and tensor.shape[0] != self.vocab_size:
-                raise ModelError(f"load_weights into {self.model_path!r}: {name} has {tensor.shape[0]} rows "
-                                 f"but the model's (unpadded) vocab_size is {self.vocab_size}")
+        self.load_stream([(name, t.dtype, tuple(t.shape)) for name, t in items], iter(items), stable=True)
+
+    def load_stream(self, entries: Sequence[tuple[str, Any, tuple[int, ...]]],
+                    stream: Iterable[tuple[str, torch.Tensor]], *, stable: bool = False) -> None:
+        """Load the tensors `stream` yields, announced up front by `entries`
+        ((name, dtype, shape) each, in order): the collective path's receive,
+        whose tensors are views of a bucket that the next bucket overwrites
+        (`stable`: they stay valid, no copy is needed to hold them)."""
+        self.check_entries(entries)
+        # The span keeps reload_weights' name: the step profile and its test read it.
         with span("vllm.reload_weights"):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            self._load([name for name, _, _ in entries], stream, stable)
+        self.drop_prefix_cache()
+
+    def destinations(self, names: Sequence[str]) -> Any:
+        """For a load of `names` about to start: a function (name, dtype, nbytes)
+        -> the tensor that tensor goes to whole, or None (weights.RefitPlan.destination);
+        None when the load will not replay a plan."""
+        plan = self._plan
+        return plan.destination if plan and plan.usable(list(names)) else None
+
+    def check_entries(self, entries: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
+        """Refuse, before anything is loaded, a state dict whose vocabulary is padded."""
+        for name, _, shape in entries:
+            if ("embed_tokens" in name or name.startswith("lm_head")) and shape[0] != self.vocab_size:
+                raise ModelError(f"load_weights into {self.model_path!r}: {name} has {shape[0]} rows "
+                                 f"but the model's (unpadded) vocab_size is {self.vocab_size}")
+
+    def drop_prefix_cache(self) -> None:
         with span("vllm.reset_prefix_cache"):
             reset = self.llm.reset_prefix_cache()
         if not reset:
             raise RuntimeError(f"vLLM engine for {self.model_path!r}: reset_prefix_cache failed "
                                "(requests still running?)")
+
+    def _load(self, names: list[str], stream: Iterable[tuple[str, torch.Tensor]], stable: bool) -> None:
+        """A load records where each name lands (weights.RefitPlan, through the
+        model's own weight loaders) and the next ones with the same names copy
+        straight there. Where no plan can be made (a quantized model, an engine
+        in another process, a loader that computes) vLLM's reload_weights does
+        it: it re-runs every loader and repacks every layer, 20 ms on the tiny
+        model of which 0.1 is copying bytes."""
+        from vllm.config import set_current_vllm_config
+
+        from pipeline.engines.weights import RefitPlan
+        model, config = self._model()
+        if model is not None and self._plan is not False:
+            with set_current_vllm_config(config), torch.no_grad():
+                if self._plan is not None and self._plan.usable(names):
+                    self._plan.load(stream)
+                    return
+                self._plan, why = RefitPlan.record(model, names, stream, plain_max=self.PLAIN_LINEAR_MAX)
+                if why:
+                    self._plan_off = why  # this load went through the model's loaders; later ones reload
+                    self._plan = False
+                return
+        items = list(stream) if stable else [(name, t.clone()) for name, t in stream]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+
+    def _model(self) -> tuple[Any, Any]:
+        """The engine's torch model and config when it runs in this process
+        (the in-process engine this module asks for), else (None, None)."""
+        engine = self.llm.llm_engine
+        worker = getattr(getattr(engine, "model_executor", None), "driver_worker", None)
+        if worker is None or engine.vllm_config.quant_config is not None:
+            return None, None  # quantized layers repack differently: reload_weights knows how
+        return worker.model_runner.model, engine.vllm_config
 
     # -- internals --------------------------------------------------------
     def _generate(self, inputs: list, params: SamplingParams) -> list:
@@ -192,6 +257,23 @@ class VllmGenerationEngine:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+
+
+def _reuse_freed_memory() -> None:
+    """Keep freed memory in this process for the next allocation instead of
+    handing it back to the kernel. glibc maps each block over 32 MiB afresh and
+    unmaps it when freed, and a load frees and allocates the same blocks every
+    refit (oneDNN's packed copy of each layer): on this VM the page faults of a
+    fresh 32 MiB block made repacking it 22 ms against 8 ms reusing one, and
+    repacking was half of a 100M-parameter refit."""
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return  # not glibc: its allocator has its own policy
+    libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD: blocks up to 1 GiB come from the heap
+    libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD: up to 1 GiB free at the heap's top is kept
 
 
 def kv_cache_bytes(config: dict, max_model_len: int, seqs: int, dtype: str) -> int:

@@ -1,0 +1,306 @@
+"""Refit wall time: the trainer's new weights, from its export to loaded in a
+real vLLM engine (CPU) in every generator process, by three paths:
+
+  object_store         the trainer's refit today: export (a CPU copy of the state
+                       dict), pack into one flat buffer, ray.put; each generator
+                       ray.get's it (a view of shared memory) and loads it with
+                       VllmGenerationEngine.load_weights (RefitPlan: a copy per tensor)
+  object_store_reload  the same, loaded the way it was before (vLLM's
+                       reload_weights, then the prefix-cache reset)
+  collective           weight_sync: the trainer broadcasts its live parameters
+                       over gloo in buckets, each generator loads them as they arrive
+
+for Llama models built in code (the tiny one, and about 1M, 25M, 100M and 400M
+parameters, fp32), with 1 and 2 generators. A refit is timed at the driver,
+from the first call to the last generator done, several times after a warm-up
+(whose load records the plan), median. Rates are model bytes per second of that
+wall time and their fraction of this machine's memory-copy bandwidth
+(torch copy_ of 256 MiB, one thread, measured in the same run).
+
+    .venv/bin/python benchmarks/refit.py            # full: several minutes
+    .venv/bin/python benchmarks/refit.py --quick    # smoke run: tiny model, one generator
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import psutil  # noqa: E402
+import ray  # noqa: E402
+import ray.cloudpickle  # noqa: E402
+from _common import machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
+
+# Ray's workers cannot import this script by name: ship its classes by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PATHS = ("object_store", "object_store_reload", "collective")
+# hidden, layers, heads, head_dim, intermediate (vocabulary: the tiny tokenizer's 384)
+SIZES = {
+    "tiny": (64, 2, 4, 32, 128),
+    "1M": (128, 4, 4, 32, 512),
+    "25M": (512, 6, 8, 64, 2048),
+    "100M": (1024, 6, 16, 64, 4096),
+    "400M": (1024, 24, 16, 64, 4096),
+}
+TIMEOUT_S = 600.0
+
+
+@ray.remote(num_cpus=1)
+class Trainer:
+    """The trainer's side: an HF model on CPU, exported as the trainer actor does."""
+
+    def __init__(self, model_dir: str):
+        import torch
+        torch.set_num_threads(1)
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.group = None
+
+    def export_put(self, version: int) -> tuple[list, dict]:
+        """pipeline/actors/trainer.py's train tail: export_weights (deepspeed_base.cpu_state_dict), pack, put."""
+        from pipeline.engines import weights
+        t0 = time.perf_counter()
+        state = {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
+        t1 = time.perf_counter()
+        packed = weights.pack(state)
+        t2 = time.perf_counter()
+        ref = ray.put((version, packed))
+        t3 = time.perf_counter()
+        return [ref], {"export_s": t1 - t0, "pack_s": t2 - t1, "put_s": t3 - t2}
+
+    def address(self) -> tuple[str, int]:
+        from pipeline.engines import weight_sync as ws
+        return ws.sync_address(ws.node_ip())
+
+    def join(self, host: str, port: int, world: int) -> None:
+        from pipeline.engines import weight_sync as ws
+        if self.group is not None:
+            ws.leave(self.group)
+        self.group = ws.join(host, port, 0, world, timeout_s=TIMEOUT_S)
+
+    def send(self, version: int, bucket_bytes: int) -> dict:
+        from pipeline.engines import weight_sync as ws
+        t0 = time.perf_counter()
+        ws.send(self.group, self.model.state_dict().items(), version, bucket_bytes)
+        return {"send_s": time.perf_counter() - t0}
+
+
+@ray.remote(num_cpus=1)
+class Generator:
+    """A generator's side: the engine the generator actor runs, nothing else."""
+
+    def __init__(self, model_dir: str):
+        import torch
+
+        from pipeline.engines.vllm_generator import VllmGenerationEngine
+        self.engine = VllmGenerationEngine(model_dir, max_model_len=128, kv_cache_seqs=4)
+        torch.set_num_threads(1)
+        self.group = None
+
+    def load_from_store(self, refs: list, version: int, reload: bool = False) -> dict:
+        from pipeline.engines import weights
+        t0 = time.perf_counter()
+        stored_version, stored = ray.get(refs[0])
+        assert stored_version == version
+        tensors = weights.unpack(stored)
+        t1 = time.perf_counter()
+        if reload:   # the load as it was: vLLM's reload_weights, then the prefix-cache reset
+            self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
+            self.engine.drop_prefix_cache()
+            return {"get_s": t1 - t0, "load_s": time.perf_counter() - t1}
+        self.engine.load_weights(tensors)
+        return {"get_s": t1 - t0, "load_s": time.perf_counter() - t1, **self._repack()}
+
+    def join(self, host: str, port: int, rank: int, world: int) -> None:
+        from pipeline.engines import weight_sync as ws
+        if self.group is not None:
+            ws.leave(self.group)
+        self.group = ws.join(host, port, rank, world, timeout_s=TIMEOUT_S)
+
+    def receive(self, version: int, bucket_bytes: int) -> dict:
+        from pipeline.engines import weight_sync as ws
+        t0 = time.perf_counter()
+        ws.receive_into(self.group, self.engine, version, bucket_bytes)
+        return {"receive_load_s": time.perf_counter() - t0, **self._repack()}
+
+    def _repack(self) -> dict:
+        plan = self.engine._plan
+        return {"repack_s": plan.repack_s} if plan else {}
+
+    def fast(self) -> str:
+        plan = self.engine._plan
+        return type(plan).__name__ if plan is not False else f"off: {self.engine._plan_off}"
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def memcpy_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """One thread's torch copy_ between two buffers already touched: the physical limit here."""
+    import torch
+    torch.set_num_threads(1)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+def refit_once(path: str, trainer, gens: list, version: int, bucket_bytes: int) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    if path == "collective":
+        parts = ray.get([trainer.send.remote(version, bucket_bytes)]
+                        + [g.receive.remote(version, bucket_bytes) for g in gens], timeout=TIMEOUT_S)
+    else:
+        refs, exported = ray.get(trainer.export_put.remote(version), timeout=TIMEOUT_S)
+        parts = [exported] + ray.get([g.load_from_store.remote(refs, version, path == "object_store_reload")
+                                      for g in gens], timeout=TIMEOUT_S)
+        del refs
+    wall = time.perf_counter() - t0
+    merged: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            merged[key] = max(merged.get(key, 0.0), value)   # the slowest generator's
+    return wall, merged
+
+
+def measure_size(name: str, model_dir: Path, nbytes: int, generators: list[int], repeats: int,
+                 bucket_bytes: int, paths: list[str], info: dict) -> list[dict]:
+    trainer = Trainer.remote(str(model_dir))
+    gens = [Generator.remote(str(model_dir)) for _ in range(max(generators))]
+    figures = []
+    try:
+        ray.get([g.fast.remote() for g in gens] + [trainer.address.remote()], timeout=TIMEOUT_S)
+        version = 0
+        for n in generators:
+            host, port = ray.get(trainer.address.remote())
+            ray.get([trainer.join.remote(host, port, n + 1)]
+                    + [g.join.remote(host, port, rank + 1, n + 1) for rank, g in enumerate(gens[:n])],
+                    timeout=TIMEOUT_S)
+            walls: dict = {p: [] for p in paths}
+            parts: dict = {p: [] for p in paths}
+            for rep in range(repeats + 1):   # the first is the warm-up: its load records the plan
+                sample_load(info)
+                for path in paths:
+                    version += 1
+                    wall, part = refit_once(path, trainer, gens[:n], version, bucket_bytes)
+                    if rep:
+                        walls[path].append(wall)
+                        parts[path].append(part)
+            fast = ray.get([g.fast.remote() for g in gens[:n]])
+            for path in paths:
+                wall = stats(walls[path])
+                rate = nbytes / wall["median"]
+                figures.append({
+                    "size": name, "generators": n, "path": path, "model_bytes": nbytes, "wall_s": wall,
+                    "bytes_per_s": rate, "parts_s": {k: statistics.median(p[k] for p in parts[path])
+                                                     for k in parts[path][0]},
+                    "engine_plan": fast})
+            print(f"  {name} x{n}: " + ", ".join(f"{p} {1e3 * statistics.median(walls[p]):.1f} ms"
+                                               for p in paths), flush=True)
+    finally:
+        ray.get([g.close.remote() for g in gens], timeout=TIMEOUT_S)
+        for actor in (trainer, *gens):
+            ray.kill(actor)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke size: the tiny model, one generator, 2 repeats")
+    ap.add_argument("--sizes", help=f"comma-separated, of {','.join(SIZES)} (full: all)")
+    ap.add_argument("--generators", default=None, help="comma-separated counts (full 1,2; quick 1)")
+    ap.add_argument("--repeats", type=int, help="timed refits per path (full 5, 3 at 400M; quick 2)")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="collective bucket size, MiB (default: weight_sync's)")
+    ap.add_argument("--out", type=Path, help="directory for refit.json (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    from pipeline.engines import weight_sync as ws
+    from pipeline.io.tiny import build_tiny_model
+    sizes = args.sizes.split(",") if args.sizes else (["tiny"] if args.quick else list(SIZES))
+    generators = [int(g) for g in (args.generators or ("1" if args.quick else "1,2")).split(",")]
+    bucket_bytes = int(args.bucket_mb * 2**20) if args.bucket_mb else ws.BUCKET_BYTES
+    info = machine_info()
+    result = {"benchmark": "refit", "machine": info,
+              "params": {"quick": args.quick, "sizes": {s: SIZES[s] for s in sizes}, "generators": generators,
+                         "bucket_bytes": bucket_bytes, "paths": list(PATHS), "dtype": "float32",
+                         "size_fields": ["hidden", "layers", "heads", "head_dim", "intermediate"]},
+              "figures": [], "memcpy_bytes_per_s": []}
+    work = Path(tempfile.mkdtemp(prefix="dagrl_refit_"))
+    start_ray(num_cpus=8)
+    try:
+        for name in sizes:
+            hidden, layers, heads, head_dim, inter = SIZES[name]
+            model_dir = build_tiny_model(work / name, hidden=hidden, layers=layers, heads=heads,
+                                         head_dim=head_dim, intermediate=inter)
+            nbytes = (model_dir / "model.safetensors").stat().st_size   # within a few KB of the tensors' bytes
+            free = psutil.virtual_memory().available
+            if 8 * nbytes > free:   # trainer (model, export, pack), the store, two engines, staging
+                print(f"  {name}: skipped, {nbytes / 2**30:.1f} GiB of weights needs ~8x, "
+                      f"{free / 2**30:.1f} GiB available")
+                result.setdefault("skipped", []).append({"size": name, "available_bytes": free})
+                continue
+            result["memcpy_bytes_per_s"].append(memcpy_bytes_per_s())
+            repeats = args.repeats or (2 if args.quick else 3 if name == "400M" else 5)
+            result["figures"] += measure_size(name, model_dir, nbytes, generators, repeats, bucket_bytes,
+                                              list(PATHS), info)
+            shutil.rmtree(model_dir)
+            gc.collect()
+    finally:
+        left = shutdown_ray()
+        shutil.rmtree(work, ignore_errors=True)
+        if left:
+            print(f"Ray processes still running after shutdown: {left}", file=sys.stderr)
+    memcpy = statistics.median(result["memcpy_bytes_per_s"])
+    result["memcpy"] = stats(result["memcpy_bytes_per_s"])
+    for f in result["figures"]:
+        f["fraction_of_memcpy"] = f["bytes_per_s"] / memcpy
+    result["targets"] = targets(result["figures"])
+    report(result, memcpy)
+    path = write_result("refit", result, args.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def targets(figures: list[dict]) -> list[dict]:
+    """Collective within 3x of the memory-copy limit at 100M and above; faster than the object store everywhere."""
+    out = []
+    by = {(f["size"], f["generators"], f["path"]): f for f in figures}
+    for (size, n, path), f in by.items():
+        if path != "collective":
+            continue
+        store = by.get((size, n, "object_store"))
+        out.append({"size": size, "generators": n, "fraction_of_memcpy": f["fraction_of_memcpy"],
+                    "within_3x": f["fraction_of_memcpy"] >= 1 / 3 if size in ("100M", "400M") else None,
+                    "speedup_over_object_store": store["wall_s"]["median"] / f["wall_s"]["median"] if store else None,
+                    "faster_than_object_store": f["wall_s"]["median"] < store["wall_s"]["median"] if store else None})
+    return out
+
+
+def report(result: dict, memcpy: float) -> None:
+    rows = []
+    for f in result["figures"]:
+        rows.append([f["size"], f["generators"], f["path"], round(f["model_bytes"] / 2**20, 1),
+                     1e3 * f["wall_s"]["median"], 1e3 * f["wall_s"]["spread"], f["bytes_per_s"] / 1e9,
+                     f["fraction_of_memcpy"], " ".join(f"{k}={1e3 * v:.1f}" for k, v in f["parts_s"].items())])
+    print_table(["size", "gens", "path", "MiB", "wall ms", "spread ms", "GB/s", "of memcpy", "parts (ms)"], rows,
+                title=f"refit, medians (memcpy {memcpy / 1e9:.2f} GB/s)")
+    print_table(["size", "gens", "of memcpy", "within 3x", "x object store", "faster"],
+                [[t["size"], t["generators"], t["fraction_of_memcpy"], t["within_3x"],
+                  t["speedup_over_object_store"], t["faster_than_object_store"]] for t in result["targets"]],
+                title="targets: collective within 3x of memcpy (100M and up), faster than the object store")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
