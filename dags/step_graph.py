@@ -64,15 +64,18 @@ TRAIN_SUBGRAPHS: dict[str, Callable[[Workers, Any], Named]] = {
     "grpo": grpo_train_subgraph, "ppo": ppo_train_subgraph}
 
 
-def ordering_subgraph(workers: Workers, plan, trained) -> Named:
+def ordering_subgraph(workers: Workers, plan, trained, collective: bool = False) -> Named:
     """Everything after training: the part that keeps rollouts away from refits
-    and validations. `trained` is the node (or input) carrying the TrainOut."""
+    and validations. `trained` is the node (or input) carrying the TrainOut.
+    `collective` (generation.weight_sync): trainer rank 0's send_weights runs
+    beside the refits, which receive what it broadcasts, and resume waits for it."""
     gate = workers.controller.validation_gate.bind(plan, trained)
+    send = [("send_weights", workers.trainers[0].send_weights.bind(trained, gate))] if collective else []
     refits = [g.refit.bind(trained, gate) for g in workers.generators]
     vals = [g.validate.bind(r) for g, r in zip(workers.generators, refits)]
-    resume = workers.controller.resume.bind(*vals)
+    resume = workers.controller.resume.bind(*vals, *(n for _, n in send))
     collects = [g.collect.bind(resume) for g in workers.generators]
-    return [("validation_gate", gate), *[(f"refit[{i}]", r) for i, r in enumerate(refits)],
+    return [("validation_gate", gate), *send, *[(f"refit[{i}]", r) for i, r in enumerate(refits)],
             *[(f"validate[{i}]", v) for i, v in enumerate(vals)], ("resume", resume),
             *[(f"collect[{i}]", c) for i, c in enumerate(collects)]]
 
@@ -82,17 +85,19 @@ def graph_of(named: Named) -> StepGraph:
     return StepGraph(MultiOutputNode([n for _, n in named]), tuple(name for name, _ in named))
 
 
-def build_step_graph(workers: Workers, train_subgraph: Callable = grpo_train_subgraph) -> StepGraph:
+def build_step_graph(workers: Workers, train_subgraph: Callable = grpo_train_subgraph,
+                     collective: bool = False) -> StepGraph:
     with InputNode() as plan:
         batch = workers.controller.sample.bind(plan)
         train = train_subgraph(workers, batch)
-        return graph_of([("sample", batch), *train, *ordering_subgraph(workers, plan, train[-1][1])])
+        return graph_of([("sample", batch), *train, *ordering_subgraph(workers, plan, train[-1][1], collective)])
 
 
 def build_finish_graph(workers: Workers) -> StepGraph:
     """The rest of a step whose training is done, after a generator was
     replaced: input (plan, TrainOut). Refit, resume and collect are idempotent
-    per step, so the generators that got this far are not disturbed."""
+    per step, so the generators that got this far are not disturbed. (Object-store
+    weight sync only: a collective sync's group cannot take a new member mid-run.)"""
     with InputNode() as inputs:
         return graph_of(ordering_subgraph(workers, inputs[0], inputs[1]))
 

@@ -74,6 +74,16 @@ class TrainOut:
 
 
 @dataclass(frozen=True)
+class WeightsSent:
+    """generation.weight_sync collective: trainer rank 0 broadcast these weights to every generator."""
+    step: int
+    version: int
+    bytes: int = 0
+    send_s: float = 0.0
+    clock: Clock = ()
+
+
+@dataclass(frozen=True)
 class Gate:
     step: int
     version: int

@@ -20,7 +20,19 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from dags.tokens import Batch, Clock, CriticOut, Gate, Launch, RelaunchPlan, Resume, StepPlan, TrainOut, ValOut
+from dags.tokens import (
+    Batch,
+    Clock,
+    CriticOut,
+    Gate,
+    Launch,
+    RelaunchPlan,
+    Resume,
+    StepPlan,
+    TrainOut,
+    ValOut,
+    WeightsSent,
+)
 from pipeline.actors.node import Actor, node, reopen_log, whereabouts
 from pipeline.actors.replay_buffer import ReplayBuffer
 from pipeline.engines import backends
@@ -86,15 +98,18 @@ class Controller(Actor):
         if len(made) != 1:
             raise RuntimeError(f"the policy ranks disagree on (step, version): {sorted(made)}")
         head = policy[0]
-        if not head.weights_ref:
+        if not head.weights_ref and self.cfg.generation.weight_sync == "object_store":
             raise RuntimeError(f"step {head.step}: the first policy rank sent no weights")
         metrics = dict(head.metrics) | {f"critic/{k}": v for o in outs if isinstance(o, CriticOut)
                                         for k, v in o.metrics}
         return TrainOut(head.step, head.version, head.weights_ref, tuple(sorted(metrics.items())))
 
     @node("resume")
-    def resume(self, *vals: ValOut) -> Resume:
-        versions = {v.version for v in vals}
+    def resume(self, *done: ValOut | WeightsSent) -> Resume:
+        """After every generator's validation (and, with a collective weight sync,
+        the trainer's send): launch the next batches."""
+        vals = [v for v in done if isinstance(v, ValOut)]
+        versions = {v.version for v in done}
         if len(versions) != 1:
             raise RuntimeError(f"generators disagree on the weight version: {sorted(versions)}")
         version, step = versions.pop(), vals[0].step

@@ -88,8 +88,9 @@ class GeneratorWorker(Actor):
     @node("refit")
     def refit(self, train: TrainOut, gate: Gate) -> Refitted:
         started = time.perf_counter()
+        collective = self.cfg.generation.weight_sync == "collective"
         fetched = None
-        if train.version == self.version + 1:
+        if train.version == self.version + 1 and not collective:
             # Fetched before the drain, while rollouts may still run: only the load changes the engine.
             with spans.span("weights.get"):
                 fetched = ray.get(train.weights_ref[0])
@@ -103,15 +104,31 @@ class GeneratorWorker(Actor):
             raise RuntimeError(f"weight sync: trainer sent version {train.version}, "
                                f"generator holds {self.version}; expected {self.version + 1}")
         self.log.emit("refit_start", step=gate.step, version=self.version)
-        sent_version, stored = fetched
-        if sent_version != train.version:
-            raise RuntimeError(f"weight sync: the weights in the object store are version {sent_version}, "
-                               f"the trainer announced {train.version}")
-        self.engine.load_weights(weights.unpack(stored))
+        if collective:
+            from pipeline.engines import weight_sync  # torch: not in the driver, which imports this module
+            with spans.span("weights.receive"):
+                # The trainer's send_weights node broadcasts at the same time; both sides
+                # check the version before any bytes move.
+                weight_sync.receive_into(self._sync, self.engine, train.version)
+        else:
+            sent_version, stored = fetched
+            if sent_version != train.version:
+                raise RuntimeError(f"weight sync: the weights in the object store are version {sent_version}, "
+                                   f"the trainer announced {train.version}")
+            self.engine.load_weights(weights.unpack(stored))
         self.version, self._loaded_step = train.version, gate.step
         self.log.emit("refit_end", step=gate.step, version=self.version)
         return Refitted(self.log.worker, gate.step, self.version, gate.validate,
                         refit_s=time.perf_counter() - started)
+
+    def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                         timeout_s: float) -> None:
+        """generation.weight_sync collective: join trainer rank 0's group as `rank` (1..G)."""
+        from pipeline.engines import weight_sync
+        if getattr(self, "_sync", None) is not None:
+            weight_sync.leave(self._sync)  # a pooled actor: the last run's group
+        self._sync = weight_sync.join(host, port, rank, world_size, backend, timeout_s, engine=self.engine,
+                                      bucket_bytes=int(self.cfg.generation.sync_bucket_mb * 2**20))
 
     @node("validate")
     def validate(self, ready: Refitted | Gate) -> ValOut:

@@ -6,12 +6,13 @@ and puts the new weights in the object store for the generators' refits.
 """
 from __future__ import annotations
 
+import time
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from dags.tokens import Advantages, Batch, Clock, TrainOut
+from dags.tokens import Advantages, Batch, Clock, Gate, TrainOut, WeightsSent
 from pipeline.actors.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.engines import backends, weights
 from pipeline.engines.data_parallel import Rendezvous, batch_shards
@@ -77,12 +78,15 @@ class TrainerWorker(Actor):
         else:
             metrics = self._train_shard(table, self._advantages(table, advantages))
         self.version += 1
-        with spans.span("export_weights"):
-            exported = self.engine.export_weights()
         weights_ref = None
-        if self.rank == 0:
+        if self.cfg.generation.weight_sync == "object_store" or self.cfg.training.zero_stage == 3:
+            # Under ZeRO-3 the gather of the full weights needs every rank, so it happens here
+            # even for a collective sync; send_weights then sends this copy.
+            with spans.span("export_weights"):
+                self._exported = self.engine.export_weights()
+        if self.rank == 0 and self.cfg.generation.weight_sync == "object_store":
             with spans.span("weights.put"):
-                weights_ref = ray.put((self.version, weights.pack(exported)))
+                weights_ref = ray.put((self.version, weights.pack(self._exported)))
         self.log.emit("train_end", step=batch.step, version=self.version)
         # Kept alive until the next step's refits are done (see Controller.sample).
         self._live = (self.version, weights_ref, self.log.now())
@@ -95,6 +99,34 @@ class TrainerWorker(Actor):
                    "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist()))}
         return TrainOut(batch.step, self.version, (weights_ref,) if weights_ref else (),
                         tuple(sorted(metrics.items())))
+
+    @node("send_weights")
+    def send_weights(self, train: TrainOut, gate: Gate) -> WeightsSent:
+        """Rank 0, generation.weight_sync collective: broadcast this step's weights
+        to the generators, whose refit nodes receive them at the same time."""
+        if train.version != self.version:
+            raise RuntimeError(f"weight sync: asked to send version {train.version}, the trainer holds {self.version}")
+        from pipeline.engines import weight_sync  # torch: not in the driver, which imports this module
+        started = time.perf_counter()
+        self.log.emit("send_start", step=gate.step, version=self.version)
+        named = self._exported if self.cfg.training.zero_stage == 3 else self.engine.live_weights()
+        with spans.span("weights.broadcast"):
+            sent = weight_sync.send(self._sync, named.items(), self.version)
+        self.log.emit("send_end", step=gate.step, version=self.version, bytes=sent)
+        return WeightsSent(gate.step, self.version, sent, time.perf_counter() - started)
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        """Rank 0: where the weight-sync group (this rank and the generators) meets."""
+        from pipeline.engines import weight_sync
+        return weight_sync.sync_address()
+
+    def join_weight_sync(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Rank 0 of the weight-sync group; every generator joins at the same time."""
+        from pipeline.engines import weight_sync
+        if getattr(self, "_sync", None) is not None:
+            weight_sync.leave(self._sync)  # a pooled actor: the last run's group
+        self._sync = weight_sync.join(host, port, 0, world_size, backend, timeout_s,
+                                      bucket_bytes=int(self.cfg.generation.sync_bucket_mb * 2**20))
 
     def _train_shard(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
         """This rank's update: its whole prompt groups of the batch (all of it when alone)."""

@@ -340,6 +340,15 @@ class DeepSpeedEngine(abc.ABC):
         state = cpu_state_dict(self.deepspeed, self.engine.module, self.zero_stage)
         return state if self.rank == 0 else None
 
+    def live_weights(self) -> dict[str, torch.Tensor]:
+        """The module's own tensors by parameter name, not copied: for a sender that
+        reads them before the next update (ZeRO 0-2; under ZeRO-3 each rank holds
+        only a partition, see export_weights)."""
+        if self.zero_stage == 3:
+            raise RuntimeError("live_weights: under ZeRO-3 the full weights exist only inside a gather "
+                               "of every rank (export_weights)")
+        return {name: t.detach() for name, t in self.engine.module.state_dict().items()}
+
     def save_state(self, path: str) -> None:
         """Everything a resumed run needs to continue exactly: weights, optimizer
         state, step counter and RNG (a DeepSpeed checkpoint in `path`)."""

@@ -77,7 +77,7 @@ class GenerationConfig:
     weight_sync: Literal["object_store", "collective"] = _key(
         "object_store", "how a refit moves weights: the object store, or a broadcast from trainer rank 0 to the "
         "engines over a process group (gloo on CPU, NCCL on GPU)")
-    sync_bucket_mb: float = _key(64.0, "collective weight sync: size of one broadcast bucket in MiB", gt=0)
+    sync_bucket_mb: float = _key(16.0, "collective weight sync: size of one broadcast bucket in MiB", gt=0)
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,8 @@ class Execution:
 
     def _build(self, new_step_runner: bool = True) -> None:
         actors = actor_names(self.workers, self.incarnations)
-        graph = build_step_graph(self.workers, TRAIN_SUBGRAPHS[self.cfg.algorithm])
+        graph = build_step_graph(self.workers, TRAIN_SUBGRAPHS[self.cfg.algorithm],
+                                 collective=self.cfg.generation.weight_sync == "collective")
         # The node whose TrainOut the ordering sub-graph takes: train (GRPO) or train_done (PPO).
         self.trained_node = graph.node_names[graph.node_names.index("validation_gate") - 1]
         if new_step_runner:
@@ -147,9 +148,12 @@ class Execution:
                                                self.run_dir))
             except WorkerDied as died:
                 index = generator_index(died.worker, self.workers, self.incarnations)
-                if index is None or runner.mode == "compiled":
+                collective = self.cfg.generation.weight_sync == "collective"
+                if index is None or runner.mode == "compiled" or collective:
                     why = ("the run cannot go on without it" if index is None
-                           else "generator restarts need run.dag_mode classic")
+                           else "generator restarts need run.dag_mode classic" if runner.mode == "compiled"
+                           else "generator restarts need generation.weight_sync object_store (a collective "
+                                "sync's process group cannot take a new member)")
                     raise PipelineError(f"{died}; {why}. Resume from the last complete checkpoint "
                                         f"with --resume {self.run_dir}") from None
                 # A sample waiting for the dead generator's batches would wait out its deadline.

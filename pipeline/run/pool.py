@@ -115,13 +115,27 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
         setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, (), log.now())
                   for g in used.generators]
         log.merge(*_wait(setup, cfg))
-        return used
-    log.merge(*_wait(setup, cfg))
-    _, weights, clock = ray.get(used.trainers[0].current_weights.remote())
-    log.merge(clock)
-    log.merge(*_wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights, log.now())
-                      for g in used.generators], cfg))
+    else:
+        log.merge(*_wait(setup, cfg))
+        _, weights, clock = ray.get(used.trainers[0].current_weights.remote())
+        log.merge(clock)
+        log.merge(*_wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights, log.now())
+                          for g in used.generators], cfg))
+    if cfg.generation.weight_sync == "collective":
+        _form_weight_sync(used, cfg)
     return used
+
+
+def _form_weight_sync(used: Workers, cfg: Config) -> None:
+    """Trainer rank 0 and every generator join one process group, rank 0's:
+    NCCL when both sides have GPUs, else gloo."""
+    r = cfg.resources
+    backend = "nccl" if r.trainer.num_gpus > 0 and r.generator.num_gpus > 0 else "gloo"
+    host, port = ray.get(used.trainers[0].weight_sync_address.remote(), timeout=cfg.run.startup_deadline_s)
+    world = 1 + len(used.generators)
+    _wait([used.trainers[0].join_weight_sync.remote(host, port, world, backend, cfg.run.deadline_s),
+           *(g.join_weight_sync.remote(host, port, i + 1, world, backend, cfg.run.deadline_s)
+             for i, g in enumerate(used.generators))], cfg)
 
 
 def _meeting(ranks: tuple, cfg: Config) -> list:
