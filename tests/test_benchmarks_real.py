@@ -110,6 +110,58 @@ def test_gpu_trainer_cpu_smoke_runs_without_ray_or_vllm(tmp_path):
     assert [t["met"] for t in result["targets"]] == [False, False], "a CPU smoke run meets no GPU target"
 
 
+def _gpu_weight_paths(args: list[str], timeout: float = 60, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", POISONED, "benchmarks/gpu_weight_paths.py", *args],
+                          cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_weight_paths_help_needs_neither_ray_nor_vllm():
+    proc = _gpu_weight_paths(["--help"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "usage:" in proc.stdout and "--cpu-smoke" in proc.stdout and "NCCL path" in proc.stdout
+
+
+def test_gpu_weight_paths_fails_clearly_without_a_gpu(tmp_path):
+    proc = _gpu_weight_paths(["--quick", "--out", str(tmp_path)], CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode != 0
+    assert "gpu_weight_paths needs a CUDA GPU; none is visible" in proc.stderr
+    assert "--cpu-smoke" in proc.stderr and "Traceback" not in proc.stderr
+    assert not list(tmp_path.iterdir()), "nothing is written without a GPU"
+
+
+def test_gpu_weight_paths_cpu_smoke_runs_without_ray_or_vllm(tmp_path):
+    """Export at ZeRO 0 and 3, live weights, and weight_sync's bucket layout
+    packed and unpacked on CPU tensors at a toy size: every check bit-equal.
+    The 60 s timeout is the budget (about 12 s on a 2-core machine)."""
+    proc = _gpu_weight_paths(["--cpu-smoke", "--out", str(tmp_path)])
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads((tmp_path / "gpu_weight_paths_cpu_smoke.json").read_text())
+    assert result["benchmark"] == "gpu_weight_paths" and result["params"]["cpu_smoke"] is True
+    assert "not GPU figures" in result["note"] and "two GPUs" in result["not_exercised"]
+    machine = result["machine"]
+    assert MACHINE_KEYS <= set(machine) and machine["ray"] is None and machine["device"] == "cpu"
+    assert {"torch", "deepspeed", "git_dirty"} <= set(machine)
+    assert result["params"]["imports"] == {"ray": False, "vllm": False}
+    checks = result["checks"]
+    assert checks and all(checks.values()) and result["all_checks_passed"] is True, checks
+    stages = result["figures"]
+    assert set(stages) == {"zero0", "zero3"}
+    for key, stage in stages.items():
+        export = stage["export"]
+        assert export["bit_equal"] is True and export["dtypes"] == ["torch.bfloat16"], key
+        assert is_stat(export["bytes_per_s"]) and is_stat(export["over_raw_d2h_unpinned"]), key
+        assert export["over_raw_d2h_pinned"] is None, "no pinned memory without CUDA"
+        buckets = stage["buckets"]
+        assert len(buckets) == 3 and all(b["bit_equal"] for b in buckets.values()), key
+        assert all(is_stat(b["over_raw_d2d"]) for b in buckets.values()), key
+        # The layout's cases all ran: tensors split over buckets, and the whole model in one.
+        assert buckets["4096"]["spanning_tensors"] > 0 and buckets["4096"]["views"] > 0, key
+        (larger,) = [b for b in buckets.values() if b.get("larger_than_model")]
+        assert larger["buckets"] == 1 and larger["bucket_bytes"] > export["bytes"], key
+    assert all(stages["zero0"]["live_weights"].values()), stages["zero0"]["live_weights"]
+    assert stages["zero3"]["live_weights"] == {"refused_under_zero3": True}
+
+
 def test_step_profile_reads_a_real_run(tmp_path):
     """benchmarks/step_profile.py on two short real runs: the step chain, the
     spans inside the leaves and the start-up phases all come out of the event log."""
