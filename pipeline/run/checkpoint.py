@@ -80,9 +80,11 @@ def read_meta(ckpt: Path, cfg: Config) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {meta_path} is unreadable: {type(exc).__name__}: {exc}") from None
     # The config first: a changed algorithm also changes which parts a checkpoint needs.
-    now = cfg.to_dict()
+    now, defaults = cfg.to_dict(), Config().to_dict()
     for key in FROZEN_KEYS:
+        # A key newer than the checkpoint had its default then (training.num_workers: 1 rank).
         a, b = _get(saved, key), _get(now, key)
+        a = _get(defaults, key) if a is None else a
         if a != b:
             raise CheckpointError(f"cannot resume {ckpt}: {key} was {a!r} in the run, the config says {b!r}")
     needed = ["controller/controller.json", "trainer_state", "policy"]
