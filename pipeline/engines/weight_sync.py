@@ -45,7 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ALIGN = 64              # bytes: every tensor starts aligned in its bucket, so any dtype can view it
+# Every tensor starts aligned in its bucket, as in the flat buffer, so any dtype can view it.
+from pipeline.engines.weights import ALIGN
+
 # 16 MiB moved 100M parameters fastest over loopback gloo here (4 MiB: 0.96 GB/s,
 # 16: 1.04, 64: 0.62, one receiver; 0.72, 1.00, 0.82 with two).
 BUCKET_BYTES = 16 << 20
