@@ -146,3 +146,22 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_two_zero3_ranks_resume_from_a_checkpoint(tmp_path, ray_session, tiny_model):
+    """A resume hands the generators rank 0's weights (current_weights). Under
+    ZeRO-3 the gather of those weights needs every rank, so rank 0 alone must
+    not be left to do it: the ranks export them together when they start."""
+    from pipeline.run.driver import train
+
+    def cfg(steps: int):
+        return load_config("examples/tiny_grpo.yaml", [
+            f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=z3", f"run.steps={steps}",
+            "run.checkpoint_every=2", "run.dag_mode=classic", "run.deadline_s=60", "run.startup_deadline_s=120",
+            "training.num_workers=2", "training.zero_stage=3", "metrics.tensorboard=false"])
+
+    assert train(cfg(2), quiet=True)["error"] is None
+    summary = train(cfg(4), quiet=True, restore_from=str(tmp_path / "z3"))
+    assert summary["error"] is None and summary["start_step"] == 2 and summary["steps"] == 4
+    from pipeline.tools.check import check_events, load_events
+    assert check_events(load_events(tmp_path / "z3")) == []

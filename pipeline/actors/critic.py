@@ -21,21 +21,15 @@ from __future__ import annotations
 import threading
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import ray
 
 from dags.tokens import Advantages, Batch, CriticOut, Values
 from pipeline.actors.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.algos.ppo import compute_advantages
 from pipeline.engines import backends
-from pipeline.engines.data_parallel import Rendezvous, Shard, batch_shards
+from pipeline.engines.data_parallel import Rendezvous, Shard, rank_name, table_shard
 from pipeline.io.config import Config
 from pipeline.run import spans
-
-
-def critic_name(rank: int, world_size: int) -> str:
-    """critic, or critic<r> for rank r of several: its name in events, metrics and errors."""
-    return "critic" if world_size == 1 else f"critic{rank}"
 
 
 class CriticWorker(Actor):
@@ -50,7 +44,7 @@ class CriticWorker(Actor):
             old.close()  # a pooled actor: free the last run's optimizer state first
         self.cfg = cfg
         self.world_size = cfg.ppo.critic_num_workers
-        self.log = reopen_log(self, run_dir, critic_name(self.rank, self.world_size), t0)
+        self.log = reopen_log(self, run_dir, rank_name("critic", self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         spans.take()
         self.engine = backends.critic_engine(cfg, self.rank, rendezvous)
@@ -67,11 +61,8 @@ class CriticWorker(Actor):
         self.log.emit("worker_ready", spans=spans.take())
 
     def _shard(self, table: pa.Table) -> Shard | None:
-        if self.world_size == 1:
-            return None
-        lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_pylist()
-        return batch_shards(lengths, self.cfg.schedule.group_size, self.world_size,
-                            self.cfg.training.micro_batch_size)[self.rank]
+        return table_shard(table, self.cfg.schedule.group_size, self.rank, self.world_size,
+                           self.cfg.training.micro_batch_size)
 
     @node("critic_values")
     def critic_values(self, batch: Batch) -> Values:

@@ -9,20 +9,14 @@ from __future__ import annotations
 import time
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import ray
 
 from dags.tokens import Advantages, Batch, Clock, Gate, TrainOut, WeightsSent
 from pipeline.actors.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.engines import backends, weights
-from pipeline.engines.data_parallel import Rendezvous, batch_shards
+from pipeline.engines.data_parallel import Rendezvous, rank_name, table_shard
 from pipeline.io.config import Config
 from pipeline.run import spans
-
-
-def trainer_name(rank: int, world_size: int) -> str:
-    """trainer, or trainer<r> for rank r of several: its name in events, metrics and errors."""
-    return "trainer" if world_size == 1 else f"trainer{rank}"
 
 
 class TrainerWorker(Actor):
@@ -38,7 +32,7 @@ class TrainerWorker(Actor):
         spans.take()
         self.cfg = cfg
         self.world_size = cfg.training.num_workers
-        self.log = reopen_log(self, run_dir, trainer_name(self.rank, self.world_size), t0)
+        self.log = reopen_log(self, run_dir, rank_name("trainer", self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         self.engine = backends.training_engine(cfg, self.rank, rendezvous)
         if restore_dir is not None:
@@ -48,6 +42,12 @@ class TrainerWorker(Actor):
         # on first need, since most runs never replace a generator. One attribute, so a
         # reader on the second thread never pairs one step's weights with another's clock.
         self._live = (start_version, None, self.log.now())
+        if self.world_size > 1 and cfg.training.zero_stage == 3:
+            # current_weights runs on rank 0 alone, and a ZeRO-3 gather needs every rank: export
+            # the start weights now, all ranks together (a resume or a restart may ask for them).
+            exported = self.engine.export_weights()
+            if self.rank == 0:
+                self._live = (start_version, ray.put((start_version, weights.pack(exported))), self.log.now())
         self.log.emit("worker_ready", spans=spans.take())
         return self.log.now()
 
@@ -56,7 +56,7 @@ class TrainerWorker(Actor):
         made them, for a generator that starts mid-run: its load is after that event."""
         version, ref, clock = self._live
         if ref is None:
-            # Only rank 0 is asked: under ZeRO-3 this gather would need every rank (see Controller.sample).
+            # Only rank 0 is asked; with several ZeRO-3 ranks begin_run has exported already.
             ref = ray.put((version, weights.pack(self.engine.export_weights())))
             self._live = (version, ref, clock)
         return version, (ref,), clock
@@ -78,15 +78,17 @@ class TrainerWorker(Actor):
         else:
             metrics = self._train_shard(table, self._advantages(table, advantages))
         self.version += 1
-        weights_ref = None
-        if self.cfg.generation.weight_sync == "object_store" or self.cfg.training.zero_stage == 3:
+        weights_ref, exported = None, None
+        collective = self.cfg.generation.weight_sync == "collective"
+        if not collective or self.cfg.training.zero_stage == 3:
             # Under ZeRO-3 the gather of the full weights needs every rank, so it happens here
             # even for a collective sync; send_weights then sends this copy.
             with spans.span("export_weights"):
-                self._exported = self.engine.export_weights()
-        if self.rank == 0 and self.cfg.generation.weight_sync == "object_store":
+                exported = self.engine.export_weights()
+        if self.rank == 0 and not collective:
             with spans.span("weights.put"):
-                weights_ref = ray.put((self.version, weights.pack(self._exported)))
+                weights_ref = ray.put((self.version, weights.pack(exported)))
+        self._exported = exported if collective else None
         self.log.emit("train_end", step=batch.step, version=self.version)
         # Kept alive until the next step's refits are done (see Controller.sample).
         self._live = (self.version, weights_ref, self.log.now())
@@ -130,11 +132,10 @@ class TrainerWorker(Actor):
 
     def _train_shard(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
         """This rank's update: its whole prompt groups of the batch (all of it when alone)."""
-        if self.world_size == 1:
+        shard = table_shard(table, self.cfg.schedule.group_size, self.rank, self.world_size,
+                            self.cfg.training.micro_batch_size)
+        if shard is None:
             return self.engine.train_step(table, advantages)
-        lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_pylist()
-        shard = batch_shards(lengths, self.cfg.schedule.group_size, self.world_size,
-                             self.cfg.training.micro_batch_size)[self.rank]
         return {**self.engine.train_step(table, advantages, shard), "shard_rows": float(shard.stop - shard.start)}
 
     def _advantages(self, table: pa.Table, advantages: Advantages | None) -> pa.Table:

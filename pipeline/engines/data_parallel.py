@@ -60,3 +60,17 @@ def batch_shards(response_lengths: list[int], group_size: int, world_size: int,
     tokens = sum(response_lengths)
     return tuple(Shard(start, stop, rank, world_size, tokens, micro) for rank, (start, stop) in enumerate(bounds))
 
+
+
+def rank_name(role: str, rank: int, world_size: int) -> str:
+    """`role`, or `role<r>` for rank r of several: a rank's name in events, metrics and errors."""
+    return role if world_size == 1 else f"{role}{rank}"
+
+
+def table_shard(table, group_size: int, rank: int, world_size: int, micro_batch_size: int) -> Shard | None:
+    """Rank `rank`'s Shard of a trajectory table (pyarrow), or None when it is alone."""
+    if world_size == 1:
+        return None
+    import pyarrow.compute as pc
+    lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_pylist()
+    return batch_shards(lengths, group_size, world_size, micro_batch_size)[rank]

@@ -194,6 +194,11 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def critic_ranks(self) -> int:
+        """Critic actors the run starts: ppo.critic_num_workers under PPO, none under GRPO."""
+        return self.ppo.critic_num_workers if self.algorithm == "ppo" else 0
+
 
 # Keys of earlier releases and where they went: a recipe that still uses one gets told.
 MOVED = {

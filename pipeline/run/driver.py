@@ -52,8 +52,7 @@ def validation_due(step: int, cfg: Config) -> bool:
 
 
 def graph_actor_count(cfg: Config) -> int:
-    critics = cfg.ppo.critic_num_workers if cfg.algorithm == "ppo" else 0
-    return 1 + cfg.training.num_workers + cfg.generation.num_generators + critics
+    return 1 + cfg.training.num_workers + cfg.generation.num_generators + cfg.critic_ranks
 
 
 def resolve_dag_mode(cfg: Config, cores: float) -> str:
@@ -253,7 +252,7 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
     try:
         if own_workers:
             workers = start_workers(cfg.generation.num_generators, trainers=cfg.training.num_workers,
-                                    critics=cfg.ppo.critic_num_workers if cfg.algorithm == "ppo" else 0,
+                                    critics=cfg.critic_ranks,
                                     placement=placement)
         workers = begin_run(workers, cfg, run_dir, t0, start, ckpt, log)
         startup["workers_s"] = time.time() - t0

@@ -44,7 +44,7 @@ class Bundle:
 def _counts(cfg: Config) -> dict[str, int]:
     """Actors per role, in bundle order."""
     return {"controller": 1, "trainer": cfg.training.num_workers,
-            "critic": cfg.ppo.critic_num_workers if cfg.algorithm == "ppo" else 0,
+            "critic": cfg.critic_ranks,
             "generator": cfg.generation.num_generators}
 
 

@@ -18,9 +18,10 @@ import ray
 from dags.step_graph import build_relaunch_graph
 from dags.tokens import RelaunchPlan
 from pipeline.actors.controller import Controller
-from pipeline.actors.critic import CriticWorker, critic_name
+from pipeline.actors.critic import CriticWorker
 from pipeline.actors.generator import GeneratorWorker, generator_name
-from pipeline.actors.trainer import TrainerWorker, trainer_name
+from pipeline.actors.trainer import TrainerWorker
+from pipeline.engines.data_parallel import rank_name
 from pipeline.io.config import Config
 from pipeline.io.models import ModelError
 from pipeline.run.events import EventLog
@@ -46,9 +47,9 @@ class Workers:
     def actors(self, name_of: Callable[[int], str] = generator_name) -> dict[str, Any]:
         """Every actor by the name its event log uses."""
         named = {"controller": self.controller,
-                 **{trainer_name(r, len(self.trainers)): t for r, t in enumerate(self.trainers)},
+                 **{rank_name("trainer", r, len(self.trainers)): t for r, t in enumerate(self.trainers)},
                  **{name_of(i): g for i, g in enumerate(self.generators)},
-                 **{critic_name(r, len(self.critics)): c for r, c in enumerate(self.critics)}}
+                 **{rank_name("critic", r, len(self.critics)): c for r, c in enumerate(self.critics)}}
         return named
 
 
@@ -99,7 +100,7 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
               ckpt: Path | None, log: EventLog) -> Workers:
     """Set up every worker for this run; a pool may hold more generators than it uses."""
     used = workers.first(cfg.generation.num_generators)
-    critics = cfg.ppo.critic_num_workers if cfg.algorithm == "ppo" else 0
+    critics = cfg.critic_ranks
     if (len(used.trainers), len(used.critics)) != (cfg.training.num_workers, critics):
         raise ValueError(f"the pool has {len(used.trainers)} trainer and {len(used.critics)} critic ranks; the "
                          f"recipe asks {cfg.training.num_workers} (training.num_workers) and {critics} "
