@@ -7,8 +7,12 @@ real vLLM engine (CPU) in every generator process, by three paths:
                        VllmGenerationEngine.load_weights (RefitPlan: a copy per tensor)
   object_store_reload  the same, loaded the way it was before (vLLM's
                        reload_weights, then the prefix-cache reset)
-  collective           weight_sync: the trainer broadcasts its live parameters
-                       over gloo in buckets, each generator loads them as they arrive
+  collective           weight_sync as a run on one node uses it: the trainer copies its
+                       live parameters into a /dev/shm arena that every generator maps,
+                       signalling each chunk over gloo; each generator loads the chunks
+                       from the arena as they are signalled (weight_arena.py)
+  collective_socket    weight_sync as across nodes: the trainer broadcasts the bytes
+                       over gloo's sockets in buckets, loaded as they arrive
 
 for Llama models built in code (the tiny one, and about 1M, 25M, 100M and 400M
 parameters, fp32), with 1 and 2 generators. A refit is timed at the driver,
@@ -40,7 +44,8 @@ from _common import machine_info, print_table, sample_load, shutdown_ray, start_
 # Ray's workers cannot import this script by name: ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-PATHS = ("object_store", "object_store_reload", "collective")
+PATHS = ("object_store", "object_store_reload", "collective", "collective_socket")
+TRANSPORTS = {"collective": "shared", "collective_socket": "socket"}
 # hidden, layers, heads, head_dim, intermediate (vocabulary: the tiny tokenizer's 384)
 SIZES = {
     "tiny": (64, 2, 4, 32, 128),
@@ -61,7 +66,7 @@ class Trainer:
         torch.set_num_threads(1)
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.group = None
+        self.groups: dict = {}   # transport -> its weight-sync group
 
     def export_put(self, version: int) -> tuple[list, dict]:
         """pipeline/actors/trainer.py's train tail: export_weights (deepspeed_base.cpu_state_dict), pack, put."""
@@ -79,16 +84,16 @@ class Trainer:
         from pipeline.engines import weight_sync as ws
         return ws.sync_address(ws.node_ip())
 
-    def join(self, host: str, port: int, world: int) -> None:
+    def join(self, host: str, port: int, world: int, transport: str) -> None:
         from pipeline.engines import weight_sync as ws
-        if self.group is not None:
-            ws.leave(self.group)
-        self.group = ws.join(host, port, 0, world, timeout_s=TIMEOUT_S)
+        if transport in self.groups:
+            ws.leave(self.groups.pop(transport))
+        self.groups[transport] = ws.join(host, port, 0, world, timeout_s=TIMEOUT_S, transport=transport)
 
-    def send(self, version: int, bucket_bytes: int) -> dict:
+    def send(self, version: int, bucket_bytes: int, transport: str) -> dict:
         from pipeline.engines import weight_sync as ws
         t0 = time.perf_counter()
-        ws.send(self.group, self.model.state_dict().items(), version, bucket_bytes)
+        ws.send(self.groups[transport], self.model.state_dict().items(), version, bucket_bytes)
         return {"send_s": time.perf_counter() - t0}
 
 
@@ -102,7 +107,7 @@ class Generator:
         from pipeline.engines.vllm_generator import VllmGenerationEngine
         self.engine = VllmGenerationEngine(model_dir, max_model_len=128, kv_cache_seqs=4)
         torch.set_num_threads(1)
-        self.group = None
+        self.groups: dict = {}
 
     def load_from_store(self, refs: list, version: int, reload: bool = False) -> dict:
         from pipeline.engines import weights
@@ -118,16 +123,16 @@ class Generator:
         self.engine.load_weights(tensors)
         return {"get_s": t1 - t0, "load_s": time.perf_counter() - t1, **self._repack()}
 
-    def join(self, host: str, port: int, rank: int, world: int) -> None:
+    def join(self, host: str, port: int, rank: int, world: int, transport: str) -> None:
         from pipeline.engines import weight_sync as ws
-        if self.group is not None:
-            ws.leave(self.group)
-        self.group = ws.join(host, port, rank, world, timeout_s=TIMEOUT_S)
+        if transport in self.groups:
+            ws.leave(self.groups.pop(transport))
+        self.groups[transport] = ws.join(host, port, rank, world, timeout_s=TIMEOUT_S, transport=transport)
 
-    def receive(self, version: int, bucket_bytes: int) -> dict:
+    def receive(self, version: int, bucket_bytes: int, transport: str) -> dict:
         from pipeline.engines import weight_sync as ws
         t0 = time.perf_counter()
-        ws.receive_into(self.group, self.engine, version, bucket_bytes)
+        ws.receive_into(self.groups[transport], self.engine, version, bucket_bytes)
         return {"receive_load_s": time.perf_counter() - t0, **self._repack()}
 
     def _repack(self) -> dict:
@@ -159,9 +164,10 @@ def memcpy_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 
 def refit_once(path: str, trainer, gens: list, version: int, bucket_bytes: int) -> tuple[float, dict]:
     t0 = time.perf_counter()
-    if path == "collective":
-        parts = ray.get([trainer.send.remote(version, bucket_bytes)]
-                        + [g.receive.remote(version, bucket_bytes) for g in gens], timeout=TIMEOUT_S)
+    if path in TRANSPORTS:
+        transport = TRANSPORTS[path]
+        parts = ray.get([trainer.send.remote(version, bucket_bytes, transport)]
+                        + [g.receive.remote(version, bucket_bytes, transport) for g in gens], timeout=TIMEOUT_S)
     else:
         refs, exported = ray.get(trainer.export_put.remote(version), timeout=TIMEOUT_S)
         parts = [exported] + ray.get([g.load_from_store.remote(refs, version, path == "object_store_reload")
@@ -184,10 +190,11 @@ def measure_size(name: str, model_dir: Path, nbytes: int, generators: list[int],
         ray.get([g.fast.remote() for g in gens] + [trainer.address.remote()], timeout=TIMEOUT_S)
         version = 0
         for n in generators:
-            host, port = ray.get(trainer.address.remote())
-            ray.get([trainer.join.remote(host, port, n + 1)]
-                    + [g.join.remote(host, port, rank + 1, n + 1) for rank, g in enumerate(gens[:n])],
-                    timeout=TIMEOUT_S)
+            for transport in {TRANSPORTS[p] for p in paths if p in TRANSPORTS}:
+                host, port = ray.get(trainer.address.remote())
+                ray.get([trainer.join.remote(host, port, n + 1, transport)]
+                        + [g.join.remote(host, port, rank + 1, n + 1, transport) for rank, g in enumerate(gens[:n])],
+                        timeout=TIMEOUT_S)
             walls: dict = {p: [] for p in paths}
             parts: dict = {p: [] for p in paths}
             for rep in range(repeats + 1):   # the first is the warm-up: its load records the plan
@@ -278,10 +285,10 @@ def targets(figures: list[dict]) -> list[dict]:
     out = []
     by = {(f["size"], f["generators"], f["path"]): f for f in figures}
     for (size, n, path), f in by.items():
-        if path != "collective":
+        if path not in TRANSPORTS:
             continue
         store = by.get((size, n, "object_store"))
-        out.append({"size": size, "generators": n, "fraction_of_memcpy": f["fraction_of_memcpy"],
+        out.append({"size": size, "generators": n, "path": path, "fraction_of_memcpy": f["fraction_of_memcpy"],
                     "within_3x": f["fraction_of_memcpy"] >= 1 / 3 if size in ("100M", "400M") else None,
                     "speedup_over_object_store": store["wall_s"]["median"] / f["wall_s"]["median"] if store else None,
                     "faster_than_object_store": f["wall_s"]["median"] < store["wall_s"]["median"] if store else None})
@@ -296,8 +303,8 @@ def report(result: dict, memcpy: float) -> None:
                      f["fraction_of_memcpy"], " ".join(f"{k}={1e3 * v:.1f}" for k, v in f["parts_s"].items())])
     print_table(["size", "gens", "path", "MiB", "wall ms", "spread ms", "GB/s", "of memcpy", "parts (ms)"], rows,
                 title=f"refit, medians (memcpy {memcpy / 1e9:.2f} GB/s)")
-    print_table(["size", "gens", "of memcpy", "within 3x", "x object store", "faster"],
-                [[t["size"], t["generators"], t["fraction_of_memcpy"], t["within_3x"],
+    print_table(["size", "gens", "path", "of memcpy", "within 3x", "x object store", "faster"],
+                [[t["size"], t["generators"], t["path"], t["fraction_of_memcpy"], t["within_3x"],
                   t["speedup_over_object_store"], t["faster_than_object_store"]] for t in result["targets"]],
                 title="targets: collective within 3x of memcpy (100M and up), faster than the object store")
 

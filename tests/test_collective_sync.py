@@ -54,14 +54,15 @@ def _state(model_dir, seed: int | None):
     return model
 
 
-def _trainer(out, addrs, world, model_dir, rounds, store_file, die_at=None, bucket=BUCKET):
+def _trainer(out, addrs, world, model_dir, rounds, store_file, die_at=None, bucket=BUCKET, transport="auto"):
     """Rank 0: a default process group first (DeepSpeed's stand-in), then one send per round."""
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=0, world_size=1)
     host, port = ws.sync_address("127.0.0.1")
     for _ in range(world - 1):
         addrs.put((host, port))
-    group = ws.join(host, port, 0, world, timeout_s=120)   # a receiver may be starting a vLLM engine
+    # A receiver may be starting a vLLM engine.
+    group = ws.join(host, port, 0, world, timeout_s=120, transport=transport)
     if die_at is not None:
         group.pg = _DiesAt(group.pg, die_at)
     for version, seed in rounds:
@@ -99,21 +100,21 @@ def _silent_trainer(out, addrs, world, release):
     ws.leave(group)
 
 
-def _receiver(out, addrs, rank, world, expected, timeout_s=30):
+def _receiver(out, addrs, rank, world, expected, timeout_s=30, transport="auto"):
     host, port = addrs.get(timeout=WAIT_S)
-    group = ws.join(host, port, rank, world, timeout_s=timeout_s)
+    group = ws.join(host, port, rank, world, timeout_s=timeout_s, transport=transport)
     for version in expected:
         started = time.monotonic()
         try:
             manifest = ws.receive_manifest(group, version)
             got = {name: t.clone() for name, t in ws.receive(group, manifest, BUCKET)}
             # Pickled here: a tensor put on the queue as it is would be shared memory this process frees.
-            out.put(("received", rank, version, pickle.dumps(got)))
+            out.put(("received", rank, version, pickle.dumps(got), group.shared))
         except RuntimeError as exc:
             out.put(("refused", rank, version, str(exc), time.monotonic() - started))
 
 
-def _engine_receiver(out, addrs, rank, world, model_dir, rounds, bucket):
+def _engine_receiver(out, addrs, rank, world, model_dir, rounds, bucket, transport):
     """A generator with a real in-process vLLM engine: for each (version, seed),
     the logprob gap to transformers before and after the collective load, and
     how many tensors were received straight into the engine's tensors."""
@@ -126,7 +127,7 @@ def _engine_receiver(out, addrs, rank, world, model_dir, rounds, bucket):
     torch.set_num_threads(1)
     engine.PLAIN_LINEAR_MAX = 0   # every linear layer stays packed: the staging and repacking path
     host, port = addrs.get(timeout=WAIT_S)
-    group = ws.join(host, port, rank, world, timeout_s=60)
+    group = ws.join(host, port, rank, world, timeout_s=60, transport=transport)
     in_place = [0]
     destinations = engine.destinations
 
@@ -151,7 +152,8 @@ def _engine_receiver(out, addrs, rank, world, model_dir, rounds, bucket):
         c = after[0][0]
         scored = max(abs(a - b) for a, b in zip(prompt_logprobs(engine, c.prompt_ids, c.response_ids),
                                                 hf_logprobs(model, c.prompt_ids, c.response_ids)))
-        out.put(("loaded", version, stale, max_gap(model, after), scored, type(engine._plan).__name__, in_place[0]))
+        out.put(("loaded", version, stale, max_gap(model, after), scored, type(engine._plan).__name__, in_place[0],
+                 engine._plan.uncopied))
     engine.close()
 
 
@@ -215,12 +217,19 @@ def test_layout_splits_only_tensors_larger_than_a_bucket():
     assert [[i for i, *_ in b] for b in buckets] == [[0], [1, 2], [3], [4], [4], [5]]
 
 
-def test_two_receivers_get_the_state_dict_bit_for_bit(procs, tiny_model, tmp_path):
+@pytest.mark.parametrize("transport", ["shared", "socket"])
+def test_two_receivers_get_the_state_dict_bit_for_bit(procs, tiny_model, tmp_path, transport):
+    """Over /dev/shm and over gloo's sockets; and the shared arena's file is gone
+    once the processes have mapped it."""
+    before = set(Path("/dev/shm").glob("dagrl-*"))
     addrs = procs.ctx.Queue()
-    procs.start(_trainer, addrs, 3, str(tiny_model), [(1, None), (2, 5)], str(tmp_path / "store"))
+    procs.start(_trainer, addrs, 3, str(tiny_model), [(1, None), (2, 5)], str(tmp_path / "store"), None, BUCKET,
+                transport)
     for rank in (1, 2):
-        procs.start(_receiver, addrs, rank, 3, [1, 2])
+        procs.start(_receiver, addrs, rank, 3, [1, 2], 30, transport)
     results = procs.results(6)
+    assert {r[4] for r in results if r[0] == "received"} == {transport == "shared"}
+    assert set(Path("/dev/shm").glob("dagrl-*")) <= before
     for version, seed in ((1, None), (2, 5)):
         state = _state(tiny_model, seed).state_dict()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -252,12 +261,15 @@ def test_a_version_mismatch_stops_every_rank_before_any_bytes(procs, tiny_model,
     assert sorted(r[1] for r in results if r[0] == "received") == [1, 2]
 
 
-def test_a_receiver_whose_sender_died_raises_at_once(procs, tiny_model, tmp_path):
-    """The trainer process exits (as if killed) at its 4th bucket: the receiver's
-    load raises, well within the group timeout, instead of waiting for it."""
+@pytest.mark.parametrize("transport", ["shared", "socket"])
+def test_a_receiver_whose_sender_died_raises_at_once(procs, tiny_model, tmp_path, transport):
+    """The trainer process exits (as if killed) at its 4th bucket (shared: its
+    4th chunk's signal): the receiver's load raises, well within the group
+    timeout, instead of waiting for it."""
     addrs = procs.ctx.Queue()
-    trainer = procs.start(_trainer, addrs, 2, str(tiny_model), [(1, None)], str(tmp_path / "store"), 4)
-    procs.start(_receiver, addrs, 1, 2, [1], 30)
+    trainer = procs.start(_trainer, addrs, 2, str(tiny_model), [(1, None)], str(tmp_path / "store"), 4, BUCKET,
+                          transport)
+    procs.start(_receiver, addrs, 1, 2, [1], 30, transport)
     (result,) = procs.results(1)
     assert result[0] == "refused" and result[4] < 10, result   # noticed, not waited out
     trainer.join(timeout=30)
@@ -277,25 +289,34 @@ def test_a_silent_sender_times_out(procs):
     assert 3 <= refused[4] < 3 + 10, refused
 
 
-def test_an_engine_loaded_over_the_group_matches_transformers(procs, tiny_model, tmp_path):
+@pytest.mark.parametrize("transport", ["shared", "socket"])
+def test_an_engine_loaded_over_the_group_matches_transformers(procs, tiny_model, tmp_path, transport):
     """Three syncs into a real vLLM engine (the first records the plan through
-    the model's loaders, the next replay it, receiving the tensors that fill a
-    32 KiB bucket alone straight into the engine's qkv and MLP staging): each
-    time the cached prompt was stale before and every logprob matches
-    transformers after."""
+    the model's loaders, the next replay it; over sockets, the tensors that fill
+    a 32 KiB bucket alone are received straight into the engine's qkv and MLP
+    staging, from /dev/shm each packed weight is repacked where it lies in the
+    arena, with no staging copy): each time
+    the cached prompt was stale before and every logprob matches transformers
+    after."""
     from test_vllm_generator import TOL
     rounds = [(1, 11), (2, 12), (3, 13)]
     addrs = procs.ctx.Queue()
-    procs.start(_trainer, addrs, 2, str(tiny_model), rounds, str(tmp_path / "store"), None, 32 << 10)
-    procs.start(_engine_receiver, addrs, 1, 2, str(tiny_model), rounds, 32 << 10)
+    procs.start(_trainer, addrs, 2, str(tiny_model), rounds, str(tmp_path / "store"), None, 32 << 10, transport)
+    procs.start(_engine_receiver, addrs, 1, 2, str(tiny_model), rounds, 32 << 10, transport)
     results = procs.results(6, timeout_s=300)
     loads = sorted(r for r in results if r[0] == "loaded")
     assert [r[1] for r in loads] == [1, 2, 3]
-    for _, version, stale, gap, scored, plan, in_place in loads:
+    for _, version, stale, gap, scored, plan, in_place, uncopied in loads:
         assert stale > 100 * TOL, (version, stale)
         assert gap < TOL and scored < TOL, (version, gap, scored)
         assert plan == "RefitPlan"
-        assert in_place == 0 if version == 1 else in_place >= 14, (version, in_place)   # 7 per layer
+        if transport == "shared" or version == 1:
+            assert in_place == 0, (version, in_place)
+        else:
+            assert in_place >= 14, (version, in_place)   # 7 per layer
+        # From the arena every packed weight is repacked where it lies, fused q/k/v and gate/up
+        # included (their slices lie back to back): 4 per layer (the lm_head stays plain: a copy).
+        assert uncopied == (8 if transport == "shared" and version > 1 else 0), (version, uncopied)
 
 
 def test_the_fast_load_matches_transformers_with_tied_embeddings(tmp_path):
@@ -326,7 +347,7 @@ def test_the_refit_benchmark_runs_quick(tmp_path):
     result = run_quick("refit", tmp_path, timeout=600)
     figures = result["figures"]
     assert {(f["size"], f["generators"], f["path"]) for f in figures} == {
-        ("tiny", 1, path) for path in ("object_store", "object_store_reload", "collective")}
+        ("tiny", 1, path) for path in ("object_store", "object_store_reload", "collective", "collective_socket")}
     for f in figures:
         assert is_stat(f["wall_s"]) and f["bytes_per_s"] > 0 and 0 < f["fraction_of_memcpy"] < 1
         assert f["engine_plan"] == ["RefitPlan"]

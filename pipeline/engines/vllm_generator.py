@@ -196,13 +196,16 @@ class VllmGenerationEngine:
         it: it re-runs every loader and repacks every layer, 20 ms on the tiny
         model of which 0.1 is copying bytes."""
         from vllm.config import set_current_vllm_config
+        from vllm.platforms import current_platform
 
         from pipeline.engines.weights import RefitPlan
         model, config = self._model()
         if model is not None and self._plan is not False:
             with set_current_vllm_config(config), torch.no_grad():
                 if self._plan is not None and self._plan.usable(names):
-                    self._plan.load(stream)
+                    # vLLM's Zen CPU path keeps the unpacked weight itself (when it does not
+                    # prepack): a borrowed buffer would be read after the load.
+                    self._plan.load(stream, borrow=stable and not current_platform.is_zen_cpu())
                     return
                 self._plan, why = RefitPlan.record(model, names, stream, plain_max=self.PLAIN_LINEAR_MAX)
                 if why:

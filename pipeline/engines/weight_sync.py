@@ -19,6 +19,12 @@ one overlaps sending the other. A receiver yields each tensor as a view of its
 bucket buffer, valid until the next tensor is asked for, which is what
 `VllmGenerationEngine.load_stream` consumes.
 
+When every rank can map rank 0's /dev/shm (one node; checked at join), the
+bytes skip the sockets: rank 0 copies the tensors into a shared arena and the
+group carries one small broadcast per chunk (pipeline/engines/weight_arena.py).
+A generator then loads each tensor from the arena, and repacks a packed layer
+straight from it where its slices lie as the layer lays them out.
+
 On GPU (backend "nccl") the control steps stay on gloo and the bytes go
 through vLLM's own weight-transfer engine (vllm/distributed/weight_transfer/
 nccl_engine.py): rank 0 broadcasts with its packed producer over a
@@ -45,6 +51,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.engines import weight_arena
+
 # Every tensor starts aligned in its bucket, as in the flat buffer, so any dtype can view it.
 from pipeline.engines.weights import ALIGN
 
@@ -53,6 +61,7 @@ from pipeline.engines.weights import ALIGN
 BUCKET_BYTES = 16 << 20
 HEADER_BYTES = 64 << 10  # the version and the manifest travel in one all-gather of this much per rank
 BACKENDS = ("gloo", "nccl")
+TRANSPORTS = ("auto", "shared", "socket")   # CPU bytes: an arena in /dev/shm, or the gloo sockets
 _MASTERS: dict[tuple[str, int], Any] = {}   # the stores sync_address opened, until rank 0 joins
 
 
@@ -79,6 +88,9 @@ class SyncGroup:
     nccl: Any = None        # rank 0 on GPU: vLLM's PyNcclCommunicator
     bucket_bytes: int = BUCKET_BYTES
     buffers: tuple = ()     # the two bucket buffers, kept: fresh ones page-fault on every sync
+    shared: bool = False    # the CPU bytes go through a weight_arena.Arena, not the sockets
+    arena: Any = None       # that arena, once a sync has set it up
+    arenas_made: int = 0    # how many times it was (re)made: names its rendezvous key
 
     def bucket_buffers(self, nbytes: int) -> tuple:
         if not self.buffers or self.buffers[0].numel() < nbytes:
@@ -103,13 +115,17 @@ def sync_address(host: str | None = None) -> tuple[str, int]:
 
 
 def join(host: str, port: int, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 60.0,
-         *, engine: Any = None, bucket_bytes: int = BUCKET_BYTES) -> SyncGroup:
+         *, engine: Any = None, bucket_bytes: int = BUCKET_BYTES, transport: str = "auto") -> SyncGroup:
     """Form the group: every rank calls this at the same time, rank 0 in the
     process that called sync_address. Raises if the others are not all there
-    within timeout_s. `engine` (a generator's VllmGenerationEngine) and
-    `bucket_bytes` matter only to "nccl", whose receiving side vLLM sets up."""
+    within timeout_s. `engine` (a generator's VllmGenerationEngine) matters only
+    to "nccl", whose receiving side vLLM sets up. `transport` (gloo): "shared"
+    moves the bytes through /dev/shm (every rank must see rank 0's), "socket"
+    through gloo, "auto" the first when every rank can."""
     if backend not in BACKENDS:
         raise ValueError(f"weight sync: backend {backend!r} is not one of {BACKENDS}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"weight sync: transport {transport!r} is not one of {TRANSPORTS}")
     if not 0 <= rank < world_size:
         raise ValueError(f"weight sync: rank {rank} is outside a group of {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -129,6 +145,11 @@ def join(host: str, port: int, rank: int, world_size: int, backend: str = "gloo"
     group = SyncGroup(pg, store, rank, world_size, backend, timeout_s, bucket_bytes=bucket_bytes)
     if backend == "nccl":
         _join_nccl(group, host, engine)
+    elif transport != "socket":
+        group.shared = weight_arena.all_share_memory(group)
+        if transport == "shared" and not group.shared:
+            raise RuntimeError("weight sync: transport 'shared' needs every rank on rank 0's node "
+                               "(its /dev/shm), and some are not")
     return group
 
 
@@ -151,6 +172,8 @@ def send(group: SyncGroup, named_tensors: Iterable[tuple[str, torch.Tensor]], ve
                                        num_buffers=2)
         torch.cuda.current_stream().synchronize()
         return sum(manifest.sizes())
+    if group.shared:
+        return weight_arena.send(group, items, manifest.sizes(), bucket_bytes)
     flats = [t.contiguous().reshape(-1).view(torch.uint8) for _, t in items]
     buckets = _layout(manifest.sizes(), bucket_bytes)
     buffers = group.bucket_buffers(max((_length(b) for b in buckets), default=0))
@@ -187,6 +210,9 @@ def receive(group: SyncGroup, manifest: Manifest, bucket_bytes: int | None = Non
     it is then yielded in place and the engine has nothing to copy."""
     bucket_bytes = bucket_bytes or group.bucket_bytes
     sizes = manifest.sizes()
+    if group.shared:
+        yield from weight_arena.receive(group, manifest.entries, sizes, bucket_bytes)
+        return
     buckets = _layout(sizes, bucket_bytes)
     buffers = group.bucket_buffers(max((_length(b) for b in buckets), default=0))
     works: list[Any] = [None, None]
@@ -258,6 +284,9 @@ def receive_into(group: SyncGroup, engine: Any, version: int, bucket_bytes: int 
         engine.llm.collective_rpc("finish_weight_update")
         engine.drop_prefix_cache()
         return manifest
+    if group.shared:   # views of the arena: valid until the next sync, so nothing to hold on to
+        engine.load_stream(manifest.typed(), receive(group, manifest, bucket_bytes), stable=True)
+        return manifest
     into = engine.destinations([name for name, _, _ in manifest.entries])
     engine.load_stream(manifest.typed(), receive(group, manifest, bucket_bytes, into))
     return manifest
@@ -267,7 +296,9 @@ def leave(group: SyncGroup) -> None:
     """Drop this rank's side of the group (rank 0's store goes with it)."""
     if group.nccl is not None:
         group.nccl.destroy()
-    group.pg = group.store = group.nccl = None
+    if group.arena is not None:
+        group.arena.close()
+    group.pg = group.store = group.nccl = group.arena = None
     group.buffers = ()
 
 

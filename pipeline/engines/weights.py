@@ -90,9 +90,13 @@ class RefitPlan:
         for writes in entries.values():
             for write in writes:
                 counts[write[0]] += 1
+        self.target_writes = counts
+        self.filled = {w[0] for writes in entries.values() for w in writes if w[4] is not None}
         self.counts = [sum(counts[t] for t in tis) for _, tis, _ in layers]
         self.pool: dict = {}
         self.staged: dict | None = None   # during a load: target -> its staging tensor
+        self.borrowed: set = set()        # during a load: the targets staged in the stream's own tensor
+        self.uncopied = 0                 # of the last load: how many targets were repacked from the stream
         self.repack_s = 0.0       # of the last load: the share spent in vLLM's repacking (benchmarks/refit.py)
 
     @classmethod
@@ -169,30 +173,40 @@ class RefitPlan:
         return (len(names) == len(self.entries) and all(n in self.entries for n in names)
                 and all(t[2] is None or getattr(t[0], t[1]) is t[2] for t in self.targets))
 
-    def load(self, stream: Any) -> None:
+    def load(self, stream: Any, borrow: bool = False) -> None:
         """Copy each (name, tensor) to where it was recorded to go (nothing to
         copy when it was received there, see `destination`); repack each packed
-        layer when its last slice is in."""
+        layer when its last slice is in. `borrow`: the stream's tensors stay
+        valid until the load returns; a packed layer's weight whose slices lie
+        in one buffer exactly as the weight lays them out (a flat buffer or an
+        arena holds q, k and v back to back) is repacked from there, uncopied."""
         left, seen = list(self.counts), set()
-        self.staged, self.repack_s = {}, 0.0
+        self.staged, self.repack_s, self.borrowed = {}, 0.0, set()
+        pending: dict[int, list] = {}   # target -> its slices so far, until it is complete
         try:
             for name, tensor in stream:
                 if name in seen or name not in self.entries:
                     raise RuntimeError(f"weight load: {name!r} "
                                        f"{'came twice' if name in seen else 'was not announced'}")
                 seen.add(name)
-                for ti, offset, size, stride, fill in self.entries[name]:
-                    view = self._base(ti).as_strided(size, stride, offset)
-                    if fill is not None:
-                        view.fill_(fill)
-                    elif not _same_view(view, tensor):
-                        view.copy_(tensor)
+                for write in self.entries[name]:
+                    ti, done = write[0], 1
+                    if borrow and self._borrowable(ti):
+                        slices = pending.setdefault(ti, [])
+                        slices.append((write, tensor))
+                        if len(slices) < self.target_writes[ti]:
+                            continue   # its layers cannot finish before it is complete
+                        done = len(slices)
+                        self._stage(ti, pending.pop(ti))
+                    else:
+                        self._write(ti, write, tensor)
                     for li in self.owners[ti]:
-                        left[li] -= 1
+                        left[li] -= done
                         if left[li] == 0:
                             self._finish(li, self.staged)
         finally:
-            self.staged = None
+            self.uncopied = len(self.borrowed)
+            self.staged, self.borrowed = None, set()
         if len(seen) != len(self.entries):
             raise RuntimeError(f"weight load: the stream ended after {len(seen)} of {len(self.entries)} tensors")
 
@@ -209,6 +223,36 @@ class RefitPlan:
         if base.dtype != dtype or not view.is_contiguous() or view.numel() * view.element_size() != nbytes:
             return None
         return view
+
+    def _borrowable(self, ti: int) -> bool:
+        """A staged target that only vLLM's repacking reads (its layers drop the plain weight after)."""
+        return (self.targets[ti][2] is None and ti not in self.filled
+                and all(self.layers[li][2] for li in self.owners[ti]))
+
+    def _stage(self, ti: int, slices: list) -> None:
+        """Target `ti`, complete: staged as a view of the stream's buffer if its
+        slices lie there as the target lays them out, else copied into a staging tensor."""
+        like = self.targets[ti][3]
+        (_, offset, _, _, _), first = slices[0]
+        shift, storage = first.storage_offset() - offset, first.untyped_storage()
+        extent = sum((n - 1) * st for n, st in zip(like.shape, like.stride())) + 1
+        if shift >= 0 and (shift + extent) * like.element_size() <= storage.nbytes() and all(
+                t.dtype == like.dtype and t.untyped_storage().data_ptr() == storage.data_ptr()
+                and t.storage_offset() - off == shift and tuple(t.shape) == tuple(size)
+                and tuple(t.stride()) == tuple(stride) for (_, off, size, stride, _), t in slices):
+            self.staged[ti] = first.as_strided(like.shape, like.stride(), shift)
+            self.borrowed.add(ti)
+            return
+        for write, tensor in slices:
+            self._write(ti, write, tensor)
+
+    def _write(self, ti: int, write: tuple, tensor: Any) -> None:
+        _, offset, size, stride, fill = write
+        view = self._base(ti).as_strided(size, stride, offset)
+        if fill is not None:
+            view.fill_(fill)
+        elif not _same_view(view, tensor):
+            view.copy_(tensor)
 
     def _base(self, ti: int) -> Any:
         base = self.targets[ti][2]
@@ -278,8 +322,11 @@ class RefitPlan:
         for ti, param in params.items():
             buffer = staged.pop(ti)
             if getattr(module, self.targets[ti][1]) is param:
+                if ti in self.borrowed:
+                    raise RuntimeError(f"weight load: {type(module).__name__} kept the loaded tensor "
+                                       f"{self.targets[ti][1]} as its weight after a repack it had not kept before")
                 self.targets[ti][2] = param  # vLLM kept the plain tensor as the weight: write there from now on
-            else:
+            elif ti not in self.borrowed:
                 like = self.targets[ti][3]
                 self.pool.setdefault((like.shape, like.stride(), like.dtype), []).append(buffer.detach())
 
