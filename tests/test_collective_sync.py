@@ -54,9 +54,17 @@ def _state(model_dir, seed: int | None):
     return model
 
 
-def _trainer(out, addrs, world, model_dir, rounds, store_file, die_at=None, bucket=BUCKET, transport="auto"):
-    """Rank 0: a default process group first (DeepSpeed's stand-in), then one send per round."""
+def _trainer(out, addrs, world, model_dir, rounds, store_file, die_at=None, bucket=BUCKET, transport="auto",
+             no_room=False):
+    """Rank 0: a default process group first (DeepSpeed's stand-in), then one
+    send per round. `no_room`: its /dev/shm cannot hold an arena (ENOSPC)."""
+    import errno
+
     import torch.distributed as dist
+    if no_room:
+        def full(nbytes, directory=None):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        ws.weight_arena.Arena.create = full
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=0, world_size=1)
     host, port = ws.sync_address("127.0.0.1")
     for _ in range(world - 1):
@@ -240,6 +248,21 @@ def test_two_receivers_get_the_state_dict_bit_for_bit(procs, tiny_model, tmp_pat
             assert list(got) == list(state)
             for name, tensor in state.items():
                 assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (rank, version, name)
+
+
+def test_a_full_dev_shm_falls_back_to_the_sockets(procs, tiny_model, tmp_path):
+    """Rank 0 cannot make the arena: every rank learns it in the same step,
+    and the weights arrive over the sockets, bit for bit, that sync and the next."""
+    addrs = procs.ctx.Queue()
+    procs.start(_trainer, addrs, 2, str(tiny_model), [(1, None), (2, 5)], str(tmp_path / "store"), None, BUCKET,
+                "auto", True)
+    procs.start(_receiver, addrs, 1, 2, [1, 2])
+    results = procs.results(4)
+    for version, seed in ((1, None), (2, 5)):
+        (got,) = [r for r in results if r[:2] == ("received", 1) and r[2] == version]
+        assert got[4] is False   # the group no longer counts as shared
+        state = _state(tiny_model, seed).state_dict()
+        assert all(torch.equal(pickle.loads(got[3])[name], t) for name, t in state.items())
 
 
 def test_a_version_mismatch_stops_every_rank_before_any_bytes(procs, tiny_model, tmp_path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,13 @@ class Arena:
         path = directory / f"dagrl-weights-{uuid.uuid4().hex}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
+            # Reserved now, not at the first write: a /dev/shm too small for the
+            # model (a container's 64 MiB default) is ENOSPC here instead of a SIGBUS mid-copy.
+            os.posix_fallocate(fd, 0, max(nbytes, 1))
             return cls._mapped(path, fd, nbytes)
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
 
@@ -154,9 +160,10 @@ def _min() -> Any:
     return options
 
 
-def _arena(group: Any, nbytes: int) -> Arena:
+def arena_for(group: Any, nbytes: int) -> Arena | None:
     """The group's arena, of `nbytes`: made anew (a collective step) when the
-    manifest's size changed. Raises on every rank alike if a rank cannot map it."""
+    manifest's size changed. None on every rank alike if a rank could not make
+    or map it (a full /dev/shm): the group then moves bytes over its sockets."""
     if group.arena is not None and group.arena.nbytes == nbytes:
         return group.arena
     if group.arena is not None:
@@ -182,17 +189,20 @@ def _arena(group: Any, nbytes: int) -> Arena:
     if not mapped.item():
         if arena is not None:
             arena.close()
-        raise RuntimeError(f"weight sync: a rank could not map the shared arena of {nbytes} bytes"
-                           + (f" (this one: {why})" if why else ""))
+        group.shared = False
+        warnings.warn(f"weight sync: a rank could not map a shared arena of {nbytes} bytes"
+                      + (f" (this one: {why})" if why else "") + "; weights go over gloo's sockets from now on",
+                      RuntimeWarning, stacklevel=2)
+        return None
     group.arena = arena
     return arena
 
 
 def send(group: Any, items: list[tuple[str, torch.Tensor]], sizes: list[int], chunk_bytes: int) -> int:
-    """Rank 0: copy each chunk of tensors into the arena and signal it; the
+    """Rank 0, after `arena_for`: copy each chunk of tensors into the arena and signal it; the
     generators load one chunk while the next is copied in."""
-    starts, total = offsets(sizes)
-    data = _arena(group, total).data
+    starts, _ = offsets(sizes)
+    data = group.arena.data
     works = []
     for k, run in enumerate(chunks(sizes, chunk_bytes)):
         for i in run:
@@ -206,10 +216,10 @@ def send(group: Any, items: list[tuple[str, torch.Tensor]], sizes: list[int], ch
 
 def receive(group: Any, entries: tuple, sizes: list[int],
             chunk_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """A generator: each tensor of `entries` ((name, dtype name, shape)) as a
+    """A generator, after `arena_for`: each tensor of `entries` ((name, dtype name, shape)) as a
     view of the arena, as soon as rank 0 has signalled its chunk."""
-    starts, total = offsets(sizes)
-    data = _arena(group, total).data
+    starts, _ = offsets(sizes)
+    data = group.arena.data
     for run in chunks(sizes, chunk_bytes):
         group.pg.broadcast(torch.zeros(1, dtype=torch.int64), 0).wait()
         for i in run:
