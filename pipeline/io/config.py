@@ -76,8 +76,9 @@ class GenerationConfig:
                                      "generator; 1 on CPU", ge=1)
     weight_sync: Literal["object_store", "collective"] = _key(
         "object_store", "how a refit moves weights: the object store, or a broadcast from trainer rank 0 to the "
-        "engines over a process group (gloo on CPU, NCCL on GPU)")
-    sync_bucket_mb: float = _key(16.0, "collective weight sync: size of one broadcast bucket in MiB", gt=0)
+        "engines over a process group (gloo on CPU, through a /dev/shm arena when all share one node; NCCL on GPU)")
+    sync_bucket_mb: float = _key(16.0, "collective weight sync: size of one broadcast bucket (through /dev/shm: "
+                                 "of one signalled chunk) in MiB", gt=0)
 
 
 @dataclass(frozen=True)
