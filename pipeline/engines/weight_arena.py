@@ -174,10 +174,14 @@ def arena_for(group: Any, nbytes: int) -> Arena | None:
     arena, why = None, ""
     try:
         if group.rank == 0:
-            arena = Arena.create(nbytes)
-            group.store.set(key, str(arena.path))
+            try:
+                arena = Arena.create(nbytes)
+            finally:   # an empty path tells the others at once that there is none to map
+                group.store.set(key, str(arena.path) if arena is not None else "")
         else:
-            arena = Arena.open(group.store.get(key).decode(), nbytes)
+            path = group.store.get(key).decode()
+            arena = Arena.open(path, nbytes) if path else None
+            why = "" if path else "rank 0 made none"
     except (OSError, RuntimeError) as exc:
         why = f"{type(exc).__name__}: {exc}"
     try:
