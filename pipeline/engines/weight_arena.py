@@ -160,10 +160,12 @@ def _min() -> Any:
     return options
 
 
-def arena_for(group: Any, nbytes: int) -> Arena | None:
-    """The group's arena, of `nbytes`: made anew (a collective step) when the
-    manifest's size changed. None on every rank alike if a rank could not make
-    or map it (a full /dev/shm): the group then moves bytes over its sockets."""
+def arena_for(group: Any, sizes: list[int]) -> Arena | None:
+    """The group's arena for tensors of `sizes` bytes: made anew (a collective
+    step) when the manifest's size changed. None on every rank alike if a rank
+    could not make or map it (a full /dev/shm): the group then moves bytes over
+    its sockets."""
+    nbytes = offsets(sizes)[1]
     if group.arena is not None and group.arena.nbytes == nbytes:
         return group.arena
     if group.arena is not None:

@@ -172,7 +172,7 @@ def send(group: SyncGroup, named_tensors: Iterable[tuple[str, torch.Tensor]], ve
                                        num_buffers=2)
         torch.cuda.current_stream().synchronize()
         return sum(manifest.sizes())
-    if group.shared and weight_arena.arena_for(group, weight_arena.offsets(manifest.sizes())[1]):
+    if group.shared and weight_arena.arena_for(group, manifest.sizes()):
         return weight_arena.send(group, items, manifest.sizes(), bucket_bytes)
     flats = [t.contiguous().reshape(-1).view(torch.uint8) for _, t in items]
     buckets = _layout(manifest.sizes(), bucket_bytes)
@@ -210,7 +210,7 @@ def receive(group: SyncGroup, manifest: Manifest, bucket_bytes: int | None = Non
     it is then yielded in place and the engine has nothing to copy."""
     bucket_bytes = bucket_bytes or group.bucket_bytes
     sizes = manifest.sizes()
-    if group.shared and weight_arena.arena_for(group, weight_arena.offsets(sizes)[1]):
+    if group.shared and weight_arena.arena_for(group, sizes):
         yield from weight_arena.receive(group, manifest.entries, sizes, bucket_bytes)
         return
     buckets = _layout(sizes, bucket_bytes)
@@ -284,7 +284,7 @@ def receive_into(group: SyncGroup, engine: Any, version: int, bucket_bytes: int 
         engine.llm.collective_rpc("finish_weight_update")
         engine.drop_prefix_cache()
         return manifest
-    if group.shared and weight_arena.arena_for(group, weight_arena.offsets(manifest.sizes())[1]):
+    if group.shared and weight_arena.arena_for(group, manifest.sizes()):
         # Views of the arena, valid until the next sync: nothing to hold on to.
         engine.load_stream(manifest.typed(), receive(group, manifest, bucket_bytes), stable=True)
         return manifest
