@@ -1,7 +1,8 @@
 """Mutations of the step graph, for tests that prove the checker can fail.
 
-Each mutation removes one ordering guarantee: an edge of the graph, or the
-drain a generator does before it loads new weights. They are built here, in
+Each mutation removes one ordering guarantee: an edge of the graph, the
+drain a generator does before it loads new weights, or the engine's labelling
+of each token with the weights that sampled it. They are built here, in
 the tests, from the public pieces of dags/step_graph.py; production code
 builds none of them. Some need a generator without one of its own guards
 (collect refuses a version it does not hold, or rollouts still in flight):
@@ -41,9 +42,16 @@ class MutantGenerator(GeneratorWorker):
 
     skip_drain = False
     trainer = None
+    late_label = False
 
-    def configure(self, skip_drain: bool = False, trainer=None) -> None:
-        self.skip_drain, self.trainer = skip_drain, trainer
+    def configure(self, skip_drain: bool = False, trainer=None, late_label: bool = False) -> None:
+        self.skip_drain, self.trainer, self.late_label = skip_drain, trainer, late_label
+
+    def begin_run(self, *args, **kwargs):
+        clock = super().begin_run(*args, **kwargs)
+        if self.late_label:
+            label_a_step_late(self.engine)
+        return clock
 
     def _drain(self, step: int) -> None:
         if not self.skip_drain:  # refit_without_drain: load new weights under running rollouts
@@ -69,11 +77,23 @@ class MutantGenerator(GeneratorWorker):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the trainer never had the weights of step {plan.step}")
             time.sleep(0.005)  # polling the trainer is the mutation under test
-        self.log.emit("refit_start", step=plan.step, version=self.version)
-        self.engine.load_weights(weights)
+        self._loop.call("install", (lambda: self.engine.load_weights(weights), plan.step, version),
+                        self.cfg.run.deadline_s, "refit_polling")
         self.version, self._loaded_step = version, plan.step
-        self.log.emit("refit_end", step=plan.step, version=self.version)
         return Refitted(self.log.worker, plan.step, self.version, plan.validate)
+
+
+def label_a_step_late(engine) -> None:
+    """late_version_label: the engine labels the tokens of a load's version from
+    the step after the load on, so the first step's tokens carry the old one."""
+    label, step, pending = engine.set_version, engine.step, []
+
+    def stepped():
+        out = step()
+        while pending:
+            label(pending.pop(0))
+        return out
+    engine.set_version, engine.step = pending.append, stepped
 
 
 class MutantController(Controller):
@@ -184,6 +204,11 @@ MUTATIONS: dict[str, Mutation] = {
     "refit_without_drain": Mutation(refit_without_drain, expect=2, configure={"skip_drain": True}),
     "collect_without_resume": Mutation(collect_without_resume, expect=1, runner=PipelinedRunner),
     "refit_without_train": Mutation(refit_without_train, expect=5, configure={"trainer": True}),
+    "late_version_label": Mutation(build_step_graph, expect=2, configure={"late_label": True}),
 }
+# Skipping the drain is what refit_mode inflight does on purpose. A label a step
+# late harms only tokens in flight at a load: under drain none are, and the
+# validation after the refit takes the late step before any rollout can.
+ONE_MODE_ONLY = {"refit_without_drain": "drain", "late_version_label": "inflight"}
 
 UNMUTATED = Mutation(build_step_graph, expect=0)

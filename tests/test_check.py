@@ -126,11 +126,39 @@ def test_version_changed_mid_rollout():
     assert "started with version 1" in vs_[0].message and "ended with version 2" in vs_[0].message
 
 
-def test_in_flight_mode_allows_version_change():
+def test_in_flight_mode_keeps_a_rollouts_version():
+    """Under inflight refits too, a rollout's version is the one it started
+    with: its tokens' versions say what the refits changed."""
     events = log()
-    find(events, "run_start")["refit_mode"] = "in_flight"
+    find(events, "run_start")["refit_mode"] = "inflight"
     find(events, "rollout_end", batch="b2.0")["version"] = 2
-    assert check_events(events) == []
+    assert invariants(events) == [2]
+
+
+def inflight(runs, positions) -> list[dict]:
+    """A log whose batch b2.0 (version 1, on gen0) held tokens `runs` and was in
+    flight, at `positions`, when gen0's refit of step 1 installed version 2."""
+    events = log()
+    find(events, "run_start")["refit_mode"] = "inflight"
+    find(events, "rollout_end", batch="b2.0")["token_versions"] = runs
+    find(events, "refit_end", worker="gen0", step=1)["positions"] = {"b2.0": positions}
+    return events
+
+
+def test_tokens_that_follow_an_inflight_refit_pass():
+    assert check_events(inflight([[[1, 3], [2, 2]], [[1, 5]]], [3, 5])) == []
+
+
+@pytest.mark.parametrize("runs,positions,needle", [
+    ([[[1, 3], [2, 2]]], [2], "installed (refit of step 1, 24.000s) after its token 2, but 3 of its tokens carry "
+                              "older versions"),
+    ([[[1, 3], [2, 2]]], [4], "after its token 4, but 3 of its tokens"),
+    ([[[2, 2], [1, 3]]], [3], "token versions go [2, 1] along the sample; they may only rise"),
+    ([[[0, 5]]], [5], "its first token has version 0, older than the version 1 the batch started with"),
+])
+def test_a_token_of_the_wrong_version_is_caught(runs, positions, needle):
+    found = check_events(inflight(runs, positions))
+    assert [v.invariant for v in found] == [2] and needle in found[0].message, found
 
 
 def test_batch_versions_disagree_with_rollout():

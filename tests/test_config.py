@@ -26,7 +26,9 @@ def test_recipe_and_overrides(tmp_path):
     ("grpo.val_period=2", "val_period -> validation.period"),
     ("reward.max_failures=2", "max_failures -> fault.max_reward_failures"),
     ("fault.deadline_s=2", "unknown key 'fault.deadline_s': 'fault.deadline_s' is now 'run.deadline_s'"),
-    ("generation.refit_mode=drain", "'generation.refit_mode' was removed"),
+    ("generation.refit_mode=fast", "generation.refit_mode: 'fast' is not allowed; choose one of 'drain', "
+                                   "'inflight'"),
+    ("generation.inflight_kv=drop", "generation.inflight_kv: 'drop' is not allowed"),
     ("schedule.max_age=-1", "schedule.max_age: -1 is out of range; it must be >= 0"),
     ("schedule.max_age=two", "schedule.max_age: expected an integer, got 'two'"),
     ("schedule.max_age=1.5", "schedule.max_age: expected an integer"),

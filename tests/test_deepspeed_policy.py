@@ -169,6 +169,21 @@ def test_kl_to_frozen_reference(model_dir):
     e.close()
 
 
+def test_coupled_loss_clips_the_ratio_to_the_behaviour_policy(model_dir):
+    """policy_loss.decoupled false is classic PPO: the ratio to the engine's
+    logprobs (-4 here, far from the model's) is clipped and nothing reweights it;
+    decoupled (the default) clips to the policy before the update (ratio 1) and
+    carries the staleness in the capped importance weight."""
+    coupled, decoupled = make_engine(model_dir, decoupled=False), make_engine(model_dir)
+    try:
+        c, d = grpo_step(coupled, make_table()), grpo_step(decoupled, make_table())
+    finally:
+        coupled.close()
+        decoupled.close()
+    assert c["is_weight"] == 1.0 and c["ratio"] != pytest.approx(1.0, abs=1e-3) and c["clip_frac"] > 0.1
+    assert d["ratio"] == pytest.approx(1.0) and d["clip_frac"] == 0.0 and d["is_weight"] != pytest.approx(1.0)
+
+
 # ------------------------------------------------- PPO: per-token advantages
 
 def test_ppo_step_with_group_advantages_per_token_equals_grpo(model_dir):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import ray
-from mutations import MUTATIONS, UNMUTATED, start_mutant_workers
+from mutations import MUTATIONS, ONE_MODE_ONLY, UNMUTATED, start_mutant_workers
 
 from pipeline.io.config import load_config
 from pipeline.run.driver import train_on
@@ -32,15 +32,16 @@ def mutant_pool(ray_session):
 
 @pytest.fixture(scope="module")
 def run_log(mutant_pool, tmp_path_factory):
-    """run_log(mutation name or None, profile) -> (summary, events), each run once per module."""
+    """run_log(mutation name or None, profile, refit mode) -> (summary, events), each run once per module."""
     runs: dict[tuple, tuple[dict, list[dict]]] = {}
     out = tmp_path_factory.mktemp("mutations")
 
-    def run(name: str | None, profile: str) -> tuple[dict, list[dict]]:
-        if (name, profile) not in runs:
+    def run(name: str | None, profile: str, refit_mode: str = "drain") -> tuple[dict, list[dict]]:
+        if (name, profile, refit_mode) not in runs:
             m = MUTATIONS[name] if name else UNMUTATED
-            run_name = f"{name or 'unmutated'}_{profile}"
+            run_name = f"{name or 'unmutated'}_{profile}_{refit_mode}"
             cfg = load_config(None, [f"run.output_dir={out}", f"run.name={run_name}", "run.deadline_s=30",
+                                     f"generation.refit_mode={refit_mode}",
                                      "run.dag_mode=classic", "run.steps=5", "schedule.max_age=1", "validation.period=1",
                                      "generation.num_generators=2", "metrics.tensorboard=false", "sim.jitter=0.3",
                                      *(f"{k}={v}" for k, v in PROFILES[profile].items())])
@@ -52,24 +53,29 @@ def run_log(mutant_pool, tmp_path_factory):
             finally:
                 runner.close()
                 ray.get([g.configure.remote() for g in mutant_pool.generators])
-            runs[name, profile] = summary, load_events(out / run_name)
-        return runs[name, profile]
+            runs[name, profile, refit_mode] = summary, load_events(out / run_name)
+        return runs[name, profile, refit_mode]
     return run
 
 
-@pytest.mark.parametrize("profile", PROFILES)
-def test_the_unmutated_graph_passes_on_the_same_workers(run_log, profile):
-    summary, events = run_log(None, profile)
+# Inflight refits only matter where rollouts outlast the rest of a step.
+CASES = [(profile, "drain") for profile in PROFILES] + [("slow_generation", "inflight")]
+
+
+@pytest.mark.parametrize("profile,refit_mode", CASES)
+def test_the_unmutated_graph_passes_on_the_same_workers(run_log, profile, refit_mode):
+    summary, events = run_log(None, profile, refit_mode)
     report = check_report(events)
     assert report.violations == (), "\n".join(v.message for v in report.violations)
     assert report.notes == () and report.fallbacks == 0  # one host: the wall clock agrees
     assert summary["accounting"]["balanced"] and summary["accounting"]["dropped"] == 0
 
 
-@pytest.mark.parametrize("profile", PROFILES)
-@pytest.mark.parametrize("name", MUTATIONS)
-def test_the_checker_catches_the_mutation(run_log, name, profile):
-    summary, events = run_log(name, profile)
+@pytest.mark.parametrize("name,profile,refit_mode", [
+    (name, profile, mode) for name in MUTATIONS for profile, mode in CASES
+    if ONE_MODE_ONLY.get(name, mode) == mode])
+def test_the_checker_catches_the_mutation(run_log, name, profile, refit_mode):
+    summary, events = run_log(name, profile, refit_mode)
     # The run went to its end: no guard of its own stopped it, so what is
     # caught below is caught by the checker, from the log.
     assert summary["error"] is None and summary["steps"] == 5
@@ -77,7 +83,7 @@ def test_the_checker_catches_the_mutation(run_log, name, profile):
     assert {"rollout_start", "rollout_end", "refit_start", "refit_end", "train_end", "validation_start"} <= kinds
     expect = MUTATIONS[name].expect
     found = {v.invariant for v in check_events(events)}
-    assert expect in found, f"{name} ({profile}) passed invariant {expect}; found {sorted(found)}"
+    assert expect in found, f"{name} ({profile}, {refit_mode}) passed invariant {expect}; found {sorted(found)}"
 
 
 def shifted(events: list[dict], worker: str, seconds: float) -> list[dict]:

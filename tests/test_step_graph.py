@@ -74,6 +74,8 @@ schedules = st.fixed_dictionaries({
     "validate_ms": st.integers(0, 30),
     "jitter": st.sampled_from([0.0, 0.5, 1.0]),
     "seed": st.integers(0, 10_000),
+    "refit_mode": st.sampled_from(["drain", "inflight"]),
+    "response_len": st.sampled_from(["fixed", "lognormal"]),
 })
 
 
@@ -89,7 +91,8 @@ def check_schedule(tmp_path, pool, runner, s: dict) -> None:
                      schedule__prompts_per_step=s["prompts"], generation__num_generators=s["generators"],
                      sim__generate_s=s["generate_ms"] / 1000, sim__train_s=s["train_ms"] / 1000,
                      sim__refit_s=s["refit_ms"] / 1000, sim__validate_s=s["validate_ms"] / 1000,
-                     sim__jitter=s["jitter"])
+                     sim__jitter=s["jitter"], generation__refit_mode=s["refit_mode"],
+                     sim__response_len=s["response_len"], sim__tail_ratio=10)
     summary, events, violations = run_and_check(cfg, pool, runner)
     assert violations == [], f"{s}\n" + "\n".join(v.message for v in violations)
     acc = summary["accounting"]
@@ -97,7 +100,7 @@ def check_schedule(tmp_path, pool, runner, s: dict) -> None:
     assert summary["steps"] == s["steps"]
 
 
-# 3 x 67 = 201 schedules per mode. One graph per generator count serves all of
+# 3 x 67 = 201 schedules per DAG mode, both refit modes among them. One graph per generator count serves all of
 # its schedules: compiling costs about a second per graph on this machine.
 @pytest.mark.parametrize("mode", ["classic", "compiled"])
 @pytest.mark.parametrize("generators", [1, 2, 3])

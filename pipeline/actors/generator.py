@@ -1,6 +1,10 @@
-"""The generator actor: refit, validate and collect, with rollouts on a
-background thread that the next refit joins, so generation overlaps training
-but never a refit or a validation.
+"""The generator actor: refit, validate and collect, with the engine driven
+by its engine loop (pipeline/actors/engine_loop.py), so generation overlaps
+training.
+
+refit_mode drain: a refit waits until no rollout is in flight, then loads.
+refit_mode inflight: a refit loads between two engine steps and the rollouts
+in flight go on with the new weights.
 
 Each node is a small method that takes upstream tokens and returns one; the
 work is done by the generation engine (pipeline/engines/). No method here
@@ -8,13 +12,13 @@ waits on another node except through its arguments.
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import pyarrow as pa
 import ray
 
 from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
+from pipeline.actors.engine_loop import EngineLoop, InFlight
 from pipeline.actors.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.engines import backends, weights
 from pipeline.engines.interface import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
@@ -27,28 +31,13 @@ def generator_name(index: int, incarnation: int = 0) -> str:
     return f"gen{index}" + (f"r{incarnation}" if incarnation else "")
 
 
-class _Rollouts:
-    """A generator's rollout thread and the clocks it hands back: `collect`
-    waits for `started` (the thread has logged rollout_start and is calling the
-    engine), and the refit's drain joins the thread and merges `end_clock`."""
-
-    def __init__(self, target, args: tuple, name: str):
-        # A hand-shake inside the collect node, not an ordering between nodes:
-        # collect returns only once its own thread has logged rollout_start.
-        self.started = threading.Event()
-        self.start_clock: Clock = ()
-        self.end_clock: Clock = ()
-        self.thread = threading.Thread(target=target, args=(self, *args), name=name, daemon=True)
-
-
 class GeneratorWorker(Actor):
-    """One generation engine. Rollouts run on a background thread that the
-    next refit joins, so generation overlaps training but never a refit."""
+    """One generation engine, driven by its engine loop."""
 
     def __init__(self, index: int):
         self.index = index
-        self._rollouts: _Rollouts | None = None
-        self._puts: list = []   # the controller's answers to batches put, not yet checked
+        self._loop: EngineLoop | None = None
+        self._puts: list = []   # the controller's answers to batches put, not yet checked (the loop's)
 
     def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, incarnation: int = 0,
                   start_weights: tuple = (), after: Clock = ()) -> Clock:
@@ -57,10 +46,10 @@ class GeneratorWorker(Actor):
         `after`: the caller's clock (it holds the trainer's, from current_weights)."""
         one_thread()
         spans.take()
-        if self._rollouts is not None:
+        if self._loop is not None:
             # A previous run on this actor must not leak rollouts into this one.
-            self._rollouts.thread.join(timeout=cfg.run.deadline_s)
-            self._rollouts = None
+            self._loop.stop(cfg.run.deadline_s)
+            self._loop = None
         if self._puts:
             # ... nor a late put land in this run's buffer under a batch id the runs share.
             ray.wait(self._puts, num_returns=len(self._puts), timeout=cfg.run.deadline_s)
@@ -73,29 +62,32 @@ class GeneratorWorker(Actor):
         self.val_prompts = backends.val_prompts(cfg)[self.index::cfg.generation.num_generators]
         self.controller = controller
         self.version, self._loaded_step = 0, None
-        self._busy_s = 0.0
-        self._rollout_error: str | None = None
         self._puts = []
         if start_weights:
             version, stored = ray.get(start_weights[0])
             self.log.emit("refit_start", step=version - 1, version=self.version)
             self.engine.load_weights(weights.unpack(stored))
+            self.engine.set_version(version)
             self.version, self._loaded_step = version, version - 1
             self.log.emit("refit_end", step=version - 1, version=self.version)
+        self._loop = EngineLoop(self.engine, self.log, self._deliver, self._fail, self.version,
+                                cfg.schedule.group_size)
         self.log.emit("worker_ready", spans=spans.take())
         return self.log.now()
 
     @node("refit")
     def refit(self, train: TrainOut, gate: Gate) -> Refitted:
+        """Drain: wait until no rollout is in flight, then load. Inflight: hand
+        the load to the engine loop, which runs it between two steps; the
+        rollouts in flight go on with the new weights. The loop logs both ends."""
         started = time.perf_counter()
         collective = self.cfg.generation.weight_sync == "collective"
         fetched = None
         if train.version == self.version + 1 and not collective:
-            # Fetched before the drain, while rollouts may still run: only the load changes the engine.
+            # Fetched while rollouts may still run: only the load changes the engine.
             with spans.span("weights.get"):
                 fetched = ray.get(train.weights_ref[0])
-        with spans.span("drain"):
-            self._drain(gate.step)
+        self._drain(gate.step)
         if self._loaded_step == gate.step and train.version == self.version:
             # Recovery re-runs a step's tail after a generator restart; whoever
             # already loaded this step's weights (or started with them) keeps them.
@@ -103,23 +95,38 @@ class GeneratorWorker(Actor):
         if train.version != self.version + 1:
             raise RuntimeError(f"weight sync: trainer sent version {train.version}, "
                                f"generator holds {self.version}; expected {self.version + 1}")
-        self.log.emit("refit_start", step=gate.step, version=self.version)
         if collective:
             from pipeline.engines import weight_sync  # torch: not in the driver, which imports this module
-            with spans.span("weights.receive"):
-                # The trainer's send_weights node broadcasts at the same time; both sides
-                # check the version before any bytes move.
-                weight_sync.receive_into(self._sync, self.engine, train.version)
+
+            def load() -> None:
+                with spans.span("weights.receive"):
+                    # The trainer's send_weights node broadcasts at the same time; both sides
+                    # check the version before any bytes move.
+                    weight_sync.receive_into(self._sync, self.engine, train.version)
         else:
             sent_version, stored = fetched
             if sent_version != train.version:
                 raise RuntimeError(f"weight sync: the weights in the object store are version {sent_version}, "
                                    f"the trainer announced {train.version}")
-            self.engine.load_weights(weights.unpack(stored))
+
+            def load() -> None:
+                self.engine.load_weights(weights.unpack(stored))
+        self._loop.call("install", (load, gate.step, train.version), self.cfg.run.deadline_s,
+                        f"the refit of step {gate.step}")
         self.version, self._loaded_step = train.version, gate.step
-        self.log.emit("refit_end", step=gate.step, version=self.version)
         return Refitted(self.log.worker, gate.step, self.version, gate.validate,
                         refit_s=time.perf_counter() - started)
+
+    def _drain(self, step: int) -> None:
+        """refit_mode drain: wait until no rollout is in flight. Either mode: raise what failed."""
+        if self.cfg.generation.refit_mode == "drain":
+            with spans.span("drain"):
+                self._loop.call("wait_idle", None, self.cfg.run.deadline_s,
+                                f"rollouts still running while draining for the refit of step {step}")
+        self._check_puts()
+        error, self._loop.error = self._loop.error, None
+        if error is not None:
+            raise RuntimeError(f"a rollout failed before step {step}: {error}")
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str,
                          timeout_s: float) -> None:
@@ -136,7 +143,10 @@ class GeneratorWorker(Actor):
             return ValOut(self.log.worker, ready.step, self.version, False)
         started = time.perf_counter()
         self.log.emit("validation_start", step=ready.step, version=self.version)
-        completions = self.engine.greedy(self.val_prompts)
+        # Beside the rollouts in flight (inflight mode): the weights cannot change
+        # before this node returns, and no rollout starts before resume.
+        completions = self._loop.call("greedy", self.val_prompts, self.cfg.run.deadline_s,
+                                      f"the validation of step {ready.step}")
         scored = [self._score(p, c.text) for p, c in zip(self.val_prompts, completions)]
         rewards = [r for r, error in scored if not error]
         self.log.emit("validation_end", step=ready.step, version=self.version)
@@ -147,98 +157,58 @@ class GeneratorWorker(Actor):
 
     @node("collect")
     def collect(self, resume: Resume) -> Ticket:
+        """Every launched batch starts here, inside the node: the engine loop adds
+        its requests and logs rollout_start before it answers, so a rollout can
+        only start where the graph puts `collect`, and the Ticket's clock is
+        after every rollout_start."""
         if resume.version != self.version:
             raise RuntimeError(f"asked to roll out with version {resume.version}, engine holds {self.version}")
-        if self._rollouts is not None and self._rollouts.thread.is_alive():
+        if self.cfg.generation.refit_mode == "drain" and self._loop.in_flight():
             raise RuntimeError("collect while rollouts are still in flight: the graph lost its refit edge")
         return self._start_rollouts(resume, self.version)
 
     def _start_rollouts(self, resume: Resume, version: int) -> Ticket:
-        """Every launched batch starts here, inside the node, as one engine call: a
-        rollout can only start where the graph puts `collect`, never later from a
-        queue on the rollout thread (that would let it start during a validation).
-        The thread logs rollout_start right before it calls the engine, and this
-        waits for that, so the Ticket's clock is after every rollout_start."""
         mine = [launch for launch in resume.launches if launch.generator == self.index]
         for launch in mine:
             self.log.emit("launch", step=launch.target, version=version, batch=launch.batch_id,
                           target=launch.target)
-        if mine:
-            rollouts = _Rollouts(self._run_rollouts, (mine, version, self.log.now()),
-                                 name=f"rollouts-{self.log.worker}")
-            # Started before it is published: a drain that finds it can always join it.
-            rollouts.thread.start()
-            self._rollouts = rollouts
-            if not rollouts.started.wait(timeout=self.cfg.run.deadline_s):
-                raise TimeoutError(f"the rollout thread did not start within {self.cfg.run.deadline_s:.0f} s "
-                                   "(run.deadline_s)")
-            self.log.merge(rollouts.start_clock)
-        busy, self._busy_s = self._busy_s, 0.0
+        group = self.cfg.schedule.group_size
+        requests = [(launch, [s for seeds in sample_seeds(self.cfg.run.seed, launch.batch_id, list(launch.prompts),
+                                                          group) for s in seeds]) for launch in mine]
+        busy = self._loop.call("submit", (version, requests), self.cfg.run.deadline_s,
+                               f"collect of step {resume.step}")
         return Ticket(self.log.worker, resume.step, version, tuple(l.batch_id for l in mine), busy)
 
-    def _drain(self, step: int) -> None:
-        rollouts = self._rollouts
-        if rollouts is not None:
-            rollouts.thread.join(timeout=self.cfg.run.deadline_s)
-            if rollouts.thread.is_alive():
-                raise TimeoutError(f"rollouts still running after {self.cfg.run.deadline_s:.0f} s "
-                                   "(run.deadline_s) while draining for the refit")
-            self.log.merge(rollouts.end_clock)  # joined: everything it logged is before this refit
-            if self._rollouts is rollouts:
-                self._rollouts = None
-        self._check_puts()
-        if self._rollout_error is not None:
-            error, self._rollout_error = self._rollout_error, None
-            raise RuntimeError(f"a rollout failed before step {step}: {error}")
-
-    def _run_rollouts(self, rollouts: _Rollouts, launches: list[Launch], version: int, fork: Clock) -> None:
-        """The rollout thread: its own lane, after the collect that started it. Each
-        batch's clock travels with its put (or rollout_failed) to the controller."""
-        with self.log.lane(f"{self.log.worker}/rollouts", fork):
-            try:
-                self._generate(rollouts, launches, version)
-            finally:
-                rollouts.end_clock = self.log.now()
-                rollouts.started.set()  # a thread that failed before its start must not hold collect up
-
-    def _generate(self, rollouts: _Rollouts, launches: list[Launch], version: int) -> None:
-        prompts = [p for launch in launches for p in launch.prompts]
-        started = time.perf_counter()
+    def _deliver(self, batch: InFlight, completions: list[Completion], profile: dict) -> None:
+        """The engine loop's: a finished batch, scored and put. Its clock goes with
+        the put to the controller."""
+        launch, group = batch.launch, self.cfg.schedule.group_size
+        groups = [completions[i:i + group] for i in range(0, len(completions), group)]
         try:
-            seeds = [s for launch in launches for s in sample_seeds(
-                self.cfg.run.seed, launch.batch_id, list(launch.prompts), self.cfg.schedule.group_size)]
-            for launch in launches:  # where the engine really starts generating
-                self.log.emit("rollout_start", step=launch.target, version=version, batch=launch.batch_id,
-                              target=launch.target)
-            rollouts.start_clock = self.log.now()
-            rollouts.started.set()
-            groups = self.engine.sample(prompts, seeds)
-            tables, start = [], 0
-            for launch in launches:
-                tables.append(self._table(launch, version, groups[start:start + len(launch.prompts)]))
-                start += len(launch.prompts)
-            self._busy_s += time.perf_counter() - started
-            profile = spans.take()
-        except Exception as exc:
-            self._rollout_error = f"batches {[l.batch_id for l in launches]}: {type(exc).__name__}: {exc}"
-            for launch in launches:
-                if rollouts.started.is_set():
-                    self.log.emit("rollout_end", step=launch.target, version=version, batch=launch.batch_id,
-                                  target=launch.target, failed=True)
-                ray.get(self.controller.rollout_failed.remote(launch.batch_id, f"failed: {exc}", self.log.now()))
+            table = self._table(launch, batch.version, groups)
+        except Exception as exc:  # a user's reward function beyond one sample, or a malformed completion
+            self._loop.error = self._loop.error or f"batch {launch.batch_id}: {type(exc).__name__}: {exc}"
+            self._fail(batch, f"failed: {type(exc).__name__}: {exc}")
             return
-        for launch, table in zip(launches, tables):
-            # The engine call's spans go with the first batch: they are one call's, not per batch.
-            self.log.emit("rollout_end", step=launch.target, version=version, batch=launch.batch_id,
-                          target=launch.target, spans=profile)
-            profile = {}
-            # Not waited for here: the refit that drains this thread would wait out the
-            # round trip too, and sample waits for the batch anyway. _check_puts reads the answers.
-            self._puts.append(self.controller.put.remote(launch.batch_id, version, table, self.log.now()))
+        # Logged and put with the version it was launched with: its oldest token is no older.
+        self.log.emit("rollout_end", step=launch.target, version=batch.version, batch=launch.batch_id,
+                      target=launch.target, spans=profile, token_versions=_runs(table))
+        # Not waited for here: the loop would wait out the round trip, and sample
+        # waits for the batch anyway. _check_puts reads the answers.
+        self._puts.append(self.controller.put.remote(launch.batch_id, batch.version, table, self.log.now()))
+
+    def _fail(self, batch: InFlight, reason: str) -> None:
+        launch = batch.launch
+        self.log.emit("rollout_end", step=launch.target, version=batch.version, batch=launch.batch_id,
+                      target=launch.target, failed=True)
+        ray.get(self.controller.rollout_failed.remote(launch.batch_id, reason, self.log.now()))
 
     def _check_puts(self) -> None:
-        """Raise a put the controller refused; keep the ones still on their way for the next drain."""
-        done, self._puts = ray.wait(self._puts, num_returns=len(self._puts), timeout=0) if self._puts else ([], [])
+        """Raise a put the controller refused; keep the ones still on their way for the next refit."""
+        puts = list(self._puts)  # the loop appends while this reads: take what is there now
+        done, _ = ray.wait(puts, num_returns=len(puts), timeout=0) if puts else ([], [])
+        for ref in done:
+            self._puts.remove(ref)
         ray.get(done)
 
     def _score(self, prompt: Prompt, text: str) -> tuple[float, str]:
@@ -272,12 +242,30 @@ class GeneratorWorker(Actor):
         n = len(rows)
         with spans.span("table"):
             return pa.table({
-                "batch_id": [launch.batch_id] * n, "target": [launch.target] * n, "version": [version] * n,
+                "batch_id": [launch.batch_id] * n, "target": [launch.target] * n,
+                # A sample's age counts from its oldest token (the engine may start it after a later refit).
+                "version": [min(c.versions, default=version) for _, c in rows],
                 "prompt_id": [p.id for p, _ in rows],
                 "prompt_ids": [list(c.prompt_ids) for _, c in rows],
                 "response_ids": [list(c.response_ids) for _, c in rows],
                 "logprobs": [list(c.logprobs) for _, c in rows],
+                "token_versions": [list(c.versions) for _, c in rows],
                 "text": [c.text for _, c in rows],
                 "reward": rewards,
                 "reward_error": errors,
             }, schema=TRAJECTORY_SCHEMA)
+
+
+def _runs(table: pa.Table) -> list[list[list[int]]]:
+    """Each row's token versions as runs, [[version, tokens], ...]: what rollout_end
+    logs for the checker (one run per sample under refit_mode drain)."""
+    out = []
+    for versions in table.column("token_versions").to_pylist():
+        runs: list[list[int]] = []
+        for v in versions:
+            if runs and runs[-1][0] == v:
+                runs[-1][1] += 1
+            else:
+                runs.append([v, 1])
+        out.append(runs)
+    return out

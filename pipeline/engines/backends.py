@@ -26,13 +26,16 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
     with span("import vllm"):
         from pipeline.engines.vllm_generator import VllmGenerationEngine
     g = cfg.generation
-    # One collect starts at most max_age + 1 batches: size the KV cache for all their samples at once.
+    # One collect starts at most max_age + 1 batches: size the KV cache for all their samples at once
+    # (inflight refits: one batch more, the one a refit finds still decoding).
     prompts = -(-cfg.schedule.prompts_per_step // g.num_generators)
-    requests = prompts * cfg.schedule.group_size * (cfg.schedule.max_age + 1)
+    batches = cfg.schedule.max_age + 1 + (g.refit_mode == "inflight")
+    requests = prompts * cfg.schedule.group_size * batches
     with span("vllm.start"):
         # T > 1: vLLM's TP workers go into this generator's bundles (pipeline/run/placement.py).
         return VllmGenerationEngine(cfg.model.path, seed=seed, max_new_tokens=g.max_new_tokens,
                                     temperature=g.temperature, top_p=g.top_p, kv_cache_seqs=max(requests, 32),
+                                    inflight_kv=g.inflight_kv,
                                     **vllm_llm_kwargs(cfg))
 
 
@@ -47,6 +50,7 @@ def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngi
         return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
                                      micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
                                      lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
+                                     decoupled=g.decoupled,
                                      seed=cfg.run.seed, temperature=cfg.generation.temperature,
                                      rank=rank, rendezvous=rendezvous)
 

@@ -30,11 +30,12 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
 
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
-                 clip_eps: float = 0.2, kl_coef: float = 0.0, is_clip: float = 2.0,
+                 clip_eps: float = 0.2, kl_coef: float = 0.0, is_clip: float = 2.0, decoupled: bool = True,
                  seed: int = 0, temperature: float = 1.0,
                  weight_decay: float = 0.0, num_threads: int | None = 1, rank: int = 0,
                  rendezvous: Rendezvous | None = None):
         self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
+        self.decoupled = decoupled
         # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
         self.temperature = temperature
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
@@ -73,7 +74,10 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         if self.ref is not None:
             with torch.no_grad():
                 ref = self.token_logprobs(self.ref, batch)
-        return clipped_policy_loss(lp, lp.detach(), batch["gen"], batch["adv"], batch["mask"],
+        # Decoupled (AReaL): the proximal policy is the one before this step's update, which
+        # with one update per batch is lp itself; classic PPO clips against the behaviour policy.
+        proximal = lp.detach() if self.decoupled else batch["gen"]
+        return clipped_policy_loss(lp, proximal, batch["gen"], batch["adv"], batch["mask"],
                                    clip_eps=self.clip_eps, kl_coef=self.kl_coef, ref_logprobs=ref,
                                    is_clip=self.is_clip, num_tokens=num_tokens)
 

@@ -28,6 +28,7 @@ class Completion:
     response_ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # one per response token, from the generating engine
     text: str
+    versions: tuple[int, ...] = ()  # one per response token: the weight version that sampled it
 
 
 # One row per completion. Rows of one prompt group share batch_id and prompt_id.
@@ -39,6 +40,10 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("prompt_ids", pa.list_(pa.int32())),
     ("response_ids", pa.list_(pa.int32())),
     ("logprobs", pa.list_(pa.float32())),
+    # The weight version that sampled each response token: one for all of them
+    # under refit_mode drain, rising along the sample under inflight. `version`
+    # is the oldest of them: a sample's age is measured from it.
+    ("token_versions", pa.list_(pa.int32())),
     ("text", pa.string()),
     ("reward", pa.float32()),
     # Why the reward function raised on this sample, or "" (see GeneratorWorker._score).
@@ -62,14 +67,61 @@ def sample_seeds(run_seed: int, batch_id: str, prompts: list[Prompt], n: int) ->
 
 
 class GenerationEngine(Protocol):
-    def sample(self, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
-        """len(seeds[i]) completions of prompt i, sample j drawn with seeds[i][j]."""
+    """Driven a step at a time by the generator's engine loop
+    (pipeline/actors/engine_loop.py): requests are added whenever, each step
+    decodes every running one, weights change only between steps."""
 
-    def greedy(self, prompts: list[Prompt]) -> list[Completion]:
-        """One greedy completion per prompt."""
+    def add(self, key: str, prompt: Prompt, seed: int | None) -> None:
+        """Queue a request under `key`: sampled with `seed`, greedy when it is None."""
+
+    def step(self) -> list[tuple[str, Completion]]:
+        """One engine step; the requests it finished, by key."""
+
+    def busy(self) -> bool:
+        """Requests are queued or running."""
+
+    def progress(self) -> dict[str, int]:
+        """Tokens sampled so far by each request in flight, by key."""
+
+    def abort_all(self) -> None:
+        """Drop every request in flight."""
 
     def load_weights(self, weights: Any) -> None:
-        """Replace the weights in place; caches that depend on them are reset."""
+        """Replace the weights in place, between two steps; caches that depend
+        on them are reset (requests in flight: generation.inflight_kv)."""
+
+    def set_version(self, version: int) -> None:
+        """Label the weights now loaded: tokens sampled from here on carry it."""
+
+
+def run_all(engine: GenerationEngine, requests: list[tuple[str, Prompt, int | None]]) -> list[Completion]:
+    """Add the requests to an idle engine, step until all are done; completions in request order."""
+    if engine.busy():
+        raise RuntimeError("run_all needs an idle engine: requests of the engine loop are in flight")
+    for key, prompt, seed in requests:
+        engine.add(key, prompt, seed)
+    done: dict[str, Completion] = {}
+    try:
+        while engine.busy():
+            done.update(engine.step())
+    finally:
+        engine.abort_all()
+    return [done[key] for key, _, _ in requests]
+
+
+def sample_all(engine: GenerationEngine, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
+    """len(seeds[i]) completions of prompt i, sample j drawn with seeds[i][j]."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"sample: {len(seeds)} seed lists for {len(prompts)} prompts")
+    flat = run_all(engine, [(f"s{i}.{j}", p, seed) for i, (p, group) in enumerate(zip(prompts, seeds))
+                            for j, seed in enumerate(group)])
+    it = iter(flat)
+    return [[next(it) for _ in group] for group in seeds]
+
+
+def greedy_all(engine: GenerationEngine, prompts: list[Prompt]) -> list[Completion]:
+    """One greedy completion per prompt."""
+    return run_all(engine, [(f"g{i}", p, None) for i, p in enumerate(prompts)])
 
 
 class TrainingEngine(Protocol):

@@ -7,14 +7,16 @@ carry the version they were generated with and the reward rises with it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 
-from pipeline.engines.interface import Completion, Prompt
+from pipeline.engines.interface import Completion, Prompt, greedy_all, sample_all
 from pipeline.io.config import SimConfig
 
 
@@ -44,7 +46,24 @@ def _maybe_fault(cfg: SimConfig, kind: str, calls: int) -> None:
     time.sleep(3600)  # a stuck leaf: only the run's deadlines can end this
 
 
+@dataclass
+class _SimRequest:
+    rng: random.Random
+    length: int
+    greedy: bool
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    weights: int = -1  # the weights of its first token: its text, which sim_reward scores
+
+
 class SimGenerationEngine:
+    """Decodes like an engine with room for every request: a step gives each
+    running request one token and takes generate_s / max_new_tokens (a memory
+    bound decode: the same for one sequence or many), or validate_s /
+    max_new_tokens while only validation requests run. Response lengths are
+    max_new_tokens or lognormal (sim.response_len), drawn from the request's seed."""
+
     def __init__(self, cfg: SimConfig, *, seed: int, max_new_tokens: int, faulty: bool = True):
         # A generator that sim.fault does not target (another index, or a restart
         # past sim.fault_incarnations) runs clean.
@@ -52,26 +71,64 @@ class SimGenerationEngine:
         self.latency = _Latency(cfg, seed)
         self.max_new_tokens = max_new_tokens
         self.weights_version = 0
-        self.calls = 0
+        self.version = 0
+        self.batches = 0   # rollout batches added: sim.fault_after counts these
+        self._running: dict[str, _SimRequest] = {}
 
     def sample(self, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
-        _maybe_fault(self.cfg, "generate", self.calls)
-        self.calls += 1
-        self.latency.spend(self.cfg.generate_s)
-        return [[self._completion(random.Random(seed)) for seed in group] for group in seeds]
+        return sample_all(self, prompts, seeds)
 
     def greedy(self, prompts: list[Prompt]) -> list[Completion]:
-        self.latency.spend(self.cfg.validate_s)
-        return [self._completion(random.Random(p.id)) for p in prompts]
+        return greedy_all(self, prompts)
 
-    def _completion(self, rng: random.Random) -> Completion:
-        ids = tuple(rng.randrange(256) for _ in range(self.max_new_tokens))
-        logprobs = tuple(-rng.random() for _ in ids)
-        return Completion((1, 2, 3), ids, logprobs, f"v{self.weights_version}")
+    def add(self, key: str, prompt: Prompt, seed: int | None) -> None:
+        if seed is not None and key.endswith("/0"):
+            self.batches += 1
+        rng = random.Random(prompt.id if seed is None else seed)
+        self._running[key] = _SimRequest(rng, self._length(rng), greedy=seed is None)
+
+    def _length(self, rng: random.Random) -> int:
+        if self.cfg.response_len == "fixed":
+            return self.max_new_tokens
+        # p99 / p50 = tail_ratio: sigma = ln(tail_ratio) / z_0.99; the median puts p99 at max_new_tokens.
+        sigma = math.log(self.cfg.tail_ratio) / 2.3263
+        median = self.max_new_tokens / self.cfg.tail_ratio
+        return max(1, min(self.max_new_tokens, round(median * math.exp(rng.gauss(0.0, sigma)))))
+
+    def busy(self) -> bool:
+        return bool(self._running)
+
+    def step(self) -> list[tuple[str, Completion]]:
+        if self.batches:
+            # After fault_after good batches: a fault mid-rollout, as a real engine would fail.
+            _maybe_fault(self.cfg, "generate", self.batches - 1)
+        only_validation = all(r.greedy for r in self._running.values())
+        self.latency.spend((self.cfg.validate_s if only_validation else self.cfg.generate_s) / self.max_new_tokens)
+        done = []
+        for key, r in list(self._running.items()):
+            if r.weights < 0:
+                r.weights = self.weights_version
+            r.ids.append(r.rng.randrange(256))
+            r.logprobs.append(-r.rng.random())
+            r.versions.append(self.version)
+            if len(r.ids) == r.length:
+                del self._running[key]
+                done.append((key, Completion((1, 2, 3), tuple(r.ids), tuple(r.logprobs), f"v{r.weights}",
+                                             tuple(r.versions))))
+        return done
+
+    def progress(self) -> dict[str, int]:
+        return {key: len(r.ids) for key, r in self._running.items()}
+
+    def abort_all(self) -> None:
+        self._running.clear()
 
     def load_weights(self, weights: dict) -> None:
         self.latency.spend(self.cfg.refit_s)
         self.weights_version = weights["sim_updates"]
+
+    def set_version(self, version: int) -> None:
+        self.version = version
 
 
 class SimTrainingEngine:

@@ -13,6 +13,7 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin cores other workers share
 
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 from typing import Any, Iterable, Mapping, Sequence  # noqa: E402
@@ -20,8 +21,9 @@ from typing import Any, Iterable, Mapping, Sequence  # noqa: E402
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
-from pipeline.engines.interface import Completion, Prompt  # noqa: E402
+from pipeline.engines.interface import Completion, Prompt, greedy_all, sample_all  # noqa: E402
 from pipeline.io.models import ModelError, check_model_dir  # noqa: E402
 from pipeline.run.spans import span  # noqa: E402
 
@@ -43,9 +45,11 @@ class VllmGenerationEngine:
     def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, max_new_tokens: int = 16,
                  temperature: float = 1.0, top_p: float = 1.0, max_model_len: int | None = 512,
                  dtype: str = "float32", block_size: int = 32, enforce_eager: bool | None = None,
-                 kv_cache_seqs: int = 64, **llm_kwargs: Any) -> None:
+                 kv_cache_seqs: int = 64, inflight_kv: str = "recompute", **llm_kwargs: Any) -> None:
         """`kv_cache_seqs`: on CPU, the KV cache holds this many sequences of
-        max_model_len tokens (more requests than that queue inside vLLM)."""
+        max_model_len tokens (more requests than that queue inside vLLM).
+        `inflight_kv`: what a load does to the KV cache of requests in flight
+        (generation.inflight_kv): keep it, or recompute it with the new weights."""
         path = check_model_dir(model_path)
         self.model_path = str(path)
         config = json.loads((path / "config.json").read_text())
@@ -57,6 +61,8 @@ class VllmGenerationEngine:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
+        self.inflight_kv = inflight_kv
+        self._prompts: dict[str, Prompt] = {}  # requests in flight, by key
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             _reuse_freed_memory()
@@ -104,6 +110,7 @@ class VllmGenerationEngine:
         self._plan: Any = None  # RefitPlan after the first load; False: this model needs reload_weights
         self._plan_off = ""
         self._probe()
+        self.set_version(0)
 
     def _probe(self) -> None:
         """One token from a one-token prompt: some models load but cannot run
@@ -128,24 +135,50 @@ class VllmGenerationEngine:
         of n samples with seed, seed + 1, ..., so n > 1 would let the streams
         of two requests overlap. The shared prompt is computed once anyway
         (prefix caching)."""
-        if len(seeds) != len(prompts):
-            raise ValueError(f"sample: {len(seeds)} seed lists for {len(prompts)} prompts")
-        if self.temperature == 0:
-            raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
-        with span("vllm.requests"):
-            requests = [(prompt, ids, seed) for prompt, ids, group in
-                        zip(prompts, (self.encode(p.text) for p in prompts), seeds) for seed in group]
-            params = [self._params(seed) for _, _, seed in requests]
-        with span("vllm.generate"):
-            outputs = self._generate([TokensPrompt(prompt_token_ids=ids) for _, ids, _ in requests], params)
-        with span("vllm.completions"):
-            completions = iter(self._completion(prompt, out) for (prompt, _, _), out in zip(requests, outputs))
-            return [[next(completions) for _ in group] for group in seeds]
+        return sample_all(self, prompts, seeds)
 
     def greedy(self, prompts: list[Prompt]) -> list[Completion]:
-        outputs = self._generate([TokensPrompt(prompt_token_ids=self.encode(p.text)) for p in prompts],
-                                 self._params(None))
-        return [self._completion(p, out) for p, out in zip(prompts, outputs)]
+        return greedy_all(self, prompts)
+
+    # -- the step API (pipeline/engines/interface.py): the engine loop drives it --
+    def add(self, key: str, prompt: Prompt, seed: int | None) -> None:
+        """Queue one request; `seed` None: greedy."""
+        if seed is not None and self.temperature == 0:
+            raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
+        with span("vllm.requests"):
+            self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=self.encode(prompt.text)),
+                                            self._params(seed))
+        self._prompts[key] = prompt
+
+    def busy(self) -> bool:
+        return bool(self._prompts)
+
+    def step(self) -> list[tuple[str, Completion]]:
+        """One engine step (a prefill or a decoding step of every running request);
+        the requests it finished."""
+        with span("vllm.step"), self._eager():
+            outputs = self.llm.llm_engine.step()
+        done = []
+        with span("vllm.completions"):
+            for out in outputs:
+                if out.finished:
+                    done.append((out.request_id, self._completion(self._prompts.pop(out.request_id), out)))
+        return done
+
+    def progress(self) -> dict[str, int]:
+        states = self.llm.llm_engine.output_processor.request_states.values()
+        return {state.external_req_id: state.detokenizer.num_output_tokens() for state in states
+                if state.external_req_id in self._prompts}
+
+    def abort_all(self) -> None:
+        """Drop every request in flight (after a failed step)."""
+        keys, self._prompts = list(self._prompts), {}
+        if keys:
+            self.llm.llm_engine.abort_request(keys)
+
+    def set_version(self, version: int) -> None:
+        """The label of the weights now loaded: each token sampled from here on carries it."""
+        self.llm.llm_engine.set_weight_version(str(version))
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a full HF-named state dict in place, then drop the prefix cache:
@@ -182,8 +215,20 @@ class VllmGenerationEngine:
                                  f"but the model's (unpadded) vocab_size is {self.vocab_size}")
 
     def drop_prefix_cache(self) -> None:
+        """No request may start from blocks of the old weights. With requests in
+        flight (an inflight refit), `recompute` preempts them, so they are
+        prefilled again with the new weights; `keep` leaves their blocks to them
+        but takes every block out of the prefix cache."""
+        engine = self.llm.llm_engine
         with span("vllm.reset_prefix_cache"):
-            reset = self.llm.reset_prefix_cache()
+            if not self._prompts:
+                reset = engine.reset_prefix_cache()
+            elif self.inflight_kv == "recompute":
+                reset = engine.reset_prefix_cache(reset_running_requests=True)
+            else:
+                pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+                pool.evict_blocks(set(range(len(pool.blocks))))
+                reset = True
         if not reset:
             raise RuntimeError(f"vLLM engine for {self.model_path!r}: reset_prefix_cache failed "
                                "(requests still running?)")
@@ -225,10 +270,11 @@ class VllmGenerationEngine:
         return worker.model_runner.model, engine.vllm_config
 
     # -- internals --------------------------------------------------------
+    def _eager(self) -> Any:
+        return contextlib.nullcontext() if self._stance is None else torch.compiler.set_stance(self._stance)
+
     def _generate(self, inputs: list, params: SamplingParams) -> list:
-        if self._stance is None:
-            return self.llm.generate(inputs, params, use_tqdm=False)
-        with torch.compiler.set_stance(self._stance):
+        with self._eager():
             return self.llm.generate(inputs, params, use_tqdm=False)
 
     def _params(self, seed: int | None) -> SamplingParams:
@@ -236,7 +282,8 @@ class VllmGenerationEngine:
         # every request, and each sampled token's logprob entry, at every engine
         # step (a fifth of a tiny model's call); _completion decodes each
         # completion once instead, to the same text.
-        common = dict(n=1, max_tokens=self.max_new_tokens, logprobs=0, detokenize=False)
+        common = dict(n=1, max_tokens=self.max_new_tokens, logprobs=0, detokenize=False,
+                      output_kind=RequestOutputKind.FINAL_ONLY)
         if seed is None:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed, **common)
@@ -252,7 +299,7 @@ class VllmGenerationEngine:
         ids = tuple(comp.token_ids)
         return Completion(prompt_ids=tuple(out.prompt_token_ids), response_ids=ids,
                           logprobs=tuple(_sampled_logprobs(comp.logprobs, ids, prompt.id)),
-                          text=self.decode(ids))
+                          text=self.decode(ids), versions=_token_versions(comp.weight_versions, len(ids)))
 
     def close(self) -> None:
         """Shut the in-process engine core down (idempotent)."""
@@ -288,6 +335,14 @@ def kv_cache_bytes(config: dict, max_model_len: int, seqs: int, dtype: str) -> i
     kind = getattr(torch, str(dtype), None)
     width = torch.finfo(kind).bits // 8 if isinstance(kind, torch.dtype) else 4  # "auto": assume fp32
     return max(per_token * width * max_model_len * seqs, 16 * 2**20)
+
+
+def _token_versions(spans: Any, n: int) -> tuple[int, ...]:
+    """vLLM's weight-version spans of a completion ([start, end) each) as one version per token."""
+    versions = [int(span.version) for span in spans or () for _ in range(span.start, span.end)]
+    if len(versions) != n:
+        raise RuntimeError(f"vLLM labelled {len(versions)} of {n} tokens with a weight version")
+    return tuple(versions)
 
 
 def _sampled_logprobs(logprobs: Any, ids: tuple[int, ...], prompt_id: str) -> list[float]:

@@ -64,6 +64,9 @@ class PolicyLossConfig:
     clip_eps: float = _key(0.2, "clip range of the probability ratio", gt=0, le=1)
     kl_coef: float = _key(0.0, "weight of the KL to the initial policy; 0 = none", ge=0)
     is_clip: float = _key(2.0, "cap of the token-level importance weight for stale samples", gt=0)
+    decoupled: bool = _key(True, "decoupled PPO (AReaL): clip the ratio to the policy before this step's update "
+                           "and weight by its ratio to the behaviour policy; false: clip the ratio to the "
+                           "behaviour policy itself (classic PPO)")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,12 @@ class GenerationConfig:
         "engines over a process group (gloo on CPU, through a /dev/shm arena when all share one node; NCCL on GPU)")
     sync_bucket_mb: float = _key(16.0, "collective weight sync: size of one broadcast bucket (through /dev/shm: "
                                  "of one signalled chunk) in MiB", gt=0)
+    refit_mode: Literal["drain", "inflight"] = _key(
+        "drain", "drain: a refit waits for the engine's rollouts to finish; inflight: it loads the weights between "
+        "two decoding steps and the rollouts go on with them (a sample then holds tokens of several versions)")
+    inflight_kv: Literal["keep", "recompute"] = _key(
+        "recompute", "inflight refits: keep the KV cache of the requests in flight (cheap; their next tokens attend "
+        "to keys of the old weights) or recompute it with the new weights")
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,12 @@ class DataConfig:
 class SimConfig:
     """The simulated workers (backend sim): latencies in seconds, each drawn from
     uniform(t * (1 - jitter), t * (1 + jitter)) with the run's seed."""
-    generate_s: float = _key(0.05, "one engine call's generation time", ge=0)
+    generate_s: float = _key(0.05, "time to decode max_new_tokens tokens (one engine step: generate_s / "
+                             "max_new_tokens, whatever the number of sequences)", ge=0)
+    response_len: Literal["fixed", "lognormal"] = _key(
+        "fixed", "response lengths: all max_new_tokens, or lognormal with median max_new_tokens / tail_ratio "
+        "(capped at max_new_tokens)")
+    tail_ratio: float = _key(4.0, "lognormal lengths: p99 / p50", gt=1)
     train_s: float = _key(0.05, "one train step's time", ge=0)
     refit_s: float = _key(0.01, "one weight load's time", ge=0)
     validate_s: float = _key(0.02, "one validation's time", ge=0)
@@ -209,7 +223,6 @@ MOVED = {
     "grpo.clip_eps": "policy_loss.clip_eps", "grpo.kl_coef": "policy_loss.kl_coef",
     "grpo.is_clip": "policy_loss.is_clip", "reward.max_failures": "fault.max_reward_failures",
     "fault.deadline_s": "run.deadline_s", "ppo.critic_zero_stage": "training.zero_stage",
-    "generation.refit_mode": None,
 }
 
 

@@ -42,6 +42,10 @@ class EventLog:
     def _lane(self) -> str:
         return getattr(self._here, "lane", None) or self.worker
 
+    def current_lane(self) -> str:
+        """The lane this thread logs on."""
+        return self._lane()
+
     @contextmanager
     def lane(self, name: str, *after: Clock) -> Iterator[None]:
         """Log this thread's events on lane `name`, after the events `after` carries."""

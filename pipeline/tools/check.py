@@ -32,6 +32,7 @@ from pipeline.tools.check_order import (
     rollouts_clear_of_validations,
     rollouts_run_the_loaded_version,
     t_,
+    tokens_follow_the_refits,
     weights_come_from_the_trainer,
 )
 
@@ -77,10 +78,10 @@ def _relaunches(events: list[dict]) -> dict[str, int]:
     return count
 
 
-def one_version_per_trajectory(events: list[dict], drain: bool, judge: Judge) -> None:
+def one_version_per_trajectory(events: list[dict], judge: Judge) -> None:
     """Invariant 2's counts and versions: each rollout_end has its start, a batch
-    starts once (plus once per relaunch), a drained rollout ends with the version
-    it started with, and train_start's batch_versions are those of the rollouts
+    starts once (plus once per relaunch), a rollout ends with the version it
+    started with, and train_start's batch_versions are those of the rollouts
     that delivered the batches (their ends are before it)."""
     pairs, orphan_ends = rollouts(events)
     for e in orphan_ends:
@@ -97,14 +98,13 @@ def one_version_per_trajectory(events: list[dict], drain: bool, judge: Judge) ->
             where = ", ".join(f"{s.get('worker')} at {t_(s['t'])}" for s, _ in ss)
             judge.fail(2, f"batch {batch} has {len(ss)} rollout_starts ({where})", [s for s, _ in ss])
 
-    # In-flight weight updates would legitimately change a rollout's version;
-    # only drain mode promises a rollout never sees its engine's weights change.
-    if drain:
-        for rs, re_ in pairs:
-            if re_ is not None and not re_.get("abandoned") and re_.get("version") != rs.get("version"):
-                judge.fail(2, (f"batch {rs.get('batch')} on {rs.get('worker')} started with version "
-                               f"{rs.get('version')} at {t_(rs['t'])} but ended with version "
-                               f"{re_.get('version')} at {t_(re_['t'])}"), (rs, re_))
+    # A rollout's version is the one it started with, in both refit modes: an
+    # inflight refit changes its tokens' versions (tokens_follow_the_refits), not that.
+    for rs, re_ in pairs:
+        if re_ is not None and not re_.get("abandoned") and re_.get("version") != rs.get("version"):
+            judge.fail(2, (f"batch {rs.get('batch')} on {rs.get('worker')} started with version "
+                           f"{rs.get('version')} at {t_(rs['t'])} but ended with version "
+                           f"{re_.get('version')} at {t_(re_['t'])}"), (rs, re_))
 
     for ts in of(events, "train_start"):
         batches, versions = ts.get("batches") or [], ts.get("batch_versions")
@@ -311,10 +311,12 @@ def check_report(events: Iterable[dict]) -> Report:
     drain = run_start is None or run_start.get("refit_mode", "drain") == "drain"
     judge = Judge(events)
     rollouts_clear_of_validations(events, judge)
+    pairs = rollouts(events)[0]
     if drain:
-        rollouts_clear_of_refits(events, rollouts(events)[0], judge)
+        rollouts_clear_of_refits(events, pairs, judge)
+    tokens_follow_the_refits(events, pairs, judge)
     rollouts_run_the_loaded_version(events, judge)
-    one_version_per_trajectory(events, drain, judge)
+    one_version_per_trajectory(events, judge)
     weights_come_from_the_trainer(events, judge, generator_names(events))
     violations = [*judge.violations, *batch_ages_within_max_age(events, run_start),
                   *each_batch_trained_once_or_dropped(events, finished), *versions_rise_by_one(events, finished)]

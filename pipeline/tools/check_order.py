@@ -274,3 +274,41 @@ def weights_come_from_the_trainer(events: list[dict], judge: Judge, generators: 
                      f"loaded {t_(fe['t'])})"),
             wall_message=(f"{fe.get('worker')} finished loading the weights of step {fe.get('step')} at "
                           f"{t_(fe['t'])}, before the trainer made them ({t_(te['t'])})"))
+
+
+def tokens_follow_the_refits(events: list[dict], pairs: list[list], judge: Judge) -> None:
+    """Invariant 2, per token (both refit modes; under drain each sample is one run
+    of its launch version). rollout_end logs each sample's token versions as runs
+    ([[version, tokens], ...]); an engine loop's refit_end logs, for each batch in
+    flight, how many tokens each of its samples had when the load landed. Then:
+    versions along a sample never decrease and none is older than the weights the
+    batch started with; and of a refit installing V, the tokens before its
+    position are older than V and those after are not."""
+    installs: dict[str, list[dict]] = defaultdict(list)
+    for e in of(events, "refit_end"):
+        if isinstance(e.get("positions"), dict):
+            installs[e.get("worker")].append(e)
+    for rs, re_ in pairs:
+        runs = None if re_ is None or re_.get("failed") or re_.get("abandoned") else re_.get("token_versions")
+        if not isinstance(runs, list):
+            continue
+        batch, worker, start = rs.get("batch"), rs.get("worker"), rs.get("version")
+        where = f"batch {batch} on {worker}"
+        for i, sample in enumerate(runs):
+            versions = [v for v, _ in sample]
+            if versions != sorted(set(versions)):
+                judge.fail(2, f"{where}, sample {i}: token versions go {versions} along the sample; they may "
+                              "only rise", (rs, re_))
+            elif versions and isinstance(start, int) and versions[0] < start:
+                judge.fail(2, f"{where}, sample {i}: its first token has version {versions[0]}, older than the "
+                              f"version {start} the batch started with", (rs, re_))
+        for fe in installs.get(worker, []):
+            at = fe["positions"].get(batch)
+            if not isinstance(at, list) or len(at) != len(runs):
+                continue
+            for i, (sample, position) in enumerate(zip(runs, at)):
+                older = sum(n for v, n in sample if v < fe.get("version"))
+                if older != position:
+                    judge.fail(2, (f"{where}, sample {i}: version {fe.get('version')} was installed (refit of "
+                                   f"step {fe.get('step')}, {t_(fe['t'])}) after its token {position}, but "
+                                   f"{older} of its tokens carry older versions (runs {sample})"), (rs, fe, re_))
