@@ -74,10 +74,11 @@ def read_run(run_dir: Path) -> dict:
 
 
 def run_once(algorithm: str, max_age: int, seed: int, steps: int, val_period: int, model: Path,
-             out_dir: Path, extra: list[str]) -> dict:
+             out_dir: Path, extra: list[str], name: str = "") -> dict:
     from pipeline.io.config import load_config
     from pipeline.run.driver import train
-    name = f"{algorithm}_{MODES[max_age]}_s{seed}"
+    mode = MODES.get(max_age, f"async{max_age}")
+    name = name or f"{algorithm}_{mode}_s{seed}"
     cfg = load_config(RECIPES[algorithm], [
         f"model.path={model}", f"data.train={ROOT / 'data' / 'tiny_train.jsonl'}",
         f"data.val={ROOT / 'data' / 'tiny_val.jsonl'}", f"schedule.max_age={max_age}", f"run.seed={seed}",
@@ -87,7 +88,7 @@ def run_once(algorithm: str, max_age: int, seed: int, steps: int, val_period: in
     summary = train(cfg, quiet=True)
     if summary["error"] or not summary["accounting"]["balanced"]:
         raise RuntimeError(f"run {name} failed: {summary['error'] or summary['accounting']}")
-    return {"algorithm": algorithm, "mode": MODES[max_age], "max_age": max_age, "seed": seed,
+    return {"algorithm": algorithm, "mode": mode, "max_age": max_age, "seed": seed,
             "wall_s": round(time.time() - started, 1), **read_run(out_dir / name)}
 
 

@@ -58,6 +58,16 @@ def test_overlap_quick(tmp_path):
     assert {t["max_age"] for t in result["targets"]} == {1, 2}
 
 
+def test_inflight_quick(tmp_path):
+    result = run_quick("inflight", tmp_path)
+    figures = result["throughput"]
+    assert [(f["tail_ratio"], f["max_age"]) for f in figures] == [(10.0, 2)]
+    for key in ("drain_tokens_per_s", "inflight_tokens_per_s", "drain_busy", "inflight_busy", "tokens_per_s_ratio"):
+        assert is_stat(figures[0][key]), key
+    assert result["learning"] == "not run under --quick"
+    assert [t["target"] for t in result["targets"]] == ["tokens/s inflight / drain >= 1.5 (tail 10.0, max_age 2)"]
+
+
 def test_overhead_quick(tmp_path):
     result = run_quick("overhead", tmp_path)
     figures = result["figures"]

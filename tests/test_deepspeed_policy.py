@@ -74,7 +74,9 @@ def test_remainder_micro_batch_equals_one_batch(model_dir):
     assert whole.steps == 1 and mw["micro_batches"] == 1.0
     assert ms["loss"] == pytest.approx(mw["loss"], abs=1e-7)
     assert ms["grad_norm"] == pytest.approx(mw["grad_norm"], rel=1e-5)
-    assert max_diff(weights(split), weights(whole)) < 1e-6
+    # The two sum the gradient in a different order: on some hosts' vector units
+    # (measured: 1.7e-6 on one, under 1e-6 on another) that rounds an lr 1e-3 step apart.
+    assert max_diff(weights(split), weights(whole)) < 5e-6
     split.close(), whole.close()
 
 

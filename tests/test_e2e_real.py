@@ -25,13 +25,15 @@ REWARD_MARGIN = 0.5
 VAL_REWARD_MIN = 0.9
 
 
-# ranks 2: two data-parallel policy ranks (a gloo group), and for PPO two critic ranks, learn as one does.
-@pytest.mark.parametrize("recipe,ranks", [("tiny_grpo", 1), ("tiny_ppo", 1), ("tiny_grpo", 2), ("tiny_ppo", 2)])
-def test_async_rl_learns_the_tiny_task(tmp_path, ray_session, tiny_model, recipe, ranks):
+# ranks 2: two data-parallel policy ranks (a gloo group), and for PPO two critic ranks, learn as one does;
+# those two runs also refit in flight (generation.refit_mode inflight), which must learn as draining does.
+@pytest.mark.parametrize("recipe,ranks,refit_mode", [("tiny_grpo", 1, "drain"), ("tiny_ppo", 1, "drain"),
+                                                     ("tiny_grpo", 2, "inflight"), ("tiny_ppo", 2, "inflight")])
+def test_async_rl_learns_the_tiny_task(tmp_path, ray_session, tiny_model, recipe, ranks, refit_mode):
     cfg = load_config(f"examples/{recipe}.yaml", [
         f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=e2e", "run.steps=40",
         "run.checkpoint_every=20", "run.dag_mode=classic", f"training.num_workers={ranks}",
-        f"ppo.critic_num_workers={ranks}"])
+        f"ppo.critic_num_workers={ranks}", f"generation.refit_mode={refit_mode}"])
     summary = train(cfg, quiet=True)
     run_dir = tmp_path / "e2e"
     violations = check_events(load_events(run_dir))

@@ -1,7 +1,7 @@
 """The controller actor: replay buffer, prompt stream and launch schedule.
 
 Its graph nodes are sample, validation_gate, resume and train_done; the
-generators' rollout threads call `put` and `rollout_failed`; the driver calls
+generators' engine loops call `put` and `rollout_failed`; the driver calls
 `relaunch`, `interrupt` and `save_state` between graph executions.
 
 Vector clocks (pipeline/run/events.py): a rollout's clock comes with its `put` and

@@ -7,7 +7,7 @@ send commands):
 
     submit     collect's batches: added to the engine, rollout_start logged
     wait_idle  a draining refit: answered once no rollout is in flight
-    install    a refit's load, run between two engine steps
+    install    a refit's load, run between two engine steps (its spans go back with the answer)
     greedy     validation requests, decoded beside whatever else runs
 
 Between commands the loop steps the engine while it has requests, so batches
@@ -73,12 +73,15 @@ class EngineLoop:
         self._idle_waiters: list[Future] = []
         self._busy_s = 0.0
         self._stopped = False
+        self.died: str | None = None
         self.lane = f"{log.worker}/rollouts"
         self.thread = threading.Thread(target=self._run, name=self.lane, daemon=True)
         self.thread.start()
 
     # -- what the nodes call: a command and a wait for its answer ----------------
     def call(self, kind: str, payload: Any, timeout_s: float, what: str) -> Any:
+        if self.died is not None:
+            raise RuntimeError(f"{what}: the engine loop died: {self.died}")
         reply: Future = Future()
         self._commands.put(_Command(kind, payload, self.log.now(), self.log.current_lane(), reply))
         try:
@@ -100,6 +103,19 @@ class EngineLoop:
 
     # -- the loop ---------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # a bug or a dead controller: every waiting node must hear of it
+            self.died = f"{type(exc).__name__}: {exc}"
+            while True:
+                try:
+                    self._commands.get(block=False).reply.set_exception(RuntimeError(self.died))
+                except queue.Empty:
+                    break
+            for reply in self._idle_waiters:
+                reply.set_exception(RuntimeError(self.died))
+
+    def _serve(self) -> None:
         with self.log.lane(self.lane):
             while not self._stopped:
                 # Block for a command only when there is nothing to decode.
@@ -110,7 +126,8 @@ class EngineLoop:
                     self._step()
                 if not self._batches:
                     self._answer_idle()
-            self._abort("the generator's run ended")
+            # What is left belongs to a run that is over: its controller is not told.
+            self.engine.abort_all()
 
     def _take_commands(self, block: bool) -> None:
         while True:
@@ -164,14 +181,16 @@ class EngineLoop:
         requests had when the load landed: those before are the old version's,
         those after the new one's (pipeline/tools/check_order.py checks it)."""
         load, step, version = command.payload
+        profile: dict[str, float] = {}   # the load's spans: the refit node's, not the rollouts'
         with self.log.lane(command.lane, command.clock):
             positions = self._positions()
             self.log.emit("refit_start", step=step, version=self.version)
-            load()
+            with spans.apart(profile):
+                load()
             self.engine.set_version(version)
             self.version = version
             self.log.emit("refit_end", step=step, version=version, positions=positions)
-            return positions, self.log.now()
+            return profile, self.log.now()
 
     def _on_greedy(self, command: _Command) -> object:
         """Validation requests, decoded beside the rollouts; the answer carries

@@ -111,8 +111,8 @@ class GeneratorWorker(Actor):
 
             def load() -> None:
                 self.engine.load_weights(weights.unpack(stored))
-        self._loop.call("install", (load, gate.step, train.version), self.cfg.run.deadline_s,
-                        f"the refit of step {gate.step}")
+        spans.add(self._loop.call("install", (load, gate.step, train.version), self.cfg.run.deadline_s,
+                                  f"the refit of step {gate.step}"))
         self.version, self._loaded_step = train.version, gate.step
         return Refitted(self.log.worker, gate.step, self.version, gate.validate,
                         refit_s=time.perf_counter() - started)

@@ -72,7 +72,8 @@ class SimGenerationEngine:
         self.max_new_tokens = max_new_tokens
         self.weights_version = 0
         self.version = 0
-        self.batches = 0   # rollout batches added: sim.fault_after counts these
+        self.calls = 0     # submissions of rollouts (requests added between two steps): sim.fault_after counts these
+        self._stepped = True
         self._running: dict[str, _SimRequest] = {}
 
     def sample(self, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
@@ -82,8 +83,9 @@ class SimGenerationEngine:
         return greedy_all(self, prompts)
 
     def add(self, key: str, prompt: Prompt, seed: int | None) -> None:
-        if seed is not None and key.endswith("/0"):
-            self.batches += 1
+        if seed is not None and self._stepped:
+            self.calls += 1
+            self._stepped = False
         rng = random.Random(prompt.id if seed is None else seed)
         self._running[key] = _SimRequest(rng, self._length(rng), greedy=seed is None)
 
@@ -99,9 +101,10 @@ class SimGenerationEngine:
         return bool(self._running)
 
     def step(self) -> list[tuple[str, Completion]]:
-        if self.batches:
-            # After fault_after good batches: a fault mid-rollout, as a real engine would fail.
-            _maybe_fault(self.cfg, "generate", self.batches - 1)
+        self._stepped = True
+        if self.calls:
+            # After fault_after good submissions: a fault mid-rollout, as a real engine would fail.
+            _maybe_fault(self.cfg, "generate", self.calls - 1)
         only_validation = all(r.greedy for r in self._running.values())
         self.latency.spend((self.cfg.validate_s if only_validation else self.cfg.generate_s) / self.max_new_tokens)
         done = []

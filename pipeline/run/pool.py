@@ -68,7 +68,7 @@ def start_workers(num_generators: int, critics: int = 0, trainers: int = 1, plac
     in its bundle, else each asks half a CPU of wherever Ray puts it."""
     # Generators first: vLLM's import and engine start are the longest of any worker's.
     generators = tuple(_generator(i, placement) for i in range(num_generators))
-    # Threaded actors: nodes of a step, the rollout threads' puts and the driver's pings reach them concurrently.
+    # Threaded actors: nodes of a step, the engine loops' puts and the driver's pings reach them concurrently.
     controller = ray.remote(Controller).options(**_options(placement, "controller"), max_concurrency=8).remote()
     # Two threads: `save` between steps must not wait behind a compiled graph's loop.
     ranks = tuple(ray.remote(TrainerWorker).options(**_options(placement, "trainer", r), max_concurrency=2).remote(r)

@@ -5,7 +5,7 @@ runs; no rollout runs on an engine while its weights change. Event times come
 from different processes, and across hosts their clocks disagree, so this
 module proves order from each event's vector clock (`vc`, pipeline/run/events.py):
 A happened before B when A's clock is <= B's entry by entry and not equal. A
-clock grows only along the graph's edges, the joins of rollout threads, the
+clock grows only along the graph's edges, the drains of engine loops, the
 batches `sample` takes and what the driver hands on, so a pair that no clock
 orders is a pair the run did not order, however the timing fell.
 
