@@ -289,7 +289,7 @@ def test_a_refit_mid_generation_gives_each_token_its_versions_logprob(engine, mo
     if kv == "recompute":
         assert gaps[1] < TOL
     else:
-        assert gaps[1] > 10 * TOL  # the mix keep buys: measured 
+        assert gaps[1] > 10 * TOL  # the mix keep buys: 0.46 measured
 
 
 def test_reload_without_cache_reset_serves_stale_prompt_blocks(engine, model_dir):
