@@ -155,7 +155,7 @@ VLLM_BUCKETS = {  # cProfile cumulative time of these vLLM functions, per engine
     "input preparation": ("gpu_model_runner.py", "_prepare_inputs"),
     "sampler": ("gpu_model_runner.py", "_sample"),
     "output processing": ("output_processor.py", "process_outputs"),
-    "request set-up": ("offline.py", "_render_and_add_requests"),
+    "request set-up": ("llm_engine.py", "add_request"),
 }
 
 
@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--leaves", action="store_true", help="also profile vLLM and the event log in-process")
+    ap.add_argument("--modes", nargs="+", choices=("async", "sync"), default=["async", "sync"],
+                    help="which runs: async (max_age 1), sync (max_age 0)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra recipe override")
     ap.add_argument("--out", type=Path, help="directory for step_profile.json (default benchmarks/results)")
     args = ap.parse_args(argv)
@@ -220,12 +222,14 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.time()
     result = {"benchmark": "step_profile", "machine": info,
               "params": {"recipe": str(RECIPE.relative_to(ROOT)), "steps": args.steps, "seed": args.seed,
-                         "warmup_steps_left_out": WARMUP_STEPS, "overrides": args.set,
+                         "warmup_steps_left_out": WARMUP_STEPS, "overrides": args.set, "modes": args.modes,
                          "validation": "none", "checkpoints": "none"},
               "runs": {}}
     with tempfile.TemporaryDirectory(prefix="dagrl_step_profile_") as tmp:
         model = build_model(Path(tmp))
         for name, age in (("async", 1), ("sync", 0)):
+            if name not in args.modes:
+                continue
             sample_load(info)
             run = run_recipe(Path(tmp), name, age, args.steps, args.seed, args.set)
             result["runs"][name] = profile_run(run)
