@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
+from seeds import _median_with_never  # noqa: E402
 from seeds import run_once as learning_run  # noqa: E402
 
 MODES = ("drain", "inflight")
@@ -191,18 +192,14 @@ def learning_targets(runs: list[dict]) -> list[dict]:
     """Median steps to validation 0.9, inflight against drain, per max_age (a seed that never got there: never)."""
     out = []
     for age in sorted({r["max_age"] for r in runs}):
-        med = {m: _median_never([r["steps_to_val_0.9"] for r in runs if r["max_age"] == age and r["refit_mode"] == m])
-               for m in MODES}
+        med = {m: _median_with_never([r["steps_to_val_0.9"] for r in runs
+                                      if r["max_age"] == age and r["refit_mode"] == m]) for m in MODES}
         out.append({"target": f"median steps to val 0.9, max_age {age}: inflight vs drain",
                     "value": f"{med['inflight']} vs {med['drain']}",
                     "met": med["inflight"] is not None and med["drain"] is not None
                     and med["inflight"] <= med["drain"] + LEARNING_NOISE_STEPS})
     return out
 
-
-def _median_never(values: list) -> float | None:
-    mid = statistics.median(float("inf") if v is None else v for v in values)
-    return None if mid == float("inf") else mid
 
 
 if __name__ == "__main__":

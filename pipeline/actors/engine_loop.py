@@ -56,8 +56,8 @@ class _Command:
 
 
 class EngineLoop:
-    """`deliver(batch, completions, version)`: a finished batch (completions in
-    launch order); `fail(batch, reason)`: a batch the engine lost. Both run on
+    """`deliver(batch, completions, spans)`: a finished batch (completions in
+    launch order, the loop's spans since the last delivery); `fail(batch, reason)`: a batch the engine lost. Both run on
     the loop's thread, on its lane."""
 
     def __init__(self, engine: GenerationEngine, log: EventLog, deliver: Callable, fail: Callable,
@@ -164,7 +164,8 @@ class EngineLoop:
                 for key, prompt, seed in zip(keys, prompts, seeds):
                     self.engine.add(key, prompt, seed)
             except Exception as exc:
-                self._lose_everything(exc)
+                self._lose_everything(exc)  # this batch and the ones before it; the rest are not added
+                break
         busy, self._busy_s = self._busy_s, 0.0
         return busy, self.log.now()
 
