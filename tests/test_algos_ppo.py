@@ -155,3 +155,19 @@ def test_a_sample_whose_reward_failed_teaches_nothing():
     assert out.column("advantages").to_pylist()[1] == [0.0]
     assert out.column("returns").to_pylist()[1] == pytest.approx([0.3])
     assert stats["adv_mean"] == pytest.approx(0.75) and stats["returns_mean"] == pytest.approx(1.0)
+
+
+def test_gae_runs_over_the_model_tokens_with_each_turn_rewarded_at_its_end():
+    """Two turns of 2 model tokens around 3 observation tokens: the recursion skips
+    the observation (advantage 0, return = value), and turn 1's reward enters at
+    its last token."""
+    row = dict(batch_id="b", target=0, version=0, prompt_id="p", prompt_ids=[1], response_ids=[5, 6, 9, 9, 9, 7, 8],
+               logprobs=[0.0] * 7, text="", reward=1.5, reward_error="", loss_mask=[1, 1, 0, 0, 0, 1, 1],
+               token_rewards=[0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0])
+    table = pa.Table.from_pylist([row], schema=TRAJECTORY_SCHEMA)
+    values = [[0.1, 0.2, 9.0, 9.0, 9.0, 0.3, 0.4]]
+    out, _ = compute_advantages(table, values, gamma=1.0, lam=1.0, whiten_advantages=False)
+    adv, ret = out.column("advantages").to_pylist()[0], out.column("returns").to_pylist()[0]
+    # Monte-Carlo returns over the model tokens: 1.5, 1.5, then 1.0, 1.0.
+    assert ret == pytest.approx([1.5, 1.5, 9.0, 9.0, 9.0, 1.0, 1.0])
+    assert adv == pytest.approx([1.4, 1.3, 0.0, 0.0, 0.0, 0.7, 0.6])

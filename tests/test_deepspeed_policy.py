@@ -242,3 +242,26 @@ def test_policy_save_state_continues_identically(model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="no engine state"):
         b.load_state(str(tmp_path / "missing"))
     a.close(), b.close()
+
+
+def test_tokens_outside_the_loss_mask_are_not_trained(model_dir):
+    """Multi-turn: an environment's observation tokens (loss_mask 0) change
+    nothing, whatever their advantages; a mask of the wrong length is refused."""
+    table = make_table()
+    lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+    masks = [[1] + [0] * (n - 1) for n in lengths]
+    masked = table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask",
+                              pa.array(masks, pa.list_(pa.int8())))
+    advantages = [[1.0] + [float(k) for k in range(n - 1)] for n in lengths]
+    other = [[1.0] + [-5.0] * (n - 1) for n in lengths]
+    results = []
+    for adv in (advantages, other):
+        engine = make_engine(model_dir)
+        m = engine.train_step(masked, pa.table({"advantages": adv}))
+        results.append((weights(engine), m))
+    assert max_diff(results[0][0], results[1][0]) == 0.0
+    assert results[0][1]["tokens"] == len(lengths)  # one trained token per row
+    bad = table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask",
+                           pa.array([[1]] * table.num_rows, pa.list_(pa.int8())))
+    with pytest.raises(ValueError, match="loss_mask must hold a 0 or 1 for each of its"):
+        make_engine(model_dir).train_step(bad, pa.table({"advantages": advantages}))

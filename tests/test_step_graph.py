@@ -76,6 +76,10 @@ schedules = st.fixed_dictionaries({
     "seed": st.integers(0, 10_000),
     "refit_mode": st.sampled_from(["drain", "inflight"]),
     "response_len": st.sampled_from(["fixed", "lognormal"]),
+    # Multi-turn rollouts (a simulated tool, pipeline/envs/sim.py) in half the schedules.
+    "turns": st.sampled_from([None, None, 1, 2, "random"]),
+    "tool_ms": st.integers(0, 30),
+    "tool_latency": st.sampled_from(["fixed", "lognormal"]),
 })
 
 
@@ -92,9 +96,15 @@ def check_schedule(tmp_path, pool, runner, s: dict) -> None:
                      sim__generate_s=s["generate_ms"] / 1000, sim__train_s=s["train_ms"] / 1000,
                      sim__refit_s=s["refit_ms"] / 1000, sim__validate_s=s["validate_ms"] / 1000,
                      sim__jitter=s["jitter"], generation__refit_mode=s["refit_mode"],
-                     sim__response_len=s["response_len"], sim__tail_ratio=10)
+                     sim__response_len=s["response_len"], sim__tail_ratio=10,
+                     **({} if s["turns"] is None else {
+                         "env__class": "pipeline.envs.sim:SimToolEnv", "env__max_turns": 3,
+                         "env__args": f"{{turns: {s['turns']}, max_turns: 3, latency_s: {s['tool_ms'] / 1000}, "
+                                      f"latency: {s['tool_latency']}, observation_tokens: 3}}"}))
     summary, events, violations = run_and_check(cfg, pool, runner)
     assert violations == [], f"{s}\n" + "\n".join(v.message for v in violations)
+    if s["turns"] is not None:
+        assert any(e["ev"] == "env_step" for e in events), s
     acc = summary["accounting"]
     assert acc["balanced"] and acc["dropped"] == 0 and acc["trained"] == acc["launched"]
     assert summary["steps"] == s["steps"]

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import traceback
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dags.tokens import Clock, Launch
+from pipeline.actors.episodes import Episodes
 from pipeline.engines.interface import Completion, GenerationEngine
 from pipeline.run import spans
 from pipeline.run.events import EventLog
@@ -61,7 +63,10 @@ class EngineLoop:
     the loop's thread, on its lane."""
 
     def __init__(self, engine: GenerationEngine, log: EventLog, deliver: Callable, fail: Callable,
-                 version: int, group_size: int):
+                 version: int, group_size: int, env=None, env_workers=None):
+        """`env` (an EnvConfig with a class): samples are multi-turn episodes
+        (pipeline/actors/episodes.py), their environments in `env_workers` or in
+        this process."""
         self.engine, self.log = engine, log
         self._deliver, self._fail = deliver, fail
         self.version = version
@@ -75,6 +80,7 @@ class EngineLoop:
         self._stopped = False
         self.died: str | None = None
         self.lane = f"{log.worker}/rollouts"
+        self.episodes = None if env is None else Episodes(env, engine, self._post_env, self._emit_env, env_workers)
         self.thread = threading.Thread(target=self._run, name=self.lane, daemon=True)
         self.thread.start()
 
@@ -106,6 +112,7 @@ class EngineLoop:
         try:
             self._serve()
         except Exception as exc:  # a bug or a dead controller: every waiting node must hear of it
+            traceback.print_exc()  # the actor's log keeps where
             self.died = f"{type(exc).__name__}: {exc}"
             while True:
                 try:
@@ -120,6 +127,9 @@ class EngineLoop:
             while not self._stopped:
                 # Block for a command only when there is nothing to decode.
                 self._take_commands(block=not self.engine.busy())
+                if self.episodes is not None:
+                    for key, completion in self.episodes.expire(time.monotonic()):
+                        self._finished(key, completion)
                 if self._stopped:
                     break
                 if self.engine.busy():
@@ -128,11 +138,16 @@ class EngineLoop:
                     self._answer_idle()
             # What is left belongs to a run that is over: its controller is not told.
             self.engine.abort_all()
+            if self.episodes is not None:
+                self.episodes.close()
 
     def _take_commands(self, block: bool) -> None:
         while True:
+            # An environment call may time out while nothing else happens.
+            deadline = self.episodes.next_deadline() if block and self.episodes is not None else None
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
                 return
             block = False
@@ -162,7 +177,7 @@ class EngineLoop:
             try:
                 prompts = [p for p in launch.prompts for _ in range(self.group_size)]
                 for key, prompt, seed in zip(keys, prompts, seeds):
-                    self.engine.add(key, prompt, seed)
+                    self._add(key, prompt, seed)
             except Exception as exc:
                 self._lose_everything(exc)  # this batch and the ones before it; the rest are not added
                 break
@@ -198,14 +213,43 @@ class EngineLoop:
         the validate node's own clock back: the loop's turns order nothing."""
         keys = [f"val/{i}" for i in range(len(command.payload))]
         for key, prompt in zip(keys, command.payload):
-            self.engine.add(key, prompt, None)
+            self._add(key, prompt, None)
         self._validation = (keys, {}, command)
         return _LATER
 
+    def _on_env(self, command: _Command) -> object:
+        """An environment's answer: the sample's next turn is added, or it is over."""
+        key, call, outcome = command.payload
+        finished = self.episodes.on_env(key, call, outcome, self.version)
+        if finished is not None:
+            self._finished(*finished)
+        return _LATER  # nobody waits for it
+
+    def _post_env(self, key: str, call: int, outcome: tuple) -> None:
+        self._commands.put(_Command("env", (key, call, outcome), (), self.lane, Future()))
+
+    def _emit_env(self, kind: str, batch: str, **fields) -> None:
+        launch = self._batches[batch].launch if batch in self._batches else None
+        self.log.emit(kind, step=None if launch is None else launch.target, version=self.version, batch=batch,
+                      **fields)
+
+    def _add(self, key: str, prompt, seed: int | None) -> None:
+        if self.episodes is None:
+            self.engine.add(key, prompt, seed)
+        else:
+            self.episodes.start(key, prompt, seed)
+
     def _positions(self) -> dict[str, list[int]]:
         progress = self.engine.progress()
-        return {b.launch.batch_id: [progress.get(k, len(b.done[k].response_ids) if k in b.done else 0)
-                                    for k in b.keys] for b in self._batches.values()}
+
+        def tokens(batch: InFlight, key: str) -> int:
+            if key in batch.done:
+                return len(batch.done[key].response_ids)
+            if self.episodes is None:
+                return progress.get(key, 0)
+            request = self.episodes.current_request(key)
+            return self.episodes.tokens_so_far(key) + (progress.get(request, 0) if request else 0)
+        return {b.launch.batch_id: [tokens(b, k) for k in b.keys] for b in self._batches.values()}
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -217,19 +261,26 @@ class EngineLoop:
         finally:
             self._busy_s += time.perf_counter() - started
         for key, completion in finished:
-            batch_id = key.rpartition("/")[0]
-            if batch_id == "val":
-                self._validation[1][key] = completion
-                continue
-            batch = self._batches[batch_id]
-            batch.done[key] = completion
-            if len(batch.done) == len(batch.keys):
-                del self._batches[batch_id]
-                self._deliver(batch, [batch.done[k] for k in batch.keys], spans.take())
-        if self._validation is not None and len(self._validation[1]) == len(self._validation[0]):
+            if self.episodes is not None and self.episodes.owns(key):
+                self.episodes.on_turn(key, completion)  # its environment decides what comes next
+            else:
+                self._finished(key, completion)
+
+    def _finished(self, key: str, completion: Completion) -> None:
+        """A sample is complete (all its turns): its batch is delivered once every sample is."""
+        batch_id = key.rpartition("/")[0]
+        if batch_id == "val":
             keys, done, command = self._validation
-            self._validation = None
-            command.reply.set_result(([done[k] for k in keys], command.clock))
+            done[key] = completion
+            if len(done) == len(keys):
+                self._validation = None
+                command.reply.set_result(([done[k] for k in keys], command.clock))
+            return
+        batch = self._batches[batch_id]
+        batch.done[key] = completion
+        if len(batch.done) == len(batch.keys):
+            del self._batches[batch_id]
+            self._deliver(batch, [batch.done[k] for k in batch.keys], spans.take())
 
     def _lose_everything(self, exc: Exception) -> None:
         """A failed engine call: every request in flight is lost with it."""
@@ -243,6 +294,8 @@ class EngineLoop:
 
     def _abort(self, reason: str) -> None:
         self.engine.abort_all()
+        if self.episodes is not None:
+            self.episodes.abort_all()
         lost, self._batches = list(self._batches.values()), {}
         for batch in lost:
             self._fail(batch, reason)

@@ -58,7 +58,7 @@ class GeneratorWorker(Actor):
         self.log.merge(after)
         self.log.emit("worker_start", **whereabouts(), incarnation=incarnation, generator=self.index)
         self.engine = backends.generation_engine(cfg, self.index, incarnation)
-        self.reward_fn = backends.reward_function(cfg)
+        self.reward_fn = None if cfg.env.class_ else backends.reward_function(cfg)  # an environment scores itself
         self.val_prompts = backends.val_prompts(cfg)[self.index::cfg.generation.num_generators]
         self.controller = controller
         self.version, self._loaded_step = 0, None
@@ -70,8 +70,14 @@ class GeneratorWorker(Actor):
             self.engine.set_version(version)
             self.version, self._loaded_step = version, version - 1
             self.log.emit("refit_end", step=version - 1, version=self.version)
+        env = cfg.env if cfg.env.class_ else None
+        workers = None
+        if env is not None and env.num_workers:
+            from pipeline.envs.workers import EnvWorkers
+            workers = EnvWorkers(env, self.log.worker)
+            workers.wait_ready(cfg.run.startup_deadline_s)
         self._loop = EngineLoop(self.engine, self.log, self._deliver, self._fail, self.version,
-                                cfg.schedule.group_size)
+                                cfg.schedule.group_size, env, workers)
         self.log.emit("worker_ready", spans=spans.take())
         return self.log.now()
 
@@ -147,7 +153,7 @@ class GeneratorWorker(Actor):
         # before this node returns, and no rollout starts before resume.
         completions = self._loop.call("greedy", self.val_prompts, self.cfg.run.deadline_s,
                                       f"the validation of step {ready.step}")
-        scored = [self._score(p, c.text) for p, c in zip(self.val_prompts, completions)]
+        scored = [self._score(p, c) for p, c in zip(self.val_prompts, completions)]
         rewards = [r for r, error in scored if not error]
         self.log.emit("validation_end", step=ready.step, version=self.version)
         return ValOut(self.log.worker, ready.step, self.version, True,
@@ -192,7 +198,8 @@ class GeneratorWorker(Actor):
             return
         # Logged and put with the version it was launched with: its oldest token is no older.
         self.log.emit("rollout_end", step=launch.target, version=batch.version, batch=launch.batch_id,
-                      target=launch.target, spans=profile, token_versions=_runs(table))
+                      target=launch.target, spans=profile, token_versions=_runs(table),
+                      turns=[c.turns for c in completions])
         # Not waited for here: the loop would wait out the round trip, and sample
         # waits for the batch anyway. _check_puts reads the answers.
         self._puts.append(self.controller.put.remote(launch.batch_id, batch.version, table, self.log.now()))
@@ -211,9 +218,12 @@ class GeneratorWorker(Actor):
             self._puts.remove(ref)
         ray.get(done)
 
-    def _score(self, prompt: Prompt, text: str) -> tuple[float, str]:
+    def _score(self, prompt: Prompt, completion: Completion) -> tuple[float, str]:
+        """(reward, why it failed or ""): the environment's sum of turn rewards, or data.reward's."""
+        if completion.reward is not None:
+            return completion.reward, (f"prompt {prompt.id}: {completion.error}" if completion.error else "")
         try:
-            return float(self.reward_fn(prompt, text)), ""
+            return float(self.reward_fn(prompt, completion.text)), ""
         except Exception as exc:  # a user's reward function: any error marks this one sample
             return 0.0, f"prompt {prompt.id}: {type(exc).__name__}: {exc}"
 
@@ -222,7 +232,7 @@ class GeneratorWorker(Actor):
         """A sample whose reward raised is scored with the mean of its group's
         good rewards: its advantage is then zero, so it teaches nothing, and
         the rest of the group keeps its ranking."""
-        scored = [self._score(prompt, c.text) for c in group]
+        scored = [self._score(prompt, c) for c in group]
         good = [r for r, error in scored if not error]
         fill = sum(good) / len(good) if good else 0.0
         for _, error in scored:
@@ -253,7 +263,19 @@ class GeneratorWorker(Actor):
                 "text": [c.text for _, c in rows],
                 "reward": rewards,
                 "reward_error": errors,
+                "loss_mask": [list(c.loss_mask) or [1] * len(c.response_ids) for _, c in rows],
+                "token_rewards": [_token_rewards(c, r) for (_, c), r in zip(rows, rewards)],
             }, schema=TRAJECTORY_SCHEMA)
+
+
+def _token_rewards(completion: Completion, reward: float) -> list[float]:
+    """The environment's per-turn rewards; a single-turn reward on the last token."""
+    if completion.token_rewards:
+        return list(completion.token_rewards)
+    out = [0.0] * len(completion.response_ids)
+    if out:
+        out[-1] = reward
+    return out
 
 
 def _runs(table: pa.Table) -> list[list[list[int]]]:

@@ -162,28 +162,46 @@ def compute_advantages(table: pa.Table, values: list[list[float]], *, gamma: flo
                        whiten_advantages: bool) -> tuple[pa.Table, dict[str, float]]:
     """Per-token GAE for a trajectory table, from the critic's `values`.
 
-    The sequence reward sits on each row's last response token (last_token_rewards).
-    A row whose reward function raised (`reward_error`; the generator filled
-    in its group's mean) teaches nothing: advantages 0, and returns equal to
-    the values, so the critic's loss there is 0 too.
+    Rewards: each model turn's on its last token (`token_rewards`; where it is
+    null, the sequence reward on the last response token). GAE runs over the
+    model's tokens only (`loss_mask`): an environment's observation tokens are
+    not actions, so the recursion steps from a turn's last token to the next
+    turn's first, and they get advantage 0 and return = value (no loss).
+    A row whose reward function or environment failed (`reward_error`; the
+    generator filled in its group's mean) teaches nothing: advantages 0, and
+    returns equal to the values, so the critic's loss there is 0 too.
     Returns an ADVANTAGE_SCHEMA table, row i for row i of `table`, and
-    statistics over the other rows, before whitening: adv_mean / adv_std,
-    values_mean, returns_mean, explained_var (of these values against the
-    returns: how well the critic predicted this batch before learning from it).
+    statistics over the other rows' model tokens, before whitening: adv_mean /
+    adv_std, values_mean, returns_mean, explained_var (of these values against
+    the returns: how well the critic predicted this batch before learning from it).
     """
     responses = table.column("response_ids").to_pylist()
     if len(values) != len(responses):
         raise ValueError(f"{len(values)} value rows for {len(responses)} trajectories")
-    width = max((len(r) for r in responses), default=0)
-    mask = torch.zeros(len(responses), width, dtype=torch.bool)
-    v = torch.zeros(len(responses), width)
+    rewards = table.column("reward").to_pylist()
+    masks = _column(table, "loss_mask", len(responses))
+    token_rewards = _column(table, "token_rewards", len(responses))
+    acted = []  # each row's model-token positions
     for i, (resp, vals) in enumerate(zip(responses, values)):
         if len(vals) != len(resp):
             raise ValueError(f"row {i}: {len(vals)} values for {len(resp)} response tokens")
-        mask[i, :len(resp)] = True
-        v[i, :len(resp)] = torch.tensor(vals, dtype=torch.float32)
-    rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
-    adv, ret = gae(last_token_rewards(rewards, mask), v, mask, gamma=gamma, lam=lam)
+        for name, column in (("loss_mask", masks), ("token_rewards", token_rewards)):
+            if column[i] is not None and len(column[i]) != len(resp):
+                raise ValueError(f"row {i}: {len(column[i])} {name} for {len(resp)} response tokens")
+        acted.append([t for t in range(len(resp)) if masks[i] is None or masks[i][t]])
+    width = max((len(a) for a in acted), default=0)
+    mask = torch.zeros(len(responses), width, dtype=torch.bool)
+    v = torch.zeros(len(responses), width)
+    r = torch.zeros(len(responses), width)
+    for i, positions in enumerate(acted):
+        n = len(positions)
+        mask[i, :n] = True
+        v[i, :n] = torch.tensor([values[i][t] for t in positions], dtype=torch.float32)
+        if token_rewards[i] is not None:
+            r[i, :n] = torch.tensor([token_rewards[i][t] for t in positions], dtype=torch.float32)
+        elif n:
+            r[i, n - 1] = float(rewards[i])
+    adv, ret = gae(r, v, mask, gamma=gamma, lam=lam)
     errors = table.column("reward_error").to_pylist()
     good = mask & torch.tensor([not e for e in errors], dtype=torch.bool).unsqueeze(-1)
     adv = torch.where(good, adv, torch.zeros(()))
@@ -193,8 +211,16 @@ def compute_advantages(table: pa.Table, values: list[list[float]], *, gamma: flo
              "explained_var": explained_variance(v, ret, good)}
     if whiten_advantages:
         adv = whiten(adv, good)
-    lengths = [len(r) for r in responses]
-    out = pa.table({name: [t[i, :n].tolist() for i, n in enumerate(lengths)]
-                    for name, t in (("advantages", adv), ("returns", ret), ("values", v))},
-                   schema=ADVANTAGE_SCHEMA)
-    return out, stats
+    out: dict[str, list] = {"advantages": [], "returns": [], "values": []}
+    for i, (resp, positions) in enumerate(zip(responses, acted)):
+        row_adv, row_ret = [0.0] * len(resp), list(values[i])
+        for j, t in enumerate(positions):
+            row_adv[t], row_ret[t] = float(adv[i, j]), float(ret[i, j])
+        out["advantages"].append(row_adv)
+        out["returns"].append(row_ret)
+        out["values"].append(list(values[i]))
+    return pa.table(out, schema=ADVANTAGE_SCHEMA), stats
+
+
+def _column(table: pa.Table, name: str, rows: int) -> list:
+    return table.column(name).to_pylist() if name in table.column_names else [None] * rows

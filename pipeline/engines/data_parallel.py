@@ -71,6 +71,14 @@ def table_shard(table, group_size: int, rank: int, world_size: int, micro_batch_
     """Rank `rank`'s Shard of a trajectory table (pyarrow), or None when it is alone."""
     if world_size == 1:
         return None
+    return batch_shards(trained_tokens(table), group_size, world_size, micro_batch_size)[rank]
+
+
+def trained_tokens(table) -> list[int]:
+    """Each row's response tokens that the loss counts: its loss_mask's 1s (every
+    token where the mask is null; an environment's observation tokens are not trained)."""
     import pyarrow.compute as pc
     lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_pylist()
-    return batch_shards(lengths, group_size, world_size, micro_batch_size)[rank]
+    if "loss_mask" not in table.column_names:
+        return lengths
+    return [n if m is None else sum(m) for n, m in zip(lengths, table.column("loss_mask").to_pylist())]

@@ -68,7 +68,13 @@ def trajectory_rows(table: pa.Table) -> list[dict]:
     rows = table.select(list(REQUIRED_COLUMNS)).to_pylist()
     if not rows:
         raise ValueError("the trajectory table has no rows")
-    for i, row in enumerate(rows):
+    masks = table.column("loss_mask").to_pylist() if "loss_mask" in table.column_names else [None] * len(rows)
+    for i, (row, mask) in enumerate(zip(rows, masks)):
+        # Only model tokens are trained: an environment's observation is not the policy's action.
+        row["loss_mask"] = [1] * len(row["response_ids"]) if mask is None else mask
+        if len(row["loss_mask"]) != len(row["response_ids"]) or not set(row["loss_mask"]) <= {0, 1}:
+            raise ValueError(f"row {i}: loss_mask must hold a 0 or 1 for each of its "
+                             f"{len(row['response_ids'])} response tokens, got {mask!r:.120}")
         if row["reward"] is None:
             raise ValueError(f"row {i} has no reward")
         if not row["prompt_ids"]:
@@ -102,7 +108,8 @@ def collate(rows: list[dict], device, token_keys: dict[str, str]) -> dict:
     positions [start, L - 1) with start = min(P) - 1, so only those logits
     are computed (logits_to_keep). `token_keys` maps an output name to a row
     key holding one float per response token (logprobs, advantages, returns),
-    laid out in the window like `mask`.
+    laid out in the window like `mask`. `train_mask` is `mask` where the
+    row's loss_mask is 1: the tokens a loss counts.
     """
     lens = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
     width = max(lens)
@@ -110,6 +117,7 @@ def collate(rows: list[dict], device, token_keys: dict[str, str]) -> dict:
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     attn = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width - 1 - start, dtype=torch.bool)
+    train_mask = torch.zeros_like(mask)
     per_token = {k: torch.zeros(len(rows), width - 1 - start) for k in token_keys}
     for i, r in enumerate(rows):
         p, n = len(r["prompt_ids"]), len(r["response_ids"])
@@ -117,9 +125,11 @@ def collate(rows: list[dict], device, token_keys: dict[str, str]) -> dict:
         attn[i, :p + n] = 1
         lo = p - 1 - start
         mask[i, lo:lo + n] = True
+        train_mask[i, lo:lo + n] = torch.tensor(r.get("loss_mask") or [1] * n, dtype=torch.bool)
         for out_key, row_key in token_keys.items():
             per_token[out_key][i, lo:lo + n] = torch.tensor(r[row_key], dtype=torch.float32)
     return {"ids": ids.to(device), "attn": attn.to(device), "start": start, "mask": mask.to(device),
+            "train_mask": train_mask.to(device),
             **{k: v.to(device) for k, v in per_token.items()}}
 
 
@@ -290,7 +300,7 @@ class DeepSpeedEngine(abc.ABC):
         tokens, micro_batches (this rank's), and the batch's token mean of each
         of _loss's metrics: over every rank, so all ranks return the same.
         """
-        tokens = sum(len(r["response_ids"]) for r in rows)
+        tokens = sum(sum(r["loss_mask"]) for r in rows)
         chunks: list[range | None] = list(self._chunks(len(rows)))
         if shard is None:
             shard = Shard(0, len(rows), 0, 1, tokens, len(chunks))

@@ -90,7 +90,7 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
 
     def _loss(self, batch: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
         v = self.engine(batch["ids"], batch["attn"], batch["start"])
-        return value_loss(v, batch["old"], batch["returns"], batch["mask"], clip=self.value_clip,
+        return value_loss(v, batch["old"], batch["returns"], batch["train_mask"], clip=self.value_clip,
                           num_tokens=num_tokens)
 
     def train_step(self, table: pa.Table, targets: pa.Table, shard: Shard | None = None) -> dict[str, float]:

@@ -77,7 +77,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         # Decoupled (AReaL): the proximal policy is the one before this step's update, which
         # with one update per batch is lp itself; classic PPO clips against the behaviour policy.
         proximal = lp.detach() if self.decoupled else batch["gen"]
-        return clipped_policy_loss(lp, proximal, batch["gen"], batch["adv"], batch["mask"],
+        return clipped_policy_loss(lp, proximal, batch["gen"], batch["adv"], batch["train_mask"],
                                    clip_eps=self.clip_eps, kl_coef=self.kl_coef, ref_logprobs=ref,
                                    is_clip=self.is_clip, num_tokens=num_tokens)
 

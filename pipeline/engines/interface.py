@@ -20,6 +20,9 @@ class Prompt:
     id: str
     text: str
     answer: str = ""
+    # A turn after the first of a multi-turn sample: the context as tokens (text
+    # is not re-encoded, so the model sees exactly the tokens it will be trained on).
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,14 @@ class Completion:
     logprobs: tuple[float, ...]  # one per response token, from the generating engine
     text: str
     versions: tuple[int, ...] = ()  # one per response token: the weight version that sampled it
+    # Multi-turn samples (pipeline/actors/episodes.py) only: 1 on model tokens,
+    # 0 on the environment's; each turn's reward on its last model token; their
+    # sum, and why the environment failed the sample ("" if it did not).
+    loss_mask: tuple[int, ...] = ()
+    token_rewards: tuple[float, ...] = ()
+    reward: float | None = None
+    error: str = ""
+    turns: int = 1
 
 
 # One row per completion. Rows of one prompt group share batch_id and prompt_id.
@@ -46,8 +57,14 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("token_versions", pa.list_(pa.int32())),
     ("text", pa.string()),
     ("reward", pa.float32()),
-    # Why the reward function raised on this sample, or "" (see GeneratorWorker._score).
+    # Why the reward function or the environment failed this sample, or "" (see GeneratorWorker._score).
     ("reward_error", pa.string()),
+    # 1 where the model sampled the response token, 0 where an environment's
+    # observation put it (multi-turn): only the 1s are trained. Null: all 1s.
+    ("loss_mask", pa.list_(pa.int8())),
+    # The reward of each model turn on its last token, 0 elsewhere; they sum to
+    # `reward`. PPO's GAE reads them; null: `reward` on the last token.
+    ("token_rewards", pa.list_(pa.float32())),
 ])
 
 
@@ -79,6 +96,12 @@ class GenerationEngine(Protocol):
 
     def busy(self) -> bool:
         """Requests are queued or running."""
+
+    def encode(self, text: str) -> list[int]:
+        """A first prompt's token ids (with the BOS the model expects)."""
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of text appended to a context (an environment's observation): no BOS."""
 
     def progress(self) -> dict[str, int]:
         """Tokens sampled so far by each request in flight, by key."""

@@ -100,6 +100,13 @@ class SimGenerationEngine:
     def busy(self) -> bool:
         return bool(self._running)
 
+    def encode(self, text: str) -> list[int]:
+        return [1] + list(text.encode()[:64])
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """One token per byte: an observation's length sets its share of a sample's tokens."""
+        return list(text.encode())
+
     def step(self) -> list[tuple[str, Completion]]:
         self._stepped = True
         if self.calls:

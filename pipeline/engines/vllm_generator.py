@@ -130,6 +130,9 @@ class VllmGenerationEngine:
         """The prompt's token ids, with the BOS that the tokenizer adds."""
         return list(self.tokenizer(text).input_ids)
 
+    def encode_continuation(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
     def sample(self, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
         """One request per sample, each with its own seed: vLLM seeds a request
         of n samples with seed, seed + 1, ..., so n > 1 would let the streams
@@ -146,7 +149,8 @@ class VllmGenerationEngine:
         if seed is not None and self.temperature == 0:
             raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
         with span("vllm.requests"):
-            self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=self.encode(prompt.text)),
+            ids = list(prompt.token_ids) or self.encode(prompt.text)
+            self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=ids),
                                             self._params(seed))
         self._prompts[key] = prompt
 

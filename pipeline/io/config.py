@@ -189,6 +189,29 @@ class SimConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn environments (pipeline/envs/interface.py): without a class, a
+    sample is one completion scored by data.reward."""
+    class_: str = _key("", "environment as module:Class (one instance per sample, Class(**env.args)); empty: "
+                       "single-turn, scored by data.reward")
+    args: dict = field(default_factory=dict, metadata={"help": "keyword arguments of the environment class"})
+    max_turns: int = _key(1, "model turns per sample at most (each of up to generation.max_new_tokens)", ge=1)
+    step_timeout_s: float = _key(30.0, "longest environment reset or step; a slower one ends its sample as failed",
+                                 gt=0)
+    observation_format: str = _key("{observation}", "how an observation is appended to the context (its tokens "
+                                   "are masked out of the loss)")
+    num_workers: int = _key(0, "Ray actors per generator that run the environments, one step at a time each; "
+                            "0: threads in the generator's process", ge=0)
+    worker_cpus: float = _key(0.0, "logical CPUs each environment worker asks Ray for", ge=0)
+    threads: int = _key(64, "env.num_workers 0: environment calls that run at once in a generator", ge=1)
+
+
+# Config fields whose recipe key is a Python keyword.
+YAML_NAMES = {"class_": "class"}
+FIELD_NAMES = {v: k for k, v in YAML_NAMES.items()}
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = RunConfig()
     schedule: ScheduleConfig = ScheduleConfig()
@@ -205,9 +228,14 @@ class Config:
     fault: FaultConfig = FaultConfig()
     resources: ResourcesConfig = ResourcesConfig()
     metrics: MetricsConfig = MetricsConfig()
+    env: EnvConfig = EnvConfig()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The recipe's keys and values (what load_config reads back)."""
+        def keys(tree: dict) -> dict:
+            return {YAML_NAMES.get(k, k): keys(v) if isinstance(v, dict) and k != "args" else v
+                    for k, v in tree.items()}
+        return keys(dataclasses.asdict(self))
 
     @property
     def critic_ranks(self) -> int:
@@ -270,6 +298,10 @@ def _coerce(key: str, value: Any, typ: Any, meta: dict) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
+    elif typ is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping of names to values, got {value!r}")
+        return dict(value)
     bounds = [(meta.get("ge"), ">=", value < (meta.get("ge") or 0)),
               (meta.get("gt"), ">", value <= (meta.get("gt") or 0)),
               (meta.get("le"), "<=", value > (meta.get("le") or 0))]
@@ -291,6 +323,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
+        key = FIELD_NAMES.get(key, key)
         try:
             if key not in fields:
                 moved = _moved(dotted)
@@ -298,7 +331,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
                     raise ConfigError(f"unknown key {dotted!r}: {moved}")
                 close = difflib.get_close_matches(str(key), fields, n=1)
                 hint = f"; did you mean {(f'{prefix}.' if prefix else '') + close[0]!r}?" if close else ""
-                raise ConfigError(f"unknown key {dotted!r}; allowed keys here: {', '.join(fields)}{hint}")
+                allowed = ", ".join(YAML_NAMES.get(f, f) for f in fields)
+                raise ConfigError(f"unknown key {dotted!r}; allowed keys here: {allowed}{hint}")
             typ = hints[key]
             if dataclasses.is_dataclass(typ):
                 kwargs[key] = _build(typ, value, dotted)
@@ -412,9 +446,12 @@ def _check_cross_fields(cfg: Config) -> Config:
 
     v = cfg.validation
     validates = v.period > 0 or v.at_start or v.at_end
+    env = cfg.env
     if cfg.backend == "real":
-        for key, value in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
-                           ("data.reward", cfg.data.reward)):
+        needed = [("model.path", cfg.model.path), ("data.train", cfg.data.train)]
+        if not env.class_:  # an environment scores its own samples
+            needed.append(("data.reward", cfg.data.reward))
+        for key, value in needed:
             if not value:
                 raise fail(key, "not set; it is required when backend is 'real'")
         if validates and not cfg.data.val:
@@ -434,6 +471,22 @@ def _check_cross_fields(cfg: Config) -> Config:
     if cfg.algorithm == "grpo" and cfg.schedule.group_size < 2:
         raise fail("schedule.group_size", f"{cfg.schedule.group_size} gives every sample a zero advantage (GRPO "
                    "compares the samples of one prompt); it must be >= 2 with algorithm 'grpo'")
+    if env.class_:
+        from pipeline.envs.interface import EnvError, load_env_class
+        try:
+            load_env_class(env.class_, env.args)
+        except EnvError as exc:
+            raise fail("env.class", str(exc).removeprefix("env.class ")) from None
+        try:
+            env.observation_format.format(observation="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise fail("env.observation_format", f"{env.observation_format!r} is not a format with one "
+                       f"{{observation}} field: {type(exc).__name__}: {exc}") from None
+    else:
+        for key, value, default in (("env.max_turns", env.max_turns, 1), ("env.num_workers", env.num_workers, 0),
+                                    ("env.args", env.args, {})):
+            if value != default:
+                raise fail(key, f"{value!r} needs an environment; set env.class (module:Class)")
     name = cfg.run.name
     # The run directory is output_dir/name: '..' would move the parent directory aside.
     if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):

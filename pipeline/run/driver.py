@@ -264,7 +264,8 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
         if cfg.backend == "sim":
             say("dagrl: simulated workers (backend: sim): no model is trained")
         log.emit("run_start", max_age=cfg.schedule.max_age, steps=cfg.run.steps, start_step=start, dag_mode=mode,
-                 refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm)
+                 refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm,
+                 env_max_turns=cfg.env.max_turns if cfg.env.class_ else None)
         execution = Execution(cfg, workers, mode, run_dir, t0, log, step_runner, say)
         prologue = execution.run("prologue_runner", StepPlan(start - 1, cfg.validation.at_start and start == 0))
         startup["to_first_step_s"] = time.time() - entered

@@ -24,6 +24,7 @@ from pipeline.tools.check_order import (
     Judge,
     Violation,
     by_wall_clock,
+    env_steps_inside_their_rollouts,
     delivering_rollout,
     has_clock,
     of,
@@ -315,6 +316,8 @@ def check_report(events: Iterable[dict]) -> Report:
     if drain:
         rollouts_clear_of_refits(events, pairs, judge)
     tokens_follow_the_refits(events, pairs, judge)
+    env_steps_inside_their_rollouts(events, pairs, judge, drain,
+                                    None if run_start is None else run_start.get("env_max_turns"))
     rollouts_run_the_loaded_version(events, judge)
     one_version_per_trajectory(events, judge)
     weights_come_from_the_trainer(events, judge, generator_names(events))

@@ -312,3 +312,41 @@ def tokens_follow_the_refits(events: list[dict], pairs: list[list], judge: Judge
                     judge.fail(2, (f"{where}, sample {i}: version {fe.get('version')} was installed (refit of "
                                    f"step {fe.get('step')}, {t_(fe['t'])}) after its token {position}, but "
                                    f"{older} of its tokens carry older versions (runs {sample})"), (rs, fe, re_))
+
+
+def env_steps_inside_their_rollouts(events: list[dict], pairs: list[list], judge: Judge, drain: bool,
+                                    max_turns: int | None) -> None:
+    """Multi-turn rollouts: an environment's step is part of its sample's rollout.
+    Each env_step / env_failed of a batch lies between the batch's rollout_start
+    and rollout_end (invariant 2: it is as old as the rollout, and a refit
+    ordered with the rollout is ordered with it), no sample takes more than
+    env.max_turns turns, and under refit_mode drain each is ordered with every
+    validation on its worker (invariant 1: no part of a rollout runs during one)."""
+    by_batch = {by_worker_batch(rs): (rs, re_) for rs, re_ in pairs}
+    validations: dict[str, list[tuple]] = defaultdict(list)
+    for vs, ve in pair(events, "validation_start", "validation_end", by_worker_step)[0]:
+        validations[vs.get("worker")].append((vs, judge.ended_by_death(vs, ve, "validation_end")))
+    for e in events:
+        if e.get("ev") not in ("env_step", "env_failed") or e.get("batch") == "val":
+            continue
+        what = f"{e['ev']} of sample {e.get('sample')} (batch {e.get('batch')} on {e.get('worker')}, {t_(e['t'])})"
+        rs, re_ = by_batch.get(by_worker_batch(e), (None, None))
+        if rs is None:
+            judge.fail(2, f"{what} belongs to no rollout of its worker", (e,))
+            continue
+        judge.order(2, (rs, e, re_), lambda: judge.before(rs, e) and (re_ is None or judge.before(e, re_)),
+                    wall_ok=rs["t"] <= e["t"] <= end_t(re_),
+                    message=f"{what} is not inside its rollout (started {t_(rs['t'])}, ended {t_(end_t(re_))})",
+                    wall_message=f"{what} falls outside its rollout ({t_(rs['t'])} to {t_(end_t(re_))})")
+        if max_turns is not None and e["ev"] == "env_step" and isinstance(e.get("turn"), int) \
+                and e["turn"] > max_turns:
+            judge.fail(2, f"{what} is turn {e['turn']}, beyond env.max_turns {max_turns}", (e,))
+        if not drain:
+            continue  # inflight: validation decodes beside the rollouts in flight, by design
+        for vs, ve in validations.get(e.get("worker"), []):
+            judge.order(1, (vs, e, ve), lambda: judge.before(e, vs) or (ve is not None and judge.before(ve, e)),
+                        wall_ok=not vs["t"] <= e["t"] <= end_t(ve),
+                        message=(f"{what} and the validation of step {vs.get('step')} are not ordered: the step "
+                                 "came neither before the validation began nor after it ended"),
+                        wall_message=(f"{what} ran during the validation of step {vs.get('step')} "
+                                      f"({t_(vs['t'])} to {t_(end_t(ve))})"))

@@ -7,7 +7,7 @@ import dataclasses
 import typing
 from typing import Literal
 
-from pipeline.io.config import Config
+from pipeline.io.config import YAML_NAMES, Config
 
 
 def reference_table() -> str:
@@ -18,7 +18,7 @@ def reference_table() -> str:
     def walk(cls: type, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            typ, dotted = hints[f.name], prefix + f.name
+            typ, dotted = hints[f.name], prefix + YAML_NAMES.get(f.name, f.name)
             if dataclasses.is_dataclass(typ):
                 walk(typ, dotted + ".")
                 continue
@@ -29,7 +29,8 @@ def reference_table() -> str:
                 bounds = [f"{op} {meta[k]:g}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="))
                           if meta.get(k) is not None]
                 allowed = f"{typ.__name__} " + ", ".join(bounds) if bounds else typ.__name__
-            default = "true" if f.default is True else "false" if f.default is False else repr(f.default)
+            value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = "true" if value is True else "false" if value is False else repr(value)
             rows.append(f"| `{dotted}` | `{default}` | {allowed.strip()} | {meta['help']} |")
     walk(Config, "")
     return "\n".join(rows) + "\n"
