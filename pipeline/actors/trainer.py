@@ -14,7 +14,7 @@ import ray
 from dags.tokens import Advantages, Batch, Clock, Gate, TrainOut, WeightsSent
 from pipeline.actors.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.engines import backends, weights
-from pipeline.engines.data_parallel import Rendezvous, rank_name, table_shard
+from pipeline.engines.data_parallel import Rendezvous, rank_name, table_shard, trained_tokens
 from pipeline.io.config import Config
 from pipeline.run import spans
 
@@ -98,7 +98,9 @@ class TrainerWorker(Actor):
                    "reward_std": _std(table.column("reward").to_pylist()),
                    "age_mean": _mean([batch.step - v for v in batch.versions]),
                    "age_max": float(max(batch.step - v for v in batch.versions)),
-                   "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist()))}
+                   "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist())),
+                   # The model's own tokens: response_tokens less the environments' observations.
+                   "model_tokens": float(sum(trained_tokens(table)))}
         return TrainOut(batch.step, self.version, (weights_ref,) if weights_ref else (),
                         tuple(sorted(metrics.items())))
 

@@ -66,7 +66,9 @@ def step_metrics(step: int, elapsed_s: float, out: dict[str, object]) -> dict[st
     if tickets and timed:
         record["generator_idle"] = sum(_clamp01(1.0 - t.busy_s / elapsed_s) for t in tickets) / len(tickets)
     if "response_tokens" in train_metrics and timed:
-        record["generated_tokens_per_s"] = train_metrics["response_tokens"] / elapsed_s
+        # The model's tokens: an environment's observations are not generated.
+        generated = train_metrics.get("model_tokens", train_metrics["response_tokens"])
+        record["generated_tokens_per_s"] = generated / elapsed_s
     resume = out.get("resume")
     if resume is not None:
         record.update({k: float(v) for k, v in resume.val_scores})
