@@ -14,6 +14,7 @@ checker must find that violation in the log of a run that went to its end.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,14 +44,19 @@ class MutantGenerator(GeneratorWorker):
     skip_drain = False
     trainer = None
     late_label = False
+    early_delivery = False
 
-    def configure(self, skip_drain: bool = False, trainer=None, late_label: bool = False) -> None:
+    def configure(self, skip_drain: bool = False, trainer=None, late_label: bool = False,
+                  early_delivery: bool = False) -> None:
         self.skip_drain, self.trainer, self.late_label = skip_drain, trainer, late_label
+        self.early_delivery = early_delivery
 
     def begin_run(self, *args, **kwargs):
         clock = super().begin_run(*args, **kwargs)
         if self.late_label:
             label_a_step_late(self.engine)
+        if self.early_delivery:
+            deliver_after_the_first_turn(self._loop)
         return clock
 
     def _drain(self, step: int) -> None:
@@ -94,6 +100,26 @@ def label_a_step_late(engine) -> None:
             label(pending.pop(0))
         return out
     engine.set_version, engine.step = pending.append, stepped
+
+
+def deliver_after_the_first_turn(loop) -> None:
+    """deliver_before_the_env: a multi-turn sample is delivered (scored, put,
+    rollout_end logged) when its first turn ends, while its environment goes on
+    stepping: the steps after rollout_end belong to no rollout any more."""
+    episodes = loop.episodes
+    on_turn, on_env, delivered = episodes.on_turn, episodes.on_env, set()
+
+    def turned(request_key, completion):
+        key = episodes._requests.get(request_key)
+        on_turn(request_key, completion)
+        if key is not None and key not in delivered and not key.startswith("val/"):
+            delivered.add(key)
+            loop._finished(key, dataclasses.replace(completion, reward=0.0))  # scored before its env is done
+
+    def answered(key, call, outcome, version):
+        finished = on_env(key, call, outcome, version)
+        return None if finished is not None and finished[0] in delivered else finished
+    episodes.on_turn, episodes.on_env = turned, answered
 
 
 class MutantController(Controller):
@@ -205,7 +231,11 @@ MUTATIONS: dict[str, Mutation] = {
     "collect_without_resume": Mutation(collect_without_resume, expect=1, runner=PipelinedRunner),
     "refit_without_train": Mutation(refit_without_train, expect=5, configure={"trainer": True}),
     "late_version_label": Mutation(build_step_graph, expect=2, configure={"late_label": True}),
+    "deliver_before_the_env": Mutation(build_step_graph, expect=2, configure={"early_delivery": True}),
 }
+# Mutations that the multi-turn profile (tests/test_mutations.py) runs too; the
+# last one needs environments to mean anything.
+MULTITURN = ("refit_without_drain", "validate_not_before_resume", "deliver_before_the_env")
 # Skipping the drain is what refit_mode inflight does on purpose. A label a step
 # late harms only tokens in flight at a load: under drain none are, and the
 # validation after the refit takes the late step before any rollout can.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import ray
-from mutations import MUTATIONS, ONE_MODE_ONLY, UNMUTATED, start_mutant_workers
+from mutations import MULTITURN, MUTATIONS, ONE_MODE_ONLY, UNMUTATED, start_mutant_workers
 
 from pipeline.io.config import load_config
 from pipeline.run.driver import train_on
@@ -18,6 +18,10 @@ from pipeline.tools.check import check_events, check_report, load_events
 PROFILES = {
     "slow_validation": {"sim.generate_s": 0.01, "sim.train_s": 0.005, "sim.refit_s": 0.02, "sim.validate_s": 0.08},
     "slow_generation": {"sim.generate_s": 0.08, "sim.train_s": 0.005, "sim.refit_s": 0.005, "sim.validate_s": 0.01},
+    # Two turns around a tool that takes as long as a turn: the environments' steps are part of the rollouts.
+    "multiturn": {"sim.generate_s": 0.04, "sim.train_s": 0.005, "sim.refit_s": 0.005, "sim.validate_s": 0.01,
+                  "env.class": "pipeline.envs.sim:SimToolEnv", "env.max_turns": 2,
+                  "env.args": "{turns: 2, latency_s: 0.03, latency: lognormal}"},
 }
 
 
@@ -59,7 +63,7 @@ def run_log(mutant_pool, tmp_path_factory):
 
 
 # Inflight refits only matter where rollouts outlast the rest of a step.
-CASES = [(profile, "drain") for profile in PROFILES] + [("slow_generation", "inflight")]
+CASES = [(profile, "drain") for profile in PROFILES if profile != "multiturn"] + [("slow_generation", "inflight")]
 
 
 @pytest.mark.parametrize("profile,refit_mode", CASES)
@@ -71,9 +75,16 @@ def test_the_unmutated_graph_passes_on_the_same_workers(run_log, profile, refit_
     assert summary["accounting"]["balanced"] and summary["accounting"]["dropped"] == 0
 
 
+@pytest.mark.parametrize("profile,refit_mode", [("multiturn", "drain")])
+def test_the_unmutated_graph_passes_with_multiturn_rollouts(run_log, profile, refit_mode):
+    test_the_unmutated_graph_passes_on_the_same_workers(run_log, profile, refit_mode)
+    assert any(e["ev"] == "env_step" for e in run_log(None, profile, refit_mode)[1])
+
+
 @pytest.mark.parametrize("name,profile,refit_mode", [
     (name, profile, mode) for name in MUTATIONS for profile, mode in CASES
-    if ONE_MODE_ONLY.get(name, mode) == mode])
+    if ONE_MODE_ONLY.get(name, mode) == mode and name != "deliver_before_the_env"]
+    + [(name, "multiturn", "drain") for name in MULTITURN])
 def test_the_checker_catches_the_mutation(run_log, name, profile, refit_mode):
     summary, events = run_log(name, profile, refit_mode)
     # The run went to its end: no guard of its own stopped it, so what is
