@@ -349,3 +349,47 @@ def test_bad_model_directories_are_named(tmp_path, model_dir):
     with pytest.raises(ModelError, match=r"the tokenizer has \d+ tokens but the model's vocab_size is 300") as err:
         VllmGenerationEngine(small)
     assert str(small) in str(err.value)
+
+
+class EchoTool:
+    """Answers every turn with a fixed observation; three turns."""
+
+    def reset(self, prompt):
+        return prompt.text
+
+    def step(self, action):
+        self.turn = getattr(self, "turn", 0) + 1
+        return " tool says 7 ->", float(self.turn), self.turn == 3, {}
+
+
+def test_multiturn_samples_carry_the_exact_context_each_turn_saw(engine, model_dir, tmp_path):
+    """Through the engine loop: every model token's logprob is the model's given
+    the prompt, the earlier turns and the observations as the sample holds them
+    (so the trainer scores what the engine sampled), observation tokens are the
+    tokenizer's without a BOS, masked, with logprob 0."""
+    import threading
+
+    from dags.tokens import Launch
+    from pipeline.actors.engine_loop import EngineLoop
+    from pipeline.io.config import load_config
+    from pipeline.run.events import EventLog
+    cfg = load_config(None, ["env.class=tests.test_vllm_generator:EchoTool", "env.max_turns=3"])
+    out, finished = {}, threading.Event()
+    loop = EngineLoop(engine, EventLog(tmp_path, "gen0", time.time()),
+                      lambda batch, completions, spans: (out.update(c=completions), finished.set()),
+                      lambda batch, reason: (out.update(failed=reason), finished.set()), 0, 2, cfg.env)
+    try:
+        prompts = (Prompt("a", tiny_prompt("0"), "0"), Prompt("b", tiny_prompt("1"), "1"))
+        loop.call("submit", (0, [(Launch("mt", 0, 0, prompts), [11, 12, 13, 14])]), 60, "submit")
+        assert finished.wait(120) and "failed" not in out, out.get("failed")
+    finally:
+        loop.stop(30)
+    observation = engine.encode_continuation(" tool says 7 ->")
+    assert observation and observation[0] != engine.tokenizer.bos_token_id
+    model = hf_model(model_dir)
+    for c in out["c"]:
+        assert c.turns == 3 and c.reward == 6.0 and c.token_rewards[-1] == 3.0 and not c.error
+        assert c.loss_mask.count(0) == 2 * len(observation)
+        expected = hf_logprobs(model, c.prompt_ids, c.response_ids)
+        for lp, want, trained in zip(c.logprobs, expected, c.loss_mask):
+            assert (abs(lp - want) < TOL) if trained else lp == 0.0
