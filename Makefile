@@ -21,7 +21,20 @@ $(STAMP): pyproject.toml
 models/tiny/config.json: | $(STAMP)
 	$(PY) -m pipeline build-tiny --out models/tiny
 
-train: setup models/tiny/config.json
+# The tiny model warmed up on a multi-turn env's format (pipeline/envs/warmup.py;
+# steps and prompts default to the env class's measured warmup_steps/warmup_prompts).
+models/tiny_tool/config.json: models/tiny/config.json data/tool_train.jsonl data/tool_val.jsonl | $(STAMP)
+	$(PY) -m pipeline warmup --model models/tiny --env pipeline.envs.calculator:CalculatorEnv \
+		--data data/tool_train.jsonl --val data/tool_val.jsonl --out models/tiny_tool --seed 0
+
+models/tiny_game/config.json: models/tiny/config.json data/game_train.jsonl data/game_val.jsonl | $(STAMP)
+	$(PY) -m pipeline warmup --model models/tiny --env pipeline.envs.digit_game:DigitGuessEnv \
+		--data data/game_train.jsonl --val data/game_val.jsonl --out models/tiny_game --seed 0
+
+# The model the recipe names, when it is one of those built here (models/tiny*).
+RECIPE_MODEL := $(filter models/tiny%,$(shell sed -n 's/^  path: *//p' $(RECIPE) 2>/dev/null | head -1))
+
+train: setup models/tiny/config.json $(RECIPE_MODEL:%=%/config.json)
 	$(PY) -m pipeline train --config $(RECIPE)
 
 test: setup

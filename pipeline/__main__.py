@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline {train,check-events,viz,timeline,build-tiny,config-table} ...`."""
+"""Command line: `python -m pipeline {train,check-events,viz,timeline,build-tiny,warmup,config-table} ...`."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,11 @@ def _build_tiny(args: argparse.Namespace) -> int:
     return main(["--out", args.out, "--seed", str(args.seed)])
 
 
+def _warmup(args: argparse.Namespace) -> int:
+    from pipeline.envs.warmup import run
+    return run(args)
+
+
 def _config_table(args: argparse.Namespace) -> int:
     from pipeline.tools.config_table import reference_table
     print(reference_table(), end="")
@@ -64,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_build_tiny)
+    p = sub.add_parser("warmup", help="supervised warm-up of a model on an environment's expert transcripts")
+    from pipeline.envs.warmup import add_arguments
+    add_arguments(p)
+    p.set_defaults(func=_warmup)
     p = sub.add_parser("config-table", help="print every config key with its default as a Markdown table")
     p.set_defaults(func=_config_table)
     args = parser.parse_args(argv)

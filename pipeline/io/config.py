@@ -477,6 +477,9 @@ def _check_cross_fields(cfg: Config) -> Config:
             load_env_class(env.class_, env.args)
         except EnvError as exc:
             raise fail("env.class", str(exc).removeprefix("env.class ")) from None
+        if cfg.data.reward:
+            raise fail("data.reward", f"{cfg.data.reward!r} is set, but env.class {env.class_!r} gives the rewards "
+                       "(step's reward); leave data.reward empty")
         try:
             env.observation_format.format(observation="")
         except (KeyError, IndexError, ValueError) as exc:

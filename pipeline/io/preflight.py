@@ -42,7 +42,8 @@ def preflight(cfg: Config) -> Future | None:
     check("data.train", load_prompts, cfg.data.train, kind="train")
     if cfg.data.val:
         check("data.val", load_prompts, cfg.data.val, kind="val")
-    check("data.reward", load_reward, cfg.data.reward)
+    if not cfg.env.class_:  # an environment's steps give the rewards (config.py checked its class)
+        check("data.reward", load_reward, cfg.data.reward)
 
     def loads() -> None:
         for key, path, tokenizer_dir in models:
