@@ -352,14 +352,51 @@ def test_bad_model_directories_are_named(tmp_path, model_dir):
 
 
 class EchoTool:
-    """Answers every turn with a fixed observation; three turns."""
+    """Answers every turn with a fixed observation; three turns. `jitter_s`: a
+    random wait before each answer (unseeded: each run interleaves differently)."""
+
+    def __init__(self, jitter_s: float = 0.0):
+        self.jitter_s = jitter_s
 
     def reset(self, prompt):
         return prompt.text
 
     def step(self, action):
+        import random
+        time.sleep(random.random() * self.jitter_s)  # a tool's latency, varied on purpose: it orders nothing
         self.turn = getattr(self, "turn", 0) + 1
         return " tool says 7 ->", float(self.turn), self.turn == 3, {}
+
+
+def roll_episodes(engine, tmp_path, *overrides):
+    import threading
+
+    from dags.tokens import Launch
+    from pipeline.actors.engine_loop import EngineLoop
+    from pipeline.io.config import load_config
+    from pipeline.run.events import EventLog
+    cfg = load_config(None, ["env.class=tests.test_vllm_generator:EchoTool", "env.max_turns=3", *overrides])
+    out, finished = {}, threading.Event()
+    loop = EngineLoop(engine, EventLog(tmp_path, "gen0", time.time()),
+                      lambda batch, completions, spans: (out.update(c=completions), finished.set()),
+                      lambda batch, reason: (out.update(failed=reason), finished.set()), 0, 2, cfg.env)
+    try:
+        prompts = (Prompt("a", tiny_prompt("0"), "0"), Prompt("b", tiny_prompt("1"), "1"),
+                   Prompt("c", tiny_prompt("1") + " 1", "1"))
+        loop.call("submit", (0, [(Launch("mt", 0, 0, prompts), [11, 12, 13, 14, 15, 16])]), 60, "submit")
+        assert finished.wait(120) and "failed" not in out, out.get("failed")
+    finally:
+        loop.stop(30)
+    return out["c"]
+
+
+def test_multiturn_samples_do_not_depend_on_the_tools_timing(engine, tmp_path):
+    """Turns join the engine's batches whenever their tool answers: the samples
+    must be the same however that falls (each turn has its own seed, and the
+    engine's numerics do not depend on which requests share a step)."""
+    runs = [roll_episodes(engine, tmp_path / str(i), "env.args={jitter_s: 0.05}") for i in range(2)]
+    assert [c.response_ids for c in runs[0]] == [c.response_ids for c in runs[1]]
+    assert [c.logprobs for c in runs[0]] == [c.logprobs for c in runs[1]]
 
 
 def test_multiturn_samples_carry_the_exact_context_each_turn_saw(engine, model_dir, tmp_path):
@@ -367,27 +404,11 @@ def test_multiturn_samples_carry_the_exact_context_each_turn_saw(engine, model_d
     the prompt, the earlier turns and the observations as the sample holds them
     (so the trainer scores what the engine sampled), observation tokens are the
     tokenizer's without a BOS, masked, with logprob 0."""
-    import threading
-
-    from dags.tokens import Launch
-    from pipeline.actors.engine_loop import EngineLoop
-    from pipeline.io.config import load_config
-    from pipeline.run.events import EventLog
-    cfg = load_config(None, ["env.class=tests.test_vllm_generator:EchoTool", "env.max_turns=3"])
-    out, finished = {}, threading.Event()
-    loop = EngineLoop(engine, EventLog(tmp_path, "gen0", time.time()),
-                      lambda batch, completions, spans: (out.update(c=completions), finished.set()),
-                      lambda batch, reason: (out.update(failed=reason), finished.set()), 0, 2, cfg.env)
-    try:
-        prompts = (Prompt("a", tiny_prompt("0"), "0"), Prompt("b", tiny_prompt("1"), "1"))
-        loop.call("submit", (0, [(Launch("mt", 0, 0, prompts), [11, 12, 13, 14])]), 60, "submit")
-        assert finished.wait(120) and "failed" not in out, out.get("failed")
-    finally:
-        loop.stop(30)
+    completions = roll_episodes(engine, tmp_path)
     observation = engine.encode_continuation(" tool says 7 ->")
     assert observation and observation[0] != engine.tokenizer.bos_token_id
     model = hf_model(model_dir)
-    for c in out["c"]:
+    for c in completions:
         assert c.turns == 3 and c.reward == 6.0 and c.token_rewards[-1] == 3.0 and not c.error
         assert c.loss_mask.count(0) == 2 * len(observation)
         expected = hf_logprobs(model, c.prompt_ids, c.response_ids)
