@@ -125,3 +125,17 @@ def test_vs_trl_figures_from_step_times():
     assert summary["dagrl_async_over_trl"] == {"step_time_s": 0.8, "time_to_threshold_s": 0.8, "startup_s": 2.0}
     assert summary["dagrl_sync_over_trl"]["time_to_threshold_s"] is None
     assert [t["met"] for t in summary["targets"]] == [True, True, True]
+
+
+def test_multiturn_quick(tmp_path):
+    result = run_quick("multiturn", tmp_path)
+    figures = result["figures"]
+    assert [(f["latency"], f["turns"], f["env"]) for f in figures] == [("lognormal", 2, "threads")]
+    for key in ("sync_tokens_per_s", "async_tokens_per_s", "sync_step_s", "async_step_s", "sync_busy",
+                "async_busy", "tokens_per_s_ratio", "mean_step_ratio"):
+        assert is_stat(figures[0][key]), key
+    assert figures[0]["async_observation_share"]["median"] > 0  # two turns: one observation appended
+    assert figures[0]["violations"] == [] and figures[0]["env_failures"] == 0
+    assert [t["target"] for t in result["targets"]] == [
+        "tokens/s async / sync >= 1.6 (lognormal, turns 2, env threads)",
+        "check-events violations + environment failures == 0"]
