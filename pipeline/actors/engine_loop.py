@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import queue
 import threading
-import traceback
 import time
+import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable

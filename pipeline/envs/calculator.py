@@ -51,12 +51,12 @@ sampled over 40 steps, lr 2e-4).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 from pathlib import Path
 
 from pipeline.engines.interface import Prompt
+from pipeline.io.jsonl import write_train_val
 
 PROMPT = "What is {a}+{b}? Use the calculator.\n"
 CALL = "calc {a}+{b}"
@@ -154,14 +154,7 @@ def calculator_rows(n: int, *, seed: int = 0, max_operand: int = MAX_OPERAND) ->
 
 def write_calculator_data(out_dir: str | Path, *, n_train: int = 256, n_val: int = 32) -> list[Path]:
     """data/tool_train.jsonl (seed 0) and data/tool_val.jsonl (seed 1)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, n, seed in (("tool_train.jsonl", n_train, 0), ("tool_val.jsonl", n_val, 1)):
-        path = out / name
-        path.write_text("".join(json.dumps(row) + "\n" for row in calculator_rows(n, seed=seed)))
-        paths.append(path)
-    return paths
+    return write_train_val(out_dir, "tool", calculator_rows, n_train=n_train, n_val=n_val)
 
 
 if __name__ == "__main__":

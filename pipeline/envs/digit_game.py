@@ -38,12 +38,12 @@ greedy validation 0.47, sampled 0.54 (98 % well formed); GRPO
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 from pathlib import Path
 
 from pipeline.engines.interface import Prompt
+from pipeline.io.jsonl import write_train_val
 
 PROMPT = "Guess my digit from {low} to {high}.\n"
 GUESS = "guess {digit}"
@@ -137,14 +137,7 @@ def game_rows(n: int, *, seed: int = 0, width: int = WIDTH) -> list[dict]:
 
 def write_game_data(out_dir: str | Path, *, n_train: int = 256, n_val: int = 32) -> list[Path]:
     """data/game_train.jsonl (seed 0) and data/game_val.jsonl (seed 1)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, n, seed in (("game_train.jsonl", n_train, 0), ("game_val.jsonl", n_val, 1)):
-        path = out / name
-        path.write_text("".join(json.dumps(row) + "\n" for row in game_rows(n, seed=seed)))
-        paths.append(path)
-    return paths
+    return write_train_val(out_dir, "game", game_rows, n_train=n_train, n_val=n_val)
 
 
 if __name__ == "__main__":

@@ -22,3 +22,17 @@ def json_lines(lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
             yield n, json.loads(line)
         except json.JSONDecodeError as exc:
             raise JsonLineError(n, exc.colno, exc.msg) from None
+
+
+def write_train_val(out_dir, stem: str, make_rows, *, n_train: int, n_val: int) -> list:
+    """`<stem>_train.jsonl` (make_rows(n_train, seed=0)) and `<stem>_val.jsonl`
+    (seed 1) in `out_dir`: how the shipped datasets in data/ were written."""
+    from pathlib import Path
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, n, seed in (("train", n_train, 0), ("val", n_val, 1)):
+        path = out / f"{stem}_{split}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in make_rows(n, seed=seed)))
+        paths.append(path)
+    return paths
