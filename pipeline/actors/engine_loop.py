@@ -9,6 +9,9 @@ send commands):
     wait_idle  a draining refit: answered once no rollout is in flight
     install    a refit's load, run between two engine steps (its spans go back with the answer)
     greedy     validation requests, decoded beside whatever else runs
+    env        an environment's answer for a multi-turn sample (posted by the
+               environment's thread or worker, pipeline/actors/episodes.py):
+               its next turn is added, or the sample is complete
 
 Between commands the loop steps the engine while it has requests, so batches
 of several collects decode together and a load lands between two steps with
