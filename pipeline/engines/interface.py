@@ -24,6 +24,10 @@ class Prompt:
     # is not re-encoded, so the model sees exactly the tokens it will be trained on).
     token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self):
+        # A checkpoint's round trip (Arrow, JSON) hands lists back: equal prompts stay equal.
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+
 
 @dataclass(frozen=True)
 class Completion:
