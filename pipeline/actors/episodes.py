@@ -82,7 +82,6 @@ class Episodes:
                                                                   thread_name_prefix="env")
         self._live: dict[str, Episode] = {}
         self._requests: dict[str, str] = {}  # engine request key -> sample key
-        self._orphans: set[str] = set()      # requests of samples that ended while the engine decoded them
         self._queues: dict[int, deque[str]] = {}  # env.num_workers > 0: each worker's samples waiting for it
         self._running: dict[int, str] = {}         # ... and the one whose call it runs
         self._calls = 0
@@ -94,13 +93,10 @@ class Episodes:
         self._call(episode, "reset", prompt)
 
     def owns(self, request_key: str) -> bool:
-        return request_key in self._requests or request_key in self._orphans
+        return request_key in self._requests
 
     def on_turn(self, request_key: str, completion: Completion) -> None:
         """The engine finished a model turn: append it, hand its text to the environment."""
-        if request_key in self._orphans:
-            self._orphans.discard(request_key)  # its sample already ended (its environment worker was replaced)
-            return
         episode = self._live[self._requests.pop(request_key)]
         if not episode.prompt_ids:
             episode.prompt_ids = completion.prompt_ids
@@ -195,7 +191,6 @@ class Episodes:
             self._release(episode)
         self._live.clear()
         self._requests.clear()
-        self._orphans.clear()
         self._queues.clear()
         self._running.clear()
 
@@ -217,11 +212,9 @@ class Episodes:
         return None
 
     def _end(self, episode: Episode, error: str) -> tuple[str, Completion]:
+        """Only while the sample waits for its environment, or could not start a turn:
+        none of its requests is in the engine."""
         self._live.pop(episode.key, None)
-        for request, key in list(self._requests.items()):
-            if key == episode.key:
-                del self._requests[request]
-                self._orphans.add(request)
         self._release(episode)
         if error:
             self._emit("env_failed", batch=episode.key.rpartition("/")[0], sample=episode.key, reason=error)
