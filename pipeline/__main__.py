@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline {train,check-events,viz,timeline,build-tiny,warmup,config-table} ...`."""
+"""Command line: `python -m pipeline {train,check-events,viz,timeline,build-tiny,warmup,export,config-table} ...`."""
 from __future__ import annotations
 
 import argparse
@@ -38,6 +38,11 @@ def _warmup(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from pipeline.engines.lora import export_main
+    return export_main(args.source, args.out)
+
+
 def _config_table(args: argparse.Namespace) -> int:
     from pipeline.tools.config_table import reference_table
     print(reference_table(), end="")
@@ -73,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.envs.warmup import add_arguments
     add_arguments(p)
     p.set_defaults(func=_warmup)
+    p = sub.add_parser("export", help="write a checkpoint's policy as a plain HF model (a LoRA adapter merged in)")
+    p.add_argument("source", help="runs/<name> (its latest checkpoint), a checkpoint step_<n>, or its policy/")
+    p.add_argument("--out", required=True, help="directory for the HF model")
+    p.set_defaults(func=_export)
     p = sub.add_parser("config-table", help="print every config key with its default as a Markdown table")
     p.set_defaults(func=_config_table)
     args = parser.parse_args(argv)

@@ -31,11 +31,15 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
     prompts = -(-cfg.schedule.prompts_per_step // g.num_generators)
     batches = cfg.schedule.max_age + 1 + (g.refit_mode == "inflight")
     requests = prompts * cfg.schedule.group_size * batches
+    adapter = None
+    if cfg.training.lora.rank:
+        from pipeline.engines.lora import adapter_config
+        adapter = adapter_config(cfg.training.lora, cfg.model.path)
     with span("vllm.start"):
         # T > 1: vLLM's TP workers go into this generator's bundles (pipeline/run/placement.py).
         return VllmGenerationEngine(cfg.model.path, seed=seed, max_new_tokens=g.max_new_tokens,
                                     temperature=g.temperature, top_p=g.top_p, kv_cache_seqs=max(requests, 32),
-                                    inflight_kv=g.inflight_kv,
+                                    inflight_kv=g.inflight_kv, adapter_config=adapter,
                                     **vllm_llm_kwargs(cfg))
 
 
@@ -50,7 +54,7 @@ def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngi
         return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
                                      micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
                                      lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
-                                     decoupled=g.decoupled,
+                                     decoupled=g.decoupled, lora=t.lora if t.lora.rank else None,
                                      seed=cfg.run.seed, temperature=cfg.generation.temperature,
                                      rank=rank, rendezvous=rendezvous)
 

@@ -193,10 +193,12 @@ def step_with_grad_norm(engine, zero_stage: int, dtype: str) -> float:
 
 
 @contextlib.contextmanager
-def full_params(deepspeed, module: torch.nn.Module, zero_stage: int):
-    """Under ZeRO-3 each parameter is a partition; gather the full tensors."""
+def full_params(deepspeed, module: torch.nn.Module, zero_stage: int, trainable_only: bool = False):
+    """Under ZeRO-3 each parameter is a partition; gather the full tensors (of
+    the trainable ones only: `trainable_only`)."""
     if zero_stage == 3:
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        params = [p for p in module.parameters() if p.requires_grad or not trainable_only]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             yield
     else:
         yield
@@ -211,24 +213,27 @@ def cpu_state_dict(deepspeed, module, zero_stage: int) -> dict[str, torch.Tensor
 STATE_TAG = "state"
 
 
-def save_engine_state(engine, path: str | Path) -> None:
-    """A DeepSpeed checkpoint in `path`: weights, optimizer moments and step,
-    the global step counter, and the torch and Python RNG states."""
+def save_engine_state(engine, path: str | Path, trainable_only: bool = False) -> None:
+    """A DeepSpeed checkpoint in `path`: weights (the trainable ones only:
+    `trainable_only`), optimizer moments and step, the global step counter,
+    and the torch and Python RNG states."""
     Path(path).mkdir(parents=True, exist_ok=True)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    engine.save_checkpoint(str(path), tag=STATE_TAG, client_state={"dagrl_rng": rng}, save_latest=False)
+    engine.save_checkpoint(str(path), tag=STATE_TAG, client_state={"dagrl_rng": rng}, save_latest=False,
+                           exclude_frozen_parameters=trainable_only)
 
 
-def load_engine_state(engine, path: str | Path) -> None:
+def load_engine_state(engine, path: str | Path, trainable_only: bool = False) -> None:
     """Undo save_engine_state on an engine built with the same config."""
     where = Path(path) / STATE_TAG
     if not where.is_dir():
         raise FileNotFoundError(f"no engine state in {str(path)!r} (expected {str(where)!r}, "
                                 "written by save_state)")
+    # Frozen weights were left out of a trainable_only checkpoint: the model built them already.
     loaded, client = engine.load_checkpoint(str(path), tag=STATE_TAG, load_optimizer_states=True,
-                                            load_lr_scheduler_states=True)
+                                            load_lr_scheduler_states=True, load_module_strict=not trainable_only)
     if loaded is None:
         raise RuntimeError(f"deepspeed could not load the engine state in {str(where)!r}")
     rng = client["dagrl_rng"]

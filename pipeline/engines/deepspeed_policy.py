@@ -16,7 +16,8 @@ import torch
 
 from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.engines.data_parallel import Rendezvous, Shard
-from pipeline.engines.deepspeed_base import DeepSpeedEngine, full_params
+from pipeline.engines import lora as adapters
+from pipeline.engines.deepspeed_base import (DeepSpeedEngine, full_params, load_engine_state, save_engine_state)
 from pipeline.io.models import TOKENIZER_FILES
 from pipeline.run.spans import span
 
@@ -26,16 +27,20 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
 
     `temperature` must be the generator's sampling temperature. With
     kl_coef > 0 a frozen copy of the initial weights is the KL reference.
+    With `lora` (a training.lora section) only peft adapters are trained, and
+    the weights it exports, saves and restores are the adapter's; the KL
+    reference is then the base model itself, adapters switched off.
     """
 
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
                  clip_eps: float = 0.2, kl_coef: float = 0.0, is_clip: float = 2.0, decoupled: bool = True,
-                 seed: int = 0, temperature: float = 1.0,
+                 lora=None, seed: int = 0, temperature: float = 1.0,
                  weight_decay: float = 0.0, num_threads: int | None = 1, rank: int = 0,
                  rendezvous: Rendezvous | None = None):
         self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
         self.decoupled = decoupled
+        self.lora = lora
         # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
         self.temperature = temperature
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
@@ -52,6 +57,14 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         model.eval()
         compute_dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
         self.ref = None
+        if self.lora is not None:
+            model = adapters.wrap(model, self.lora, self.model_path)
+            model.eval()
+            if self.lora.dropout > 0:
+                for name, module in model.named_modules():
+                    if name.endswith("lora_dropout.default"):
+                        module.train()
+            return model
         if self.kl_coef > 0:
             # Copied before deepspeed.initialize, which partitions parameters under ZeRO-3.
             self.ref = copy.deepcopy(model).to(compute_dtype).requires_grad_(False)
@@ -74,6 +87,9 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         if self.ref is not None:
             with torch.no_grad():
                 ref = self.token_logprobs(self.ref, batch)
+        elif self.lora is not None and self.kl_coef > 0:
+            with torch.no_grad(), self.engine.module.disable_adapter():
+                ref = self.token_logprobs(self.engine, batch)
         # Decoupled (AReaL): the proximal policy is the one before this step's update, which
         # with one update per batch is lp itself; classic PPO clips against the behaviour policy.
         proximal = lp.detach() if self.decoupled else batch["gen"]
@@ -99,15 +115,46 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         metrics = self._update(rows, {"gen": "logprobs", "adv": "advantages"}, shard)
         return {**metrics, "step": float(self.steps), "time_s": time.perf_counter() - t0}
 
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """With LoRA: the adapter's tensors only (CPU copies, on rank 0; every rank
+        calls it under ZeRO-3); else every weight (DeepSpeedEngine's)."""
+        if self.lora is None:
+            return super().export_weights()
+        if self.rank != 0 and self.zero_stage != 3:
+            return None
+        with full_params(self.deepspeed, self.engine.module, self.zero_stage, trainable_only=True):
+            state = {name: t.detach().to("cpu", copy=True)
+                     for name, t in adapters.adapter_state(self.engine.module).items()}
+        return state if self.rank == 0 else None
+
+    def live_weights(self) -> dict[str, torch.Tensor]:
+        if self.lora is None:
+            return super().live_weights()
+        if self.zero_stage == 3:
+            raise RuntimeError("live_weights: under ZeRO-3 the adapter exists whole only inside a gather "
+                               "of every rank (export_weights)")
+        return {name: t.detach() for name, t in adapters.adapter_state(self.engine.module).items()}
+
+    def save_state(self, path: str) -> None:
+        save_engine_state(self.engine, path, trainable_only=self.lora is not None)
+
+    def load_state(self, path: str) -> None:
+        load_engine_state(self.engine, path, trainable_only=self.lora is not None)
+
     def save(self, path: str) -> None:
-        """An HF checkpoint of the current weights, with the model directory's
-        tokenizer files, written by rank 0; every rank calls it (ZeRO-3 gathers)."""
+        """An HF checkpoint of the current weights (with LoRA: the peft adapter
+        directory, naming its base model), with the model directory's tokenizer
+        files, written by rank 0; every rank calls it (ZeRO-3 gathers)."""
         out = Path(path)
         state = self.export_weights()
-        with full_params(self.deepspeed, self.engine.module, self.zero_stage):
+        if self.lora is not None:
             if self.rank == 0:
-                out.mkdir(parents=True, exist_ok=True)
-                self.engine.module.save_pretrained(out, state_dict=state)
+                adapters.write_adapter(out, state, adapters.adapter_config(self.lora, self.model_path))
+        else:
+            with full_params(self.deepspeed, self.engine.module, self.zero_stage):
+                if self.rank == 0:
+                    out.mkdir(parents=True, exist_ok=True)
+                    self.engine.module.save_pretrained(out, state_dict=state)
         if self.rank != 0:
             return
         for name in TOKENIZER_FILES:

@@ -16,13 +16,18 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin cores
 import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any, Iterable, Mapping, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
+from pipeline.engines import lora  # noqa: E402
 from pipeline.engines.interface import Completion, Prompt, greedy_all, sample_all  # noqa: E402
 from pipeline.io.models import ModelError, check_model_dir  # noqa: E402
 from pipeline.run.spans import span  # noqa: E402
@@ -45,11 +50,14 @@ class VllmGenerationEngine:
     def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, max_new_tokens: int = 16,
                  temperature: float = 1.0, top_p: float = 1.0, max_model_len: int | None = 512,
                  dtype: str = "float32", block_size: int = 32, enforce_eager: bool | None = None,
-                 kv_cache_seqs: int = 64, inflight_kv: str = "recompute", **llm_kwargs: Any) -> None:
+                 kv_cache_seqs: int = 64, inflight_kv: str = "recompute", adapter_config: dict | None = None,
+                 **llm_kwargs: Any) -> None:
         """`kv_cache_seqs`: on CPU, the KV cache holds this many sequences of
         max_model_len tokens (more requests than that queue inside vLLM).
         `inflight_kv`: what a load does to the KV cache of requests in flight
-        (generation.inflight_kv): keep it, or recompute it with the new weights."""
+        (generation.inflight_kv): keep it, or recompute it with the new weights.
+        `adapter_config`: serve a LoRA adapter (pipeline/engines/lora.py's
+        adapter_config): loads then take adapter tensors only."""
         path = check_model_dir(model_path)
         self.model_path = str(path)
         config = json.loads((path / "config.json").read_text())
@@ -83,6 +91,13 @@ class VllmGenerationEngine:
                                                              kv_cache_seqs, dtype)
         else:
             kwargs["gpu_memory_utilization"] = 0.3
+        self._adapter_config = adapter_config
+        self._adapter: LoRARequest | None = None  # every request's adapter, once one is loaded
+        if adapter_config is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=lora.vllm_max_rank(int(adapter_config["r"])),
+                          max_loras=1, max_cpu_loras=1)
+            shm = Path("/dev/shm")
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix="dagrl-lora-", dir=shm if shm.is_dir() else None))
         kwargs.update(llm_kwargs)
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the
         # whole process (it assumes it pinned the threads); with nobind nothing
@@ -110,6 +125,8 @@ class VllmGenerationEngine:
         self._plan: Any = None  # RefitPlan after the first load; False: this model needs reload_weights
         self._plan_off = ""
         self._probe()
+        if adapter_config is not None:
+            self._load_adapter(lora.zero_adapter(self.model_path, adapter_config))
         self.set_version(0)
 
     def _probe(self) -> None:
@@ -151,7 +168,7 @@ class VllmGenerationEngine:
         with span("vllm.requests"):
             ids = list(prompt.token_ids) or self.encode(prompt.text)
             self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=ids),
-                                            self._params(seed))
+                                            self._params(seed), lora_request=self._adapter)
         self._prompts[key] = prompt
 
     def busy(self) -> bool:
@@ -190,6 +207,9 @@ class VllmGenerationEngine:
         invalidate them (without the reset, logprobs after a refit were off by
         up to 0.48 on a prompt served from the cache)."""
         items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+        if lora.is_adapter(name for name, _ in items):
+            self._load_adapter(dict(items))
+            return
         self.load_stream([(name, t.dtype, tuple(t.shape)) for name, t in items], iter(items), stable=True)
 
     def load_stream(self, entries: Sequence[tuple[str, Any, tuple[int, ...]]],
@@ -198,10 +218,32 @@ class VllmGenerationEngine:
         ((name, dtype, shape) each, in order): the collective path's receive,
         whose tensors are views of a bucket that the next bucket overwrites
         (`stable`: they stay valid, no copy is needed to hold them)."""
+        if lora.is_adapter(name for name, _, _ in entries):
+            self._load_adapter({name: t.clone() for name, t in stream})
+            return
         self.check_entries(entries)
         # The span keeps reload_weights' name: the step profile and its test read it.
         with span("vllm.reload_weights"):
             self._load([name for name, _, _ in entries], stream, stable)
+        self.drop_prefix_cache()
+
+    def _load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve a new version of the adapter: vLLM reloads it in place under the
+        same id, so requests in flight go on with it (as with a full load),
+        and the base weights stay as they are."""
+        if self._adapter_config is None:
+            raise ModelError(f"load_weights into {self.model_path!r}: got LoRA adapter tensors, but this engine "
+                             "was started without training.lora")
+        staging = self._adapter_dir / "next"
+        with span("vllm.add_lora"):
+            lora.write_adapter(staging, tensors, self._adapter_config)
+            served = self._adapter_dir / "adapter"
+            shutil.rmtree(served, ignore_errors=True)
+            staging.rename(served)
+            # load_inplace on this call only: a request's own LoRARequest must not reload it every step.
+            if not self.llm.llm_engine.add_lora(LoRARequest("policy", 1, str(served), load_inplace=True)):
+                raise RuntimeError(f"vLLM engine for {self.model_path!r}: the adapter in {served} did not load")
+            self._adapter = LoRARequest("policy", 1, str(served))
         self.drop_prefix_cache()
 
     def destinations(self, names: Sequence[str]) -> Any:
@@ -311,6 +353,8 @@ class VllmGenerationEngine:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+        if getattr(self, "_adapter_dir", None) is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
 
 def _reuse_freed_memory() -> None:

@@ -91,6 +91,19 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the policy (peft): only they are trained and synced;
+    the base weights stay frozen in the trainer and in vLLM. The critic stays full."""
+    rank: int = _key(0, "adapter rank; 0 = full fine-tuning", ge=0)
+    alpha: float = _key(16.0, "adapter scale numerator (the update is alpha / rank * B A)", gt=0)
+    dropout: float = _key(0.0, "dropout on the adapters' input in the trainer's forward (the generator "
+                          "samples without it)", ge=0, le=0.9)
+    target_modules: tuple[str, ...] = _key(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "linear layers (by name suffix) that get adapters")
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     """The DeepSpeed engines: the policy's, and PPO's critic's."""
     zero_stage: int = _key(0, "DeepSpeed ZeRO stage", ge=0, le=3)
@@ -100,6 +113,7 @@ class TrainingConfig:
     lr: float = _key(1e-4, "policy learning rate (AdamW)", gt=0)
     num_workers: int = _key(1, "data-parallel policy ranks, one DeepSpeed engine (and trainer actor) each; "
                             "whole prompt groups are sharded across them", ge=1)
+    lora: LoraConfig = LoraConfig()
 
 
 @dataclass(frozen=True)
@@ -298,6 +312,13 @@ def _coerce(key: str, value: Any, typ: Any, meta: dict) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
+    elif typ == tuple[str, ...]:
+        # An override gives "a,b"; a recipe a list.
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not items or not all(isinstance(v, str) and v.strip()
+                                                                        for v in items):
+            raise ConfigError(f"{key}: expected a non-empty list of names, got {value!r}")
+        return tuple(v.strip() for v in items)
     elif typ is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ConfigError(f"{key}: expected a mapping of names to values, got {value!r}")
@@ -490,6 +511,9 @@ def _check_cross_fields(cfg: Config) -> Config:
                                     ("env.args", env.args, {})):
             if value != default:
                 raise fail(key, f"{value!r} needs an environment; set env.class (module:Class)")
+    lora = cfg.training.lora
+    if lora.rank and cfg.backend != "real":
+        raise fail("training.lora.rank", f"{lora.rank} puts peft adapters on a model; it needs backend 'real'")
     name = cfg.run.name
     # The run directory is output_dir/name: '..' would move the parent directory aside.
     if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
