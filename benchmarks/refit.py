@@ -13,6 +13,10 @@ real vLLM engine (CPU) in every generator process, by three paths:
                        from the arena as they are signalled (weight_arena.py)
   collective_socket    weight_sync as across nodes: the trainer broadcasts the bytes
                        over gloo's sockets in buckets, loaded as they arrive
+  lora_object_store    training.lora (rank --lora-rank, every linear layer and lm_head):
+                       the adapter alone through the object store, served by the
+                       engine's vLLM LoRA path (written, then reloaded in place)
+  lora_collective      the adapter alone over the /dev/shm arena, served the same way
 
 for Llama models built in code (the tiny one, and about 1M, 25M, 100M and 400M
 parameters, fp32), with 1 and 2 generators. A refit is timed at the driver,
@@ -44,8 +48,10 @@ from _common import machine_info, print_table, sample_load, shutdown_ray, start_
 # Ray's workers cannot import this script by name: ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-PATHS = ("object_store", "object_store_reload", "collective", "collective_socket")
-TRANSPORTS = {"collective": "shared", "collective_socket": "socket"}
+FULL_PATHS = ("object_store", "object_store_reload", "collective", "collective_socket")
+LORA_PATHS = ("lora_object_store", "lora_collective")
+PATHS = FULL_PATHS + LORA_PATHS
+TRANSPORTS = {"collective": "shared", "collective_socket": "socket", "lora_collective": "shared"}
 # hidden, layers, heads, head_dim, intermediate (vocabulary: the tiny tokenizer's 384)
 SIZES = {
     "tiny": (64, 2, 4, 32, 128),
@@ -61,18 +67,35 @@ TIMEOUT_S = 600.0
 class Trainer:
     """The trainer's side: an HF model on CPU, exported as the trainer actor does."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, lora_rank: int = 0):
         import torch
         torch.set_num_threads(1)
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.lora = lora_rank > 0
+        if self.lora:
+            from pipeline.engines import lora
+            from pipeline.io.config import LoraConfig
+            self.model = lora.wrap(self.model, LoraConfig(rank=lora_rank), model_dir)
+            with torch.no_grad():   # a trained adapter: B away from its zero start
+                for name, p in self.model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0.0, 0.01)
         self.groups: dict = {}   # transport -> its weight-sync group
+
+    def _state(self) -> dict:
+        """What the policy engine exports: every tensor, or the adapter's (deepspeed_policy)."""
+        from pipeline.engines import lora
+        return lora.adapter_state(self.model) if self.lora else self.model.state_dict()
+
+    def sync_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._state().values())
 
     def export_put(self, version: int) -> tuple[list, dict]:
         """pipeline/actors/trainer.py's train tail: export_weights (deepspeed_base.cpu_state_dict), pack, put."""
         from pipeline.engines import weights
         t0 = time.perf_counter()
-        state = {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
+        state = {name: t.detach().to("cpu", copy=True) for name, t in self._state().items()}
         t1 = time.perf_counter()
         packed = weights.pack(state)
         t2 = time.perf_counter()
@@ -93,7 +116,7 @@ class Trainer:
     def send(self, version: int, bucket_bytes: int, transport: str) -> dict:
         from pipeline.engines import weight_sync as ws
         t0 = time.perf_counter()
-        ws.send(self.groups[transport], self.model.state_dict().items(), version, bucket_bytes)
+        ws.send(self.groups[transport], self._state().items(), version, bucket_bytes)
         return {"send_s": time.perf_counter() - t0}
 
 
@@ -101,11 +124,14 @@ class Trainer:
 class Generator:
     """A generator's side: the engine the generator actor runs, nothing else."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, lora_rank: int = 0):
         import torch
 
+        from pipeline.engines import lora
         from pipeline.engines.vllm_generator import VllmGenerationEngine
-        self.engine = VllmGenerationEngine(model_dir, max_model_len=128, kv_cache_seqs=4)
+        from pipeline.io.config import LoraConfig
+        adapter = lora.adapter_config(LoraConfig(rank=lora_rank), model_dir) if lora_rank else None
+        self.engine = VllmGenerationEngine(model_dir, max_model_len=128, kv_cache_seqs=4, adapter_config=adapter)
         torch.set_num_threads(1)
         self.groups: dict = {}
 
@@ -140,6 +166,8 @@ class Generator:
         return {"repack_s": plan.repack_s} if plan else {}
 
     def fast(self) -> str:
+        if self.engine._adapter_config is not None:
+            return "vllm LoRA (adapter reloaded in place)"
         plan = self.engine._plan
         return type(plan).__name__ if plan is not False else f"off: {self.engine._plan_off}"
 
@@ -182,9 +210,11 @@ def refit_once(path: str, trainer, gens: list, version: int, bucket_bytes: int) 
 
 
 def measure_size(name: str, model_dir: Path, nbytes: int, generators: list[int], repeats: int,
-                 bucket_bytes: int, paths: list[str], info: dict) -> list[dict]:
-    trainer = Trainer.remote(str(model_dir))
-    gens = [Generator.remote(str(model_dir)) for _ in range(max(generators))]
+                 bucket_bytes: int, paths: list[str], info: dict, lora_rank: int = 0) -> list[dict]:
+    """`paths`' refits of the model in `model_dir` (with lora_rank: of its adapter)."""
+    trainer = Trainer.remote(str(model_dir), lora_rank)
+    gens = [Generator.remote(str(model_dir), lora_rank) for _ in range(max(generators))]
+    sync_bytes = ray.get(trainer.sync_bytes.remote(), timeout=TIMEOUT_S)
     figures = []
     try:
         ray.get([g.fast.remote() for g in gens] + [trainer.address.remote()], timeout=TIMEOUT_S)
@@ -208,9 +238,10 @@ def measure_size(name: str, model_dir: Path, nbytes: int, generators: list[int],
             fast = ray.get([g.fast.remote() for g in gens[:n]])
             for path in paths:
                 wall = stats(walls[path])
-                rate = nbytes / wall["median"]
+                rate = (sync_bytes if lora_rank else nbytes) / wall["median"]
                 figures.append({
-                    "size": name, "generators": n, "path": path, "model_bytes": nbytes, "wall_s": wall,
+                    "size": name, "generators": n, "path": path, "model_bytes": nbytes, "sync_bytes": sync_bytes,
+                    "lora_rank": lora_rank, "wall_s": wall,
                     "bytes_per_s": rate, "parts_s": {k: statistics.median(p[k] for p in parts[path])
                                                      for k in parts[path][0]},
                     "engine_plan": fast})
@@ -231,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, help="timed refits per path (full 5, 3 at 400M; quick 2)")
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="collective bucket size, MiB (default: weight_sync's)")
+    ap.add_argument("--lora-rank", type=int, default=8, help="adapter rank of the lora_* paths")
     ap.add_argument("--out", type=Path, help="directory for refit.json (default benchmarks/results)")
     args = ap.parse_args(argv)
     from pipeline.engines import weight_sync as ws
@@ -242,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "refit", "machine": info,
               "params": {"quick": args.quick, "sizes": {s: SIZES[s] for s in sizes}, "generators": generators,
                          "bucket_bytes": bucket_bytes, "paths": list(PATHS), "dtype": "float32",
+                         "lora_rank": args.lora_rank,
                          "size_fields": ["hidden", "layers", "heads", "head_dim", "intermediate"]},
               "figures": [], "memcpy_bytes_per_s": []}
     work = Path(tempfile.mkdtemp(prefix="dagrl_refit_"))
@@ -261,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             result["memcpy_bytes_per_s"].append(memcpy_bytes_per_s())
             repeats = args.repeats or (2 if args.quick else 3 if name == "400M" else 5)
             result["figures"] += measure_size(name, model_dir, nbytes, generators, repeats, bucket_bytes,
-                                              list(PATHS), info)
+                                              list(FULL_PATHS), info)
+            result["figures"] += measure_size(name, model_dir, nbytes, generators, repeats, bucket_bytes,
+                                              list(LORA_PATHS), info, args.lora_rank)
             shutil.rmtree(model_dir)
             gc.collect()
     finally:
@@ -274,10 +309,25 @@ def main(argv: list[str] | None = None) -> int:
     for f in result["figures"]:
         f["fraction_of_memcpy"] = f["bytes_per_s"] / memcpy
     result["targets"] = targets(result["figures"])
+    result["lora_vs_full"] = lora_vs_full(result["figures"])
     report(result, memcpy)
     path = write_result("refit", result, args.out)
     print(f"\nwrote {path}")
     return 0
+
+
+def lora_vs_full(figures: list[dict]) -> list[dict]:
+    """Per size and generator count: each LoRA path against the full path it mirrors, bytes and wall time."""
+    by = {(f["size"], f["generators"], f["path"]): f for f in figures}
+    out = []
+    for (size, n, path), f in by.items():
+        full = by.get((size, n, path.removeprefix("lora_")))
+        if path in LORA_PATHS and full:
+            out.append({"size": size, "generators": n, "path": path, "full_bytes": full["sync_bytes"],
+                        "lora_bytes": f["sync_bytes"], "bytes_ratio": f["sync_bytes"] / full["sync_bytes"],
+                        "full_wall_s": full["wall_s"]["median"], "lora_wall_s": f["wall_s"]["median"],
+                        "speedup": full["wall_s"]["median"] / f["wall_s"]["median"]})
+    return out
 
 
 def targets(figures: list[dict]) -> list[dict]:
@@ -285,7 +335,7 @@ def targets(figures: list[dict]) -> list[dict]:
     out = []
     by = {(f["size"], f["generators"], f["path"]): f for f in figures}
     for (size, n, path), f in by.items():
-        if path not in TRANSPORTS:
+        if path not in TRANSPORTS or path in LORA_PATHS:
             continue
         store = by.get((size, n, "object_store"))
         out.append({"size": size, "generators": n, "path": path, "fraction_of_memcpy": f["fraction_of_memcpy"],
@@ -307,6 +357,10 @@ def report(result: dict, memcpy: float) -> None:
                 [[t["size"], t["generators"], t["path"], t["fraction_of_memcpy"], t["within_3x"],
                   t["speedup_over_object_store"], t["faster_than_object_store"]] for t in result["targets"]],
                 title="targets: collective within 3x of memcpy (100M and up), faster than the object store")
+    print_table(["size", "gens", "path", "full MiB", "LoRA MiB", "bytes ratio", "full ms", "LoRA ms", "speedup"],
+                [[c["size"], c["generators"], c["path"], c["full_bytes"] / 2**20, c["lora_bytes"] / 2**20,
+                  c["bytes_ratio"], 1e3 * c["full_wall_s"], 1e3 * c["lora_wall_s"], c["speedup"]]
+                 for c in result["lora_vs_full"]], title="LoRA (adapter only) against the full refit")
 
 
 if __name__ == "__main__":

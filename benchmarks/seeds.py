@@ -21,6 +21,7 @@ this project; its figures are recorded below with how they were taken.
 
     .venv/bin/python benchmarks/seeds.py              # full: 2 recipes x 2 modes x 5 seeds x 80 steps, ~30 min on 2 cores
     .venv/bin/python benchmarks/seeds.py --quick      # CI smoke: one 3-step run; not a measurement
+    .venv/bin/python benchmarks/seeds.py --algorithms grpo_lora ppo_lora --modes 1 --steps 60 --result seeds_lora
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ from _common import (  # noqa: E402
     write_result,
 )
 
-RECIPES = {"grpo": ROOT / "examples" / "tiny_grpo.yaml", "ppo": ROOT / "examples" / "tiny_ppo.yaml"}
+RECIPES = {"grpo": ROOT / "examples" / "tiny_grpo.yaml", "ppo": ROOT / "examples" / "tiny_ppo.yaml",
+           "grpo_lora": ROOT / "examples" / "tiny_grpo_lora.yaml", "ppo_lora": ROOT / "examples" / "tiny_ppo_lora.yaml"}
 MODES = {0: "sync", 1: "async"}
 REWARD_BAR, WINDOW, VAL_BAR = 0.7, 3, 0.9
 # Hugging Face TRL 1.16.0 GRPOTrainer (one process, plain `generate`) on this project's
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every run (repeatable)")
     ap.add_argument("--keep-runs", type=Path, help="keep every run directory under this folder")
-    ap.add_argument("--out", type=Path, help="directory for seeds.json (default benchmarks/results)")
+    ap.add_argument("--out", type=Path, help="directory for the result (default benchmarks/results)")
+    ap.add_argument("--result", default="seeds", help="result file name: <result>.json (the LoRA recipes: seeds_lora)")
     args = ap.parse_args(argv)
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2, 3, 4])
     algorithms = args.algorithms or (["grpo"] if args.quick else ["grpo", "ppo"])
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         "wall_s": round(time.time() - t_start, 1),
         "summary": summary, "trl_reference": TRL_REFERENCE, "runs": runs,
     }
-    path = write_result("seeds", result, args.out)
+    path = write_result(args.result, result, args.out)
     rows = [[key, s["seeds_val_ge_0.9"], len(s["seeds"]), s["final_val"], s["steps_to_0.7"], s["median_steps_to_0.7"]]
             for key, s in summary.items() if isinstance(s, dict)]
     print_table(["recipe/mode", "val>=0.9", "seeds", "final val", "steps to 0.7", "median"], rows,

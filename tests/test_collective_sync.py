@@ -369,12 +369,16 @@ def test_the_refit_benchmark_runs_quick(tmp_path):
     from test_benchmarks import is_stat, run_quick
     result = run_quick("refit", tmp_path, timeout=600)
     figures = result["figures"]
+    full = ("object_store", "object_store_reload", "collective", "collective_socket")
     assert {(f["size"], f["generators"], f["path"]) for f in figures} == {
-        ("tiny", 1, path) for path in ("object_store", "object_store_reload", "collective", "collective_socket")}
+        ("tiny", 1, path) for path in full + ("lora_object_store", "lora_collective")}
     for f in figures:
         assert is_stat(f["wall_s"]) and f["bytes_per_s"] > 0 and 0 < f["fraction_of_memcpy"] < 1
-        assert f["engine_plan"] == ["RefitPlan"]
+        assert f["engine_plan"] == (["RefitPlan"] if f["path"] in full else ["vllm LoRA (adapter reloaded in place)"])
     assert is_stat(result["memcpy"]) and result["targets"][0]["size"] == "tiny"
+    # The adapter (rank 8 on every linear layer and lm_head) is a fraction of the tiny model's bytes.
+    assert {c["path"] for c in result["lora_vs_full"]} == {"lora_object_store", "lora_collective"}
+    assert all(0 < c["bytes_ratio"] < 0.5 for c in result["lora_vs_full"]), result["lora_vs_full"]
 
 
 def test_the_pipeline_trains_the_same_with_either_weight_sync(tmp_path, ray_session, tiny_model):

@@ -8,7 +8,6 @@ import json
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -19,13 +18,12 @@ from pipeline.algos.grpo import grpo_advantages
 from pipeline.engines import lora
 from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
 from pipeline.engines.interface import Prompt, sample_seeds
-from pipeline.io.config import ConfigError, load_config
+from pipeline.io.config import ConfigError, LoraConfig, load_config
 from pipeline.io.tiny import build_tiny_model
 
 torch.set_num_threads(1)
 TOL = 1e-5
-LORA = SimpleNamespace(rank=8, alpha=16.0, dropout=0.0,
-                       target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+LORA = LoraConfig(rank=8)  # the default targets: every linear layer, lm_head included
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +63,7 @@ def test_lora_keys_load_and_refuse_what_cannot_work():
 
 
 def test_a_target_module_the_model_lacks_is_named(model_dir):
-    bad = SimpleNamespace(**{**vars(LORA), "target_modules": ("q_proj", "qkv")})
+    bad = LoraConfig(rank=8, target_modules=("q_proj", "qkv"))
     with pytest.raises(lora.LoraError, match=r"training.lora.target_modules: \['qkv'\]"):
         make_engine(model_dir, bad)
 

@@ -60,7 +60,8 @@ def wrap(model: Any, lora: Any, model_path: str | Path):
 def adapter_state(model: Any) -> dict[str, Any]:
     """The adapter tensors by their saved names (the model's own tensors, not copies)."""
     from peft import get_peft_model_state_dict
-    return get_peft_model_state_dict(model)
+    # peft would add the whole lm_head when it is a target ("embedding layers"): the adapter alone is wanted.
+    return get_peft_model_state_dict(model, save_embedding_layers=False)
 
 
 def zero_adapter(model_path: str | Path, config: dict) -> dict[str, Any]:

@@ -99,8 +99,9 @@ class LoraConfig:
     dropout: float = _key(0.0, "dropout on the adapters' input in the trainer's forward (the generator "
                           "samples without it)", ge=0, le=0.9)
     target_modules: tuple[str, ...] = _key(
-        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        "linear layers (by name suffix) that get adapters")
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"),
+        "linear layers (by name suffix) that get adapters; lm_head included: behind a frozen final norm, "
+        "the output layer bounds how far the logits can move")
 
 
 @dataclass(frozen=True)
@@ -514,6 +515,11 @@ def _check_cross_fields(cfg: Config) -> Config:
     lora = cfg.training.lora
     if lora.rank and cfg.backend != "real":
         raise fail("training.lora.rank", f"{lora.rank} puts peft adapters on a model; it needs backend 'real'")
+    r = cfg.resources
+    if lora.rank and g.weight_sync == "collective" and r.trainer.num_gpus > 0 and r.generator.num_gpus > 0:
+        # The nccl path receives inside vLLM's worker straight into its weights by name; adapters are no weights there.
+        raise fail("training.lora.rank", "adapters over a GPU collective sync (nccl) are not built; use "
+                   "generation.weight_sync object_store (an adapter is megabytes), or gloo ranks on CPU")
     name = cfg.run.name
     # The run directory is output_dir/name: '..' would move the parent directory aside.
     if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):

@@ -1,7 +1,8 @@
 """Checkpoints: written whole beside their final name, then renamed into place.
 
     runs/<name>/checkpoints/step_<n>/
-        policy/          HF model + tokenizer (loadable by transformers and vLLM)
+        policy/          HF model + tokenizer (loadable by transformers and vLLM); with
+                         training.lora, the peft adapter (`python -m pipeline export` merges it)
         trainer_state/   policy weights, optimizer, step counter, RNG
         critic_state/    PPO only: the same for the critic
         controller/      data position, RNG, counters, buffered batches (Parquet), in-flight launches
@@ -24,7 +25,9 @@ from pipeline.run.pool import Workers
 
 # Keys that fix the shape of the launch schedule and the buffer: a resumed run must keep them.
 FROZEN_KEYS = ("algorithm", "backend", "schedule.max_age", "schedule.prompts_per_step", "schedule.group_size",
-               "generation.num_generators", "training.num_workers", "ppo.critic_num_workers")
+               "generation.num_generators", "training.num_workers", "ppo.critic_num_workers",
+               # ... and the trainer state's shape: a LoRA checkpoint holds the adapter alone.
+               "training.lora.rank", "training.lora.target_modules")
 
 
 class CheckpointError(ValueError):
@@ -85,7 +88,7 @@ def read_meta(ckpt: Path, cfg: Config) -> int:
         # A key newer than the checkpoint had its default then (training.num_workers: 1 rank).
         a, b = _get(saved, key), _get(now, key)
         a = _get(defaults, key) if a is None else a
-        if a != b:
+        if json.dumps(a) != json.dumps(b):  # meta.json has lists where the config has tuples
             raise CheckpointError(f"cannot resume {ckpt}: {key} was {a!r} in the run, the config says {b!r}")
     needed = ["controller/controller.json", "trainer_state", "policy"]
     if cfg.algorithm == "ppo":

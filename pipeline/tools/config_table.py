@@ -25,12 +25,16 @@ def reference_table() -> str:
             meta = f.metadata
             if typing.get_origin(typ) is Literal:
                 allowed = " / ".join(repr(a) for a in typing.get_args(typ))
+            elif typ == tuple[str, ...]:
+                allowed = "list of names"
             else:
                 bounds = [f"{op} {meta[k]:g}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="))
                           if meta.get(k) is not None]
                 allowed = f"{typ.__name__} " + ", ".join(bounds) if bounds else typ.__name__
             value = f.default_factory() if f.default is dataclasses.MISSING else f.default
             default = "true" if value is True else "false" if value is False else repr(value)
+            if isinstance(value, tuple):
+                default = "[" + ", ".join(value) + "]"
             rows.append(f"| `{dotted}` | `{default}` | {allowed.strip()} | {meta['help']} |")
     walk(Config, "")
     return "\n".join(rows) + "\n"
