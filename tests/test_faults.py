@@ -27,7 +27,7 @@ def trained_batches(events):
             for b in e["batches"]]
 
 
-@settings(max_examples=4, deadline=None, derandomize=True,
+@settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(fault_after=st.integers(0, 7), worker=st.integers(0, 1), max_age=st.integers(0, 2),
        val_period=st.integers(0, 3))

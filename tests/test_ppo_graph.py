@@ -174,7 +174,7 @@ def test_ppo_invariants_hold_over_random_schedules(tmp_path, ppo_pool, generator
     workers = ppo_pool.first(generators)
     runner = GraphRunner(build_step_graph(workers, ppo_train_subgraph), "classic", first_deadline_s=60)
     try:
-        @settings(max_examples=25, deadline=None, database=None,
+        @settings(max_examples=16, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
         @given(schedules)
         def prop(s):

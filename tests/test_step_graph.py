@@ -118,7 +118,7 @@ def test_invariants_hold_over_random_schedules(tmp_path, sim_pool, mode, generat
     workers = sim_pool.first(generators)
     runner = GraphRunner(build_step_graph(workers), mode, first_deadline_s=60)
     try:
-        @settings(max_examples=40, deadline=None, database=None,
+        @settings(max_examples=28, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
         @given(schedules)
         def prop(s):

@@ -15,9 +15,9 @@ import pyarrow as pa
 import torch
 
 from pipeline.algos.policy_loss import clipped_policy_loss
-from pipeline.engines.data_parallel import Rendezvous, Shard
 from pipeline.engines import lora as adapters
-from pipeline.engines.deepspeed_base import (DeepSpeedEngine, full_params, load_engine_state, save_engine_state)
+from pipeline.engines.data_parallel import Rendezvous, Shard
+from pipeline.engines.deepspeed_base import DeepSpeedEngine, full_params, load_engine_state, save_engine_state
 from pipeline.io.models import TOKENIZER_FILES
 from pipeline.run.spans import span
 
