@@ -223,3 +223,16 @@ def test_archive_attempt_moves_each_earlier_attempts_logs_aside(tmp_path):
     second = archive_attempt(run_dir, 4)
     assert second == run_dir / "attempts" / "2" and not (second / "trace.json").exists()
     assert (second / "summary.json").read_text() == "attempt 2" and (first / "summary.json").read_text() == "attempt 1"
+
+
+def test_read_meta_refuses_to_resume_a_full_run_with_lora_or_other_targets(tmp_path):
+    """A LoRA checkpoint's trainer state holds the adapter alone, of its rank and targets."""
+    ckpt = complete(tmp_path, 4, config(tmp_path, "backend=real", *REAL))
+    with pytest.raises(CheckpointError, match="training.lora.rank was 0 in the run, the config says 8"):
+        read_meta(ckpt, config(tmp_path, "backend=real", *REAL, "training.lora.rank=8"))
+    lora = config(tmp_path, "backend=real", *REAL, "training.lora.rank=8")
+    ckpt = complete(tmp_path / "b", 4, lora)
+    assert read_meta(ckpt, lora) == 4
+    with pytest.raises(CheckpointError, match=r"training.lora.target_modules was \[.*'lm_head'\] in the run"):
+        read_meta(ckpt, config(tmp_path, "backend=real", *REAL, "training.lora.rank=8",
+                               "training.lora.target_modules=q_proj,v_proj"))

@@ -69,7 +69,8 @@ def _step(cfg, table, tmp_path) -> tuple[dict, list[dict]]:
             ray.kill(a)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+# ZeRO-1 is ZeRO-2 less the gradient partitioning: no path of ours differs between them.
+@pytest.mark.parametrize("zero", [0, 2, 3])
 def test_two_ranks_take_the_single_process_step(model_dir, tmp_path, ray_session, zero):  # noqa: F811
     # 5 groups of 2 with different lengths: rank 0 gets 3 groups (2 micro-batches of 2...
     # 6 rows in micro-batches of 2 = 3), rank 1 gets 2 groups and one zero-weight micro-batch.

@@ -89,6 +89,17 @@ def test_only_the_adapters_train_and_sync(model_dir):
     e.close()
 
 
+def test_zero3_trains_and_exports_the_same_adapter(model_dir, tmp_path):
+    """Under ZeRO-3 the adapter is gathered alone (the frozen base stays partitioned)."""
+    plain, z3 = make_engine(model_dir), make_engine(model_dir, zero_stage=3)
+    train(plain), train(z3)
+    a, b = weights(plain), weights(z3)
+    assert set(a) == set(b) and max_diff(a, b) < 1e-5
+    z3.save(str(tmp_path / "policy"))
+    assert sorted(p.name for p in (tmp_path / "policy").iterdir() if p.suffix != ".json") == [lora.ADAPTER_WEIGHTS]
+    plain.close(), z3.close()
+
+
 def test_kl_reference_is_the_base_model(model_dir):
     e = make_engine(model_dir, kl_coef=0.1)
     assert e.ref is None  # no copy of the model: the adapters are switched off instead

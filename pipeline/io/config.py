@@ -248,8 +248,9 @@ class Config:
     def to_dict(self) -> dict:
         """The recipe's keys and values (what load_config reads back)."""
         def keys(tree: dict) -> dict:
-            return {YAML_NAMES.get(k, k): keys(v) if isinstance(v, dict) and k != "args" else v
-                    for k, v in tree.items()}
+            # Lists, not tuples: the dict is written as YAML and JSON and compared with what they read back.
+            return {YAML_NAMES.get(k, k): keys(v) if isinstance(v, dict) and k != "args"
+                    else list(v) if isinstance(v, tuple) else v for k, v in tree.items()}
         return keys(dataclasses.asdict(self))
 
     @property

@@ -88,7 +88,7 @@ def read_meta(ckpt: Path, cfg: Config) -> int:
         # A key newer than the checkpoint had its default then (training.num_workers: 1 rank).
         a, b = _get(saved, key), _get(now, key)
         a = _get(defaults, key) if a is None else a
-        if json.dumps(a) != json.dumps(b):  # meta.json has lists where the config has tuples
+        if a != b:
             raise CheckpointError(f"cannot resume {ckpt}: {key} was {a!r} in the run, the config says {b!r}")
     needed = ["controller/controller.json", "trainer_state", "policy"]
     if cfg.algorithm == "ppo":
