@@ -31,8 +31,9 @@ def test_lora_learns_syncs_the_adapter_and_resumes_from_it(tmp_path, ray_session
     violations = check_events(load_events(run_dir))
     assert violations == [], "\n".join(v.message for v in violations)
     assert summary["error"] is None and summary["steps"] == STEPS
-    # results/seeds.json's LoRA rows: seed 0 passes 0.9 by step 30; validation reaches 1.0.
-    assert summary["reward_end"] - summary["reward_start"] >= 0.5, summary
+    # A smoke test of the learning benchmarks/seeds.py measures (results/seeds_lora.json, 60 steps,
+    # seeds 0-4); 30 steps are about half-way up the curve.
+    assert summary["reward_end"] - summary["reward_start"] >= 0.3, summary
     first = rewards(run_dir)
 
     # Each refit moved the adapter alone: a fraction of the model's bytes.
