@@ -220,3 +220,17 @@ def test_export_refuses_what_is_not_a_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline", "export", str(tmp_path / "nope"), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "nope" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_the_trainer_memory_benchmark_runs_quick(tmp_path):
+    """benchmarks/lora_trainer.py --quick: both modes of the tiny model, and what LoRA keeps small."""
+    import os
+    proc = subprocess.run([sys.executable, "benchmarks/lora_trainer.py", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "lora_trainer.json").read_text())
+    full, adapter = result["figures"]
+    assert (full["mode"], adapter["mode"]) == ("full", "lora") and result["params"]["quick"] is True
+    assert adapter["trainable_params"] < 0.2 * full["trainable_params"]
+    assert adapter["optimizer_bytes"] < 0.2 * full["optimizer_bytes"] and adapter["export_bytes"] < full["export_bytes"]
+    assert all(f["peak_rss_bytes"] > 0 and f["step_s"] > 0 for f in result["figures"])
