@@ -57,6 +57,8 @@ def test_lora_keys_load_and_refuse_what_cannot_work():
         load_config("examples/sim_grpo.yaml", ["training.lora.rank=8"])
     with pytest.raises(ConfigError, match="training.lora.target_modules"):
         load_config("examples/tiny_grpo.yaml", ["training.lora.target_modules=[]"])
+    with pytest.raises(ConfigError, match="training.lora.rank: 600 is out of range"):
+        load_config("examples/tiny_grpo.yaml", ["training.lora.rank=600"])
     with pytest.raises(ConfigError, match="training.lora.dropout"):
         load_config("examples/tiny_grpo.yaml", ["training.lora.dropout=1.5"])
     assert lora.vllm_max_rank(8) == 8 and lora.vllm_max_rank(9) == 16 and lora.vllm_max_rank(4) == 8

@@ -94,7 +94,7 @@ class GenerationConfig:
 class LoraConfig:
     """Low-rank adapters on the policy (peft): only they are trained and synced;
     the base weights stay frozen in the trainer and in vLLM. The critic stays full."""
-    rank: int = _key(0, "adapter rank; 0 = full fine-tuning", ge=0)
+    rank: int = _key(0, "adapter rank; 0 = full fine-tuning (vLLM serves ranks up to 512)", ge=0, le=512)
     alpha: float = _key(16.0, "adapter scale numerator (the update is alpha / rank * B A)", gt=0)
     dropout: float = _key(0.0, "dropout on the adapters' input in the trainer's forward (the generator "
                           "samples without it)", ge=0, le=0.9)
