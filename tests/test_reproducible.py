@@ -38,7 +38,7 @@ HOG = "import os, time\nos.nice(15)\nend = time.time() + 600\nwhile time.time() 
 def run(tmp_path: Path, name: str, model: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
     cfg = load_config("examples/tiny_grpo.yaml", [
         f"model.path={model}", f"run.output_dir={tmp_path}", f"run.name={name}", f"run.steps={STEPS}",
-        "run.checkpoint_every=0", "validation.period=10", "run.dag_mode=classic", "metrics.tensorboard=false"])
+        "run.checkpoint_every=0", "validation.period=4", "run.dag_mode=classic", "metrics.tensorboard=false"])
     summary = train(cfg, quiet=True)
     assert summary["error"] is None and summary["steps"] == STEPS
     metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
