@@ -92,7 +92,7 @@ class Trainer:
         return sum(t.numel() * t.element_size() for t in self._state().values())
 
     def export_put(self, version: int) -> tuple[list, dict]:
-        """pipeline/actors/trainer.py's train tail: export_weights (deepspeed_base.cpu_state_dict), pack, put."""
+        """pipeline/actors/trainer.py's train tail: export_weights (DeepSpeedEngine.export_weights), pack, put."""
         from pipeline.engines import weights
         t0 = time.perf_counter()
         state = {name: t.detach().to("cpu", copy=True) for name, t in self._state().items()}

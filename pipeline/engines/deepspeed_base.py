@@ -204,12 +204,6 @@ def full_params(deepspeed, module: torch.nn.Module, zero_stage: int, trainable_o
         yield
 
 
-def cpu_state_dict(deepspeed, module, zero_stage: int) -> dict[str, torch.Tensor]:
-    """Detached CPU copies of every tensor, gathered whole under ZeRO-3."""
-    with full_params(deepspeed, module, zero_stage):
-        return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}
-
-
 STATE_TAG = "state"
 
 
@@ -346,32 +340,42 @@ class DeepSpeedEngine(abc.ABC):
         return {"loss": totals[0], "grad_norm": grad_norm, "tokens": totals[1],
                 "micro_batches": float(len(chunks)), **{key: s / n for key, s in zip(keys, totals[2:])}}
 
+    # Whether only the trainable parameters are synced and saved (LoRA: the
+    # adapters; the frozen base is rebuilt from the model directory).
+    trainable_only = False
+
+    def _synced(self) -> dict[str, torch.Tensor]:
+        """The tensors a refit moves, by name: the module's state dict (a subclass
+        with trainable_only names its trainable part)."""
+        return self.engine.module.state_dict()
+
     def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """The module's state dict by parameter name, detached CPU copies in the
-        training dtype, on rank 0; None on the other ranks. Under ZeRO-3 every
-        rank must call it: the gather is a collective."""
+        """_synced's tensors, detached CPU copies in the training dtype, on rank 0;
+        None on the other ranks. Under ZeRO-3 every rank must call it: the gather
+        is a collective."""
         if self.rank != 0 and self.zero_stage != 3:
             return None
-        state = cpu_state_dict(self.deepspeed, self.engine.module, self.zero_stage)
+        with full_params(self.deepspeed, self.engine.module, self.zero_stage, self.trainable_only):
+            state = {name: t.detach().to("cpu", copy=True) for name, t in self._synced().items()}
         return state if self.rank == 0 else None
 
     def live_weights(self) -> dict[str, torch.Tensor]:
-        """The module's own tensors by parameter name, not copied: for a sender that
-        reads them before the next update (ZeRO 0-2; under ZeRO-3 each rank holds
-        only a partition, see export_weights)."""
+        """_synced's own tensors, not copied: for a sender that reads them before
+        the next update (ZeRO 0-2; under ZeRO-3 each rank holds only a
+        partition, see export_weights)."""
         if self.zero_stage == 3:
             raise RuntimeError("live_weights: under ZeRO-3 the full weights exist only inside a gather "
                                "of every rank (export_weights)")
-        return {name: t.detach() for name, t in self.engine.module.state_dict().items()}
+        return {name: t.detach() for name, t in self._synced().items()}
 
     def save_state(self, path: str) -> None:
         """Everything a resumed run needs to continue exactly: weights, optimizer
         state, step counter and RNG (a DeepSpeed checkpoint in `path`)."""
-        save_engine_state(self.engine, path)
+        save_engine_state(self.engine, path, self.trainable_only)
 
     def load_state(self, path: str) -> None:
         """Restore save_state's directory into this engine (built with the same config)."""
-        load_engine_state(self.engine, path)
+        load_engine_state(self.engine, path, self.trainable_only)
 
     def close(self) -> None:
         """Release the engine's optimizer state and hooks (the process group stays)."""

@@ -17,7 +17,7 @@ import torch
 from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.engines import lora as adapters
 from pipeline.engines.data_parallel import Rendezvous, Shard
-from pipeline.engines.deepspeed_base import DeepSpeedEngine, full_params, load_engine_state, save_engine_state
+from pipeline.engines.deepspeed_base import DeepSpeedEngine, full_params
 from pipeline.io.models import TOKENIZER_FILES
 from pipeline.run.spans import span
 
@@ -41,6 +41,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
         self.decoupled = decoupled
         self.lora = lora
+        self.trainable_only = lora is not None
         # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
         self.temperature = temperature
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
@@ -115,31 +116,9 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         metrics = self._update(rows, {"gen": "logprobs", "adv": "advantages"}, shard)
         return {**metrics, "step": float(self.steps), "time_s": time.perf_counter() - t0}
 
-    def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """With LoRA: the adapter's tensors only (CPU copies, on rank 0; every rank
-        calls it under ZeRO-3); else every weight (DeepSpeedEngine's)."""
-        if self.lora is None:
-            return super().export_weights()
-        if self.rank != 0 and self.zero_stage != 3:
-            return None
-        with full_params(self.deepspeed, self.engine.module, self.zero_stage, trainable_only=True):
-            state = {name: t.detach().to("cpu", copy=True)
-                     for name, t in adapters.adapter_state(self.engine.module).items()}
-        return state if self.rank == 0 else None
-
-    def live_weights(self) -> dict[str, torch.Tensor]:
-        if self.lora is None:
-            return super().live_weights()
-        if self.zero_stage == 3:
-            raise RuntimeError("live_weights: under ZeRO-3 the adapter exists whole only inside a gather "
-                               "of every rank (export_weights)")
-        return {name: t.detach() for name, t in adapters.adapter_state(self.engine.module).items()}
-
-    def save_state(self, path: str) -> None:
-        save_engine_state(self.engine, path, trainable_only=self.lora is not None)
-
-    def load_state(self, path: str) -> None:
-        load_engine_state(self.engine, path, trainable_only=self.lora is not None)
+    def _synced(self) -> dict[str, torch.Tensor]:
+        """With LoRA the adapter's tensors, under peft's saved names; else every weight."""
+        return adapters.adapter_state(self.engine.module) if self.lora is not None else super()._synced()
 
     def save(self, path: str) -> None:
         """An HF checkpoint of the current weights (with LoRA: the peft adapter

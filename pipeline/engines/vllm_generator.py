@@ -219,7 +219,7 @@ class VllmGenerationEngine:
         whose tensors are views of a bucket that the next bucket overwrites
         (`stable`: they stay valid, no copy is needed to hold them)."""
         if lora.is_adapter(name for name, _, _ in entries):
-            self._load_adapter({name: t.clone() for name, t in stream})
+            self._load_adapter({name: t if stable else t.clone() for name, t in stream})
             return
         self.check_entries(entries)
         # The span keeps reload_weights' name: the step profile and its test read it.
