@@ -2,6 +2,7 @@
 and a final check that the suite leaves no Ray process behind."""
 from __future__ import annotations
 
+import faulthandler
 import os
 
 import psutil
@@ -71,3 +72,11 @@ def pytest_sessionfinish(session, exitstatus):
             except psutil.NoSuchProcess:  # it exited while we listed it
                 print(f"  pid {p.pid}: (exited meanwhile)")
         session.exitstatus = 1
+
+
+def pytest_unconfigure(config):
+    """After the summary the interpreter joins its non-daemon threads and every
+    concurrent.futures worker (daemon or not): one stuck there held a CI run
+    until it was killed, with no hint of why. If this process still lives two
+    minutes on, every thread's stack goes to stderr and it exits with status 1."""
+    faulthandler.dump_traceback_later(120, exit=True)

@@ -100,6 +100,48 @@ def test_a_failing_or_stuck_environment_ends_only_its_sample(tmp_path, fail, ext
             assert c.turns == 2
 
 
+STUCK_CALL_THEN_EXIT = """
+import threading, time
+from pipeline.envs.threads import DaemonThreads
+threads = DaemonThreads(4, "env")
+stuck = threads.submit(threading.Event().wait)        # a tool call that never returns
+assert threads.submit(lambda a, b: a + b, 2, 3).result(10) == 5
+threads.shutdown()
+print("exiting", flush=True)
+"""
+
+
+def test_a_stuck_in_process_call_does_not_hold_the_process_exit():
+    """A stuck step's thread is abandoned (the sample fails at env.step_timeout_s);
+    the generator's process must still exit, which a ThreadPoolExecutor's thread,
+    joined at interpreter exit, would block for as long as the call hangs."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", STUCK_CALL_THEN_EXIT], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr
+
+
+def test_daemon_threads_give_results_errors_and_cancel_what_has_not_started():
+    from pipeline.envs.threads import DaemonThreads
+    threads, release = DaemonThreads(1, "env"), threading.Event()
+    first = threads.submit(release.wait)
+    queued = threads.submit(lambda: "never")
+    assert threads.submit(lambda: 1 / 0) is not None
+    threads.shutdown()
+    assert queued.cancelled() and not first.done()
+    release.set()
+    assert first.result(10) is True
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        threads.submit(lambda: None)
+    threads = DaemonThreads(2, "env")
+    try:
+        with pytest.raises(ZeroDivisionError):
+            threads.submit(lambda: 1 / 0).result(10)
+        assert [threads.submit(pow, 2, n).result(10) for n in range(3)] == [1, 2, 4]
+    finally:
+        threads.shutdown()
+
+
 class BadStep:
     def reset(self, prompt):
         return prompt.text

@@ -26,12 +26,13 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeline.engines.interface import Completion, GenerationEngine, Prompt
 from pipeline.envs.interface import check_step_result, load_env_class
+from pipeline.envs.threads import DaemonThreads
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:
@@ -78,8 +79,7 @@ class Episodes:
         self._post, self._emit = post, emit
         self._cls = load_env_class(env_cfg.class_, env_cfg.args)
         self._workers = workers            # pipeline/envs/workers.EnvWorkers, or None: in process
-        self._threads = None if workers else ThreadPoolExecutor(max_workers=env_cfg.threads,
-                                                                  thread_name_prefix="env")
+        self._threads = None if workers else DaemonThreads(env_cfg.threads, "env")
         self._live: dict[str, Episode] = {}
         self._requests: dict[str, str] = {}  # engine request key -> sample key
         self._queues: dict[int, deque[str]] = {}  # env.num_workers > 0: each worker's samples waiting for it
@@ -197,7 +197,7 @@ class Episodes:
     def close(self) -> None:
         self.abort_all()
         if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads.shutdown()
         if self._workers is not None:
             self._workers.close()
 
