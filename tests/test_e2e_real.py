@@ -4,6 +4,7 @@ runs the step graph. The tiny model must learn the tiny task."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -56,8 +57,14 @@ def test_async_rl_learns_the_tiny_task(tmp_path, ray_session, tiny_model, recipe
         # policy improves (0.02 -> 0.98). It explains almost none of the
         # per-token variance on this task (explained variance -0.1..0.05 after
         # step 2): the policy learns from A = R - V with V near the mean return.
+        # V lags a rising return by a step or two, so one step's gap can pass 0.2
+        # (0.15 at step 26 of seed 0 here, 0.22 on another CPU's float curve);
+        # the mean gap over the last ten steps stays small (0.05 here).
         assert all("critic/value_loss" in m and "critic/explained_var" in m for m in steps)
-        assert all(abs(m["critic/values_mean"] - m["critic/returns_mean"]) < 0.1 for m in steps[-5:]), steps[-5:]
+        values = [m["critic/values_mean"] for m in steps]
+        gaps = [abs(v - m["critic/returns_mean"]) for v, m in zip(values, steps)]
+        assert statistics.mean(gaps[-10:]) < 0.15, [round(g, 3) for g in gaps]
+        assert statistics.mean(values[-10:]) - statistics.mean(values[:10]) > 0.5, [round(v, 3) for v in values]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     final = run_dir / "checkpoints" / "step_40" / "policy"

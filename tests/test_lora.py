@@ -96,7 +96,9 @@ def test_zero3_trains_and_exports_the_same_adapter(model_dir, tmp_path):
     plain, z3 = make_engine(model_dir), make_engine(model_dir, zero_stage=3)
     train(plain), train(z3)
     a, b = weights(plain), weights(z3)
-    assert set(a) == set(b) and max_diff(a, b) < 1e-5
+    # Adam's first step is lr * g / (|g| + eps): where g is within a few eps of zero,
+    # ZeRO-3's other reduction order moves the step by up to ~0.2% of lr (1.8e-5 seen).
+    assert set(a) == set(b) and max_diff(a, b) < 1e-4
     z3.save(str(tmp_path / "policy"))
     assert sorted(p.name for p in (tmp_path / "policy").iterdir() if p.suffix != ".json") == [lora.ADAPTER_WEIGHTS]
     plain.close(), z3.close()
