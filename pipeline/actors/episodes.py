@@ -7,8 +7,8 @@ answer comes back to the loop as a command, and the next turn is added to the
 engine then, whatever the other samples of its batch are doing. So a slow
 tool holds up its own sample, never the engine.
 
-Environment steps run off the loop's thread: in this process on a thread pool
-(env.num_workers 0), or in a pool of Ray actors (pipeline/envs/workers.py),
+Environment steps run off the loop's thread: in this process on daemon threads
+(env.num_workers 0, pipeline/envs/threads.py), or in a pool of Ray actors (pipeline/envs/workers.py),
 each taking one step at a time. A step that raises, returns something
 malformed or outlives env.step_timeout_s ends its sample with a recorded
 failure (the row's reward_error), not the run; the controller counts these
