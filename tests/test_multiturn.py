@@ -101,7 +101,7 @@ def test_a_failing_or_stuck_environment_ends_only_its_sample(tmp_path, fail, ext
 
 
 STUCK_CALL_THEN_EXIT = """
-import threading, time
+import threading
 from pipeline.envs.threads import DaemonThreads
 threads = DaemonThreads(4, "env")
 stuck = threads.submit(threading.Event().wait)        # a tool call that never returns
@@ -125,10 +125,9 @@ def test_daemon_threads_give_results_errors_and_cancel_what_has_not_started():
     from pipeline.envs.threads import DaemonThreads
     threads, release = DaemonThreads(1, "env"), threading.Event()
     first = threads.submit(release.wait)
-    queued = threads.submit(lambda: "never")
-    assert threads.submit(lambda: 1 / 0) is not None
+    queued = [threads.submit(lambda: "never"), threads.submit(lambda: 1 / 0)]
     threads.shutdown()
-    assert queued.cancelled() and not first.done()
+    assert all(f.cancelled() for f in queued) and not first.done()
     release.set()
     assert first.result(10) is True
     with pytest.raises(RuntimeError, match="after shutdown"):

@@ -8,11 +8,11 @@ engine then, whatever the other samples of its batch are doing. So a slow
 tool holds up its own sample, never the engine.
 
 Environment steps run off the loop's thread: in this process on daemon threads
-(env.num_workers 0, pipeline/envs/threads.py), or in a pool of Ray actors (pipeline/envs/workers.py),
-each taking one step at a time. A step that raises, returns something
-malformed or outlives env.step_timeout_s ends its sample with a recorded
-failure (the row's reward_error), not the run; the controller counts these
-like reward failures.
+(env.num_workers 0, pipeline/envs/threads.py), or in a pool of Ray actors
+(pipeline/envs/workers.py), each taking one step at a time. A step that raises,
+returns something malformed or outlives env.step_timeout_s ends its sample with
+a recorded failure (the row's reward_error), not the run; the controller counts
+these like reward failures.
 
 Tokens: the first turn's prompt is the encoded first observation; each turn's
 tokens and each observation's (formatted by env.observation_format) go on the
