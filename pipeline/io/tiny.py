@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--intermediate", type=int, default=128)
     ap.add_argument("--vocab-size", type=int, default=384)
     ap.add_argument("--write-data", metavar="DIR",
                     help="also (re)write tiny_train.jsonl / tiny_val.jsonl into DIR")
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         torch.set_num_threads(1)
         out = build_tiny_model(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers,
-                               heads=args.heads, head_dim=args.head_dim, vocab_size=args.vocab_size)
+                               heads=args.heads, head_dim=args.head_dim, intermediate=args.intermediate,
+                               vocab_size=args.vocab_size)
         print(f"built tiny model in {out} (sha256 {model_digest(out)[:12]})")
     return 0
 
