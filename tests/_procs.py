@@ -59,3 +59,14 @@ def events_of(path: Path, kind: str) -> list[dict]:
     if not path.is_file():
         return []
     return [r for r in map(json.loads, filter(str.strip, path.read_text().splitlines())) if r["ev"] == kind]
+
+
+def run_driver(args: list[str], log: Path, timeout_s: float) -> int:
+    """`python -m pipeline train *args` to its end (its output in `log`): the exit status.
+    One still running at the timeout is killed with the Ray it started."""
+    proc = start_driver(args, log)
+    try:
+        return proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            sigkill_tree(proc)

@@ -23,6 +23,7 @@ from pipeline.io.config import load_config
 from pipeline.run import checkpoint
 from pipeline.run.checkpoint import CheckpointError, archive_attempt, latest, read_meta
 from pipeline.run.pool import Workers
+from pipeline.run.runner import PipelineError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # Critic below: Ray's workers cannot import it
 
@@ -40,6 +41,23 @@ class Critic:
         (Path(path) / "critic.json").write_text("{}")
 
 
+class PoisonedTrainer:
+    """A trainer whose weights hold a NaN: its save is refused by the check the DeepSpeed engines run."""
+
+    def save(self, path: str) -> None:
+        import torch
+
+        from pipeline.engines.finite import refuse_nonfinite_weights
+        layer = torch.nn.Linear(2, 2)
+        with torch.no_grad():
+            layer.weight[0, 0] = float("nan")
+        refuse_nonfinite_weights(layer, 1, "cpu", f"the policy checkpoint {path}")
+        Path(path).mkdir(parents=True)
+
+    def save_state(self, path: str) -> None:
+        Path(path).mkdir(parents=True)
+
+
 def config(tmp_path, *overrides: str):
     return load_config(None, [f"run.output_dir={tmp_path}", "run.name=run", "run.steps=10", *overrides])
 
@@ -50,7 +68,8 @@ def actors(ray_session):
     made = {"controller": ray.remote(Controller).options(num_cpus=0).remote(),
             "trainer": ray.remote(TrainerWorker).options(num_cpus=0).remote(),
             "critic": ray.remote(Critic).options(num_cpus=0).remote(),
-            "broken": ray.remote(Critic).options(num_cpus=0).remote(fail=True)}
+            "broken": ray.remote(Critic).options(num_cpus=0).remote(fail=True),
+            "poisoned": ray.remote(PoisonedTrainer).options(num_cpus=0).remote()}
     try:
         yield made
     finally:
@@ -102,10 +121,23 @@ def test_ppo_saves_the_critic_and_a_failed_save_leaves_no_checkpoint(actors, tmp
     assert (first / "critic_state" / "critic.json").is_file() and read_meta(first, cfg) == 2
 
     broken = Workers(actors["controller"], (actors["trainer"],), (), (actors["broken"],))
-    with pytest.raises(ray.exceptions.RayTaskError, match="No space left on device"):
+    with pytest.raises(PipelineError, match=r"checkpoint .*step_4 was not written: No space left on device"):
         checkpoint.save(broken, run_dir, 4, cfg, timeout_s=60)
     assert not (run_dir / "checkpoints" / "step_4").exists()
     assert latest(run_dir) == first   # the half-written step_4.partial is never picked
+
+
+def test_nonfinite_weights_leave_no_checkpoint_and_the_last_good_one_stays_latest(actors, tmp_path):
+    cfg = config(tmp_path, "generation.num_generators=2")
+    run_dir = tmp_path / "run"
+    begin(actors, cfg, run_dir)
+    good = checkpoint.save(Workers(actors["controller"], (actors["trainer"],), ()), run_dir, 2, cfg, timeout_s=60)
+    poisoned = Workers(actors["controller"], (actors["poisoned"],), ())
+    with pytest.raises(PipelineError, match=r"step_4 was not written: refusing to save the policy checkpoint "
+                                            r".*non-finite weights \(NaN or inf\) in weight"):
+        checkpoint.save(poisoned, run_dir, 4, cfg, timeout_s=60)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2"]   # no step_4.partial either
+    assert latest(run_dir) == good and read_meta(good, cfg) == 2
 
 
 # ------------------------------------------------------------------ latest

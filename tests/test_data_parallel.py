@@ -16,6 +16,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from dags.tokens import Batch
 from pipeline.actors.trainer import TrainerWorker
@@ -166,3 +167,15 @@ def test_two_zero3_ranks_resume_from_a_checkpoint(tmp_path, ray_session, tiny_mo
     assert summary["error"] is None and summary["start_step"] == 2 and summary["steps"] == 4
     from pipeline.tools.check import check_events, load_events
     assert check_events(load_events(tmp_path / "z3")) == []
+
+
+def test_a_nan_in_one_ranks_shard_skips_the_step_on_every_rank(model_dir, tmp_path, ray_session):  # noqa: F811
+    # Rank 1 holds rows 6-9 (groups 3 and 4); only its group 4 has a NaN reward, so only its
+    # loss and gradient partition are NaN. ZeRO-2: each rank reduces its own gradient partition.
+    rewards = [float(j % 2) for j in range(10)]
+    rewards[8] = float("nan")
+    table = make_table(groups=5, group_size=2, rewards=rewards)
+    after, metrics = _step(_cfg(model_dir, tmp_path, 2, 2, 2), table, tmp_path)
+    assert [(m["nonfinite_skipped"], m["step"]) for m in metrics] == [(1.0, 0.0), (1.0, 0.0)]
+    initial = _initial(model_dir)
+    assert [k for k in initial if not torch.equal(after[k], initial[k])] == []

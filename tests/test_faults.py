@@ -167,3 +167,37 @@ def test_compiled_mode_names_the_dead_generator_instead_of_hanging(tmp_path, ray
     with pytest.raises(PipelineError, match=r"worker gen0 died.*need run.dag_mode classic.*--resume"):
         train(cfg, quiet=True)
     assert time.monotonic() - started < cfg.run.deadline_s + 30
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, ray_session, capsys):
+    """Every step's loss NaN from step 2 on (sim.fault train_nonfinite, on both ranks): two
+    skipped steps are warned of, told in the events and metrics, and the second stops the run."""
+    import json
+    cfg = sim_config(tmp_path, "nf", run__steps=8, sim__fault="train_nonfinite", sim__fault_after=2,
+                     fault__max_nonfinite_steps=2, training__num_workers=2, metrics__progress="false")
+    with pytest.raises(PipelineError, match=r"node 'train' .* the policy skipped 2 optimizer steps in a row "
+                                            r"for a non-finite loss or gradient norm \(step 3: loss nan and "
+                                            r"gradient norm nan\), fault.max_nonfinite_steps is 2"):
+        train(cfg)
+    events = load_events(tmp_path / "nf")
+    skips = [(e["worker"], e["step"], e["in_a_row"], e["loss"]) for e in events if e["ev"] == "nonfinite_skip"]
+    assert sorted(skips) == [(w, s, s - 1, "nan") for w in ("trainer0", "trainer1") for s in (2, 3)]
+    metrics = [json.loads(line) for line in (tmp_path / "nf" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m.get("nonfinite_skipped")) for m in metrics if m["step"] >= 0] == [(0, 0.0), (1, 0.0),
+                                                                                           (2, 1.0)]
+    out = capsys.readouterr().out
+    assert "dagrl: warning: step 2: the policy's loss nan and gradient norm nan: optimizer step skipped" in out
+    assert "fault.max_nonfinite_steps is 2" in json.loads((tmp_path / "nf" / "summary.json").read_text())["error"]
+
+
+def test_the_command_line_exits_non_zero_when_nonfinite_steps_stop_the_run(tmp_path):
+    from tests._procs import run_driver
+    log = tmp_path / "cli.log"
+    status = run_driver(["--config", "examples/sim_grpo.yaml", f"run.output_dir={tmp_path}", "run.name=cli",
+                         "run.steps=4", "validation.period=0", "sim.fault=train_nonfinite", "sim.fault_after=1",
+                         "fault.max_nonfinite_steps=1", "metrics.tensorboard=false", "metrics.progress=false"],
+                        log, timeout_s=300)
+    out = log.read_text()
+    assert status == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert errors and "fault.max_nonfinite_steps is 1" in errors[-1], out[-3000:]

@@ -25,6 +25,7 @@ import ray
 
 from dags.tokens import Advantages, Batch, CriticOut, Values
 from pipeline.actors.node import Actor, node, one_thread, reopen_log, whereabouts
+from pipeline.actors.skipped_steps import SkippedSteps
 from pipeline.algos.ppo import compute_advantages
 from pipeline.engines import backends
 from pipeline.engines.data_parallel import Rendezvous, Shard, rank_name, table_shard
@@ -58,6 +59,7 @@ class CriticWorker(Actor):
         self._live_values = self._live_advantages = None
         # save_state arrives on the second thread; it must not see half an update.
         self._lock = threading.Lock()
+        self.skipped = SkippedSteps(self.log, "critic", cfg.fault.max_nonfinite_steps, loss_key="value_loss")
         self.log.emit("worker_ready", spans=spans.take())
 
     def _shard(self, table: pa.Table) -> Shard | None:
@@ -97,6 +99,7 @@ class CriticWorker(Actor):
         targets = ray.get(adv.table_ref[0])
         with self._lock:
             metrics = self.engine.train_step(table, targets, self._shard(table))
+        self.skipped.check(adv.step, None, metrics)
         return CriticOut(adv.step, tuple(sorted({**dict(adv.metrics), **metrics}.items())))
 
     def save_state(self, path: str) -> None:

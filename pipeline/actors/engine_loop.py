@@ -150,17 +150,21 @@ class EngineLoop:
             deadline = self.episodes.next_deadline() if block and self.episodes is not None else None
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                command = self._commands.get(block=block, timeout=timeout)
+                # Not kept in a local past its handling: a refit's command holds that
+                # version's weights, which the wait for the next command would pin.
+                self._handle(self._commands.get(block=block, timeout=timeout))
             except queue.Empty:
                 return
             block = False
-            try:
-                answer = getattr(self, f"_on_{command.kind}")(command)
-            except Exception as exc:  # the engine's or the user's: the node that asked raises it
-                command.reply.set_exception(exc)
-                continue
-            if answer is not _LATER:
-                command.reply.set_result(answer)
+
+    def _handle(self, command: _Command) -> None:
+        try:
+            answer = getattr(self, f"_on_{command.kind}")(command)
+        except Exception as exc:  # the engine's or the user's: the node that asked raises it
+            command.reply.set_exception(exc)
+            return
+        if answer is not _LATER:
+            command.reply.set_result(answer)
 
     def _on_stop(self, _command: _Command) -> None:
         self._stopped = True

@@ -12,6 +12,7 @@ waits on another node except through its arguments.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import pyarrow as pa
@@ -65,8 +66,11 @@ class GeneratorWorker(Actor):
         self._puts = []
         if start_weights:
             version, stored = ray.get(start_weights[0])
+            self.log.emit("weights_fetched", step=version - 1, version=version)
             self.log.emit("refit_start", step=version - 1, version=self.version)
             self.engine.load_weights(weights.unpack(stored))
+            del stored
+            self.log.emit("weights_dropped", step=version - 1, version=version)
             self.engine.set_version(version)
             self.version, self._loaded_step = version, version - 1
             self.log.emit("refit_end", step=version - 1, version=self.version)
@@ -93,6 +97,7 @@ class GeneratorWorker(Actor):
             # Fetched while rollouts may still run: only the load changes the engine.
             with spans.span("weights.get"):
                 fetched = ray.get(train.weights_ref[0])
+            self.log.emit("weights_fetched", step=gate.step, version=train.version)
         self._drain(gate.step)
         if self._loaded_step == gate.step and train.version == self.version:
             # Recovery re-runs a step's tail after a generator restart; whoever
@@ -119,6 +124,10 @@ class GeneratorWorker(Actor):
                 self.engine.load_weights(weights.unpack(stored))
         spans.add(self._loop.call("install", (load, gate.step, train.version), self.cfg.run.deadline_s,
                                   f"the refit of step {gate.step}"))
+        if fetched is not None:
+            # The engine has its own copy now; a view kept of the store's buffer would pin it there.
+            del fetched, stored, load
+            self.log.emit("weights_dropped", step=gate.step, version=train.version)
         self.version, self._loaded_step = train.version, gate.step
         return Refitted(self.log.worker, gate.step, self.version, gate.validate,
                         refit_s=time.perf_counter() - started)
@@ -221,11 +230,19 @@ class GeneratorWorker(Actor):
     def _score(self, prompt: Prompt, completion: Completion) -> tuple[float, str]:
         """(reward, why it failed or ""): the environment's sum of turn rewards, or data.reward's."""
         if completion.reward is not None:
-            return completion.reward, (f"prompt {prompt.id}: {completion.error}" if completion.error else "")
+            if completion.error:
+                return 0.0, f"prompt {prompt.id}: {completion.error}"
+            if not math.isfinite(completion.reward):  # finite turn rewards that overflowed in their sum
+                return 0.0, f"prompt {prompt.id}: environment rewards sum to {completion.reward}"
+            return completion.reward, ""
         try:
-            return float(self.reward_fn(prompt, completion.text)), ""
+            reward = float(self.reward_fn(prompt, completion.text))
         except Exception as exc:  # a user's reward function: any error marks this one sample
             return 0.0, f"prompt {prompt.id}: {type(exc).__name__}: {exc}"
+        if not math.isfinite(reward):
+            # A NaN or inf would reach the loss, and through it every weight.
+            return 0.0, f"prompt {prompt.id}: reward function returned {reward}"
+        return reward, ""
 
     def _group_rewards(self, launch: Launch, version: int, prompt: Prompt,
                        group: list[Completion]) -> tuple[list[float], list[str]]:

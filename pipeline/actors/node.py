@@ -73,6 +73,11 @@ class Actor:
     def ping(self) -> bool:
         return True
 
+    def rss(self) -> int:
+        """This worker's resident memory in bytes (pipeline/run/resources.py), lock-free like ping."""
+        from pipeline.run.resources import process_rss
+        return process_rss()
+
     def rendezvous(self, world_size: int, timeout_s: float) -> Rendezvous:
         """Asked of rank 0 of a data-parallel role: where the ranks' process group
         meets (this node's address and a port free on it)."""

@@ -13,6 +13,7 @@ import ray
 
 from dags.tokens import Advantages, Batch, Clock, Gate, TrainOut, WeightsSent
 from pipeline.actors.node import Actor, node, one_thread, reopen_log, whereabouts
+from pipeline.actors.skipped_steps import SkippedSteps
 from pipeline.engines import backends, weights
 from pipeline.engines.data_parallel import Rendezvous, rank_name, table_shard, trained_tokens
 from pipeline.io.config import Config
@@ -38,6 +39,7 @@ class TrainerWorker(Actor):
         if restore_dir is not None:
             self.engine.load_state(restore_dir)
         self.version = start_version
+        self.skipped = SkippedSteps(self.log, "policy", cfg.fault.max_nonfinite_steps)
         # (version, ObjectRef of (version, weights) or None, clock of their making): exported
         # on first need, since most runs never replace a generator. One attribute, so a
         # reader on the second thread never pairs one step's weights with another's clock.
@@ -47,7 +49,7 @@ class TrainerWorker(Actor):
             # the start weights now, all ranks together (a resume or a restart may ask for them).
             exported = self.engine.export_weights()
             if self.rank == 0:
-                self._live = (start_version, ray.put((start_version, weights.pack(exported))), self.log.now())
+                self._hold(start_version, self._put(start_version, exported))
         self.log.emit("worker_ready", spans=spans.take())
         return self.log.now()
 
@@ -57,7 +59,7 @@ class TrainerWorker(Actor):
         version, ref, clock = self._live
         if ref is None:
             # Only rank 0 is asked; with several ZeRO-3 ranks begin_run has exported already.
-            ref = ray.put((version, weights.pack(self.engine.export_weights())))
+            ref = self._put(version, self.engine.export_weights())
             self._live = (version, ref, clock)
         return version, (ref,), clock
 
@@ -77,6 +79,8 @@ class TrainerWorker(Actor):
             metrics = {"policy_frozen": 1.0}
         else:
             metrics = self._train_shard(table, self._advantages(table, advantages))
+            # Every rank sees the same skip (the engine agrees on it), so all raise together.
+            self.skipped.check(batch.step, self.version, metrics)
         self.version += 1
         weights_ref, exported = None, None
         collective = self.cfg.generation.weight_sync == "collective"
@@ -87,11 +91,11 @@ class TrainerWorker(Actor):
                 exported = self.engine.export_weights()
         if self.rank == 0 and not collective:
             with spans.span("weights.put"):
-                weights_ref = ray.put((self.version, weights.pack(exported)))
+                weights_ref = self._put(self.version, exported)
         self._exported = exported if collective else None
         self.log.emit("train_end", step=batch.step, version=self.version)
         # Kept alive until the next step's refits are done (see Controller.sample).
-        self._live = (self.version, weights_ref, self.log.now())
+        self._hold(self.version, weights_ref)
         failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
         metrics = {**metrics, "reward_failures": float(failed),
                    "reward_mean": _mean(table.column("reward").to_pylist()),
@@ -103,6 +107,23 @@ class TrainerWorker(Actor):
                    "model_tokens": float(sum(trained_tokens(table)))}
         return TrainOut(batch.step, self.version, (weights_ref,) if weights_ref else (),
                         tuple(sorted(metrics.items())))
+
+    def _put(self, version: int, exported: dict) -> ray.ObjectRef:
+        """One version of the weights into the object store, logged for the bound on copies (invariant 7)."""
+        packed = weights.pack(exported)
+        ref = ray.put((version, packed))
+        self.log.emit("weights_put", version=version, bytes=int(getattr(getattr(packed, "buffer", None), "nbytes", 0)))
+        return ref
+
+    def _hold(self, version: int, ref: ray.ObjectRef | None) -> None:
+        """Keep this version's weights for a generator that starts mid-run, and
+        let the last version go: every refit of it is over once a newer one is
+        made (the graph orders the step before this one's train)."""
+        old_version, old_ref, _ = self._live
+        self._live = (version, ref, self.log.now())
+        if old_ref is not None and old_ref != ref:
+            del old_ref
+            self.log.emit("weights_released", version=old_version)
 
     @node("send_weights")
     def send_weights(self, train: TrainOut, gate: Gate) -> WeightsSent:

@@ -14,6 +14,7 @@ import abc
 import contextlib
 import datetime
 import importlib
+import math
 import os
 import random
 import warnings
@@ -22,6 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from pipeline.engines import finite
 from pipeline.engines.data_parallel import Rendezvous, Shard, free_port
 from pipeline.io.models import check_model_files
 from pipeline.run.spans import span
@@ -182,14 +184,21 @@ def local_grad_norm(module: torch.nn.Module) -> float:
     return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
 
 
-def step_with_grad_norm(engine, zero_stage: int, dtype: str) -> float:
-    """engine.step(); the gradient norm before clipping."""
-    pre_norm = local_grad_norm(engine.module) if zero_stage == 0 and dtype == "fp32" else None
-    engine.step()
+def step_with_grad_norm(engine, zero_stage: int, loss_finite: bool = True,
+                        world_size: int = 1) -> tuple[float, bool]:
+    """engine.step(), unless the loss (`loss_finite`: this rank's) or a gradient is
+    non-finite on any rank: then every rank skips the update (finite.step).
+    Returns the gradient norm before clipping and whether the update was skipped."""
+    pre_norm = local_grad_norm(engine.module) if zero_stage == 0 else None
+    grads_finite = finite.gradients_finite(engine, zero_stage, pre_norm)
+    skipped = finite.step(engine, skip=not finite.agree(loss_finite and grads_finite, world_size, engine.device))
     grad_norm = engine.get_global_grad_norm()
     if grad_norm is None:  # deepspeed records no norm for plain fp32 without ZeRO
         grad_norm = pre_norm
-    return float(grad_norm) if grad_norm is not None else float("nan")
+    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+    if not grads_finite and math.isfinite(grad_norm):
+        grad_norm = float("nan")  # a wrapper's stand-in for a norm it would not compute
+    return grad_norm, skipped
 
 
 @contextlib.contextmanager
@@ -296,8 +305,10 @@ class DeepSpeedEngine(abc.ABC):
         """One optimizer step over `rows` (this rank's shard); `token_keys` as in collate.
 
         Returns loss (the batch's token mean), grad_norm (before clipping),
-        tokens, micro_batches (this rank's), and the batch's token mean of each
-        of _loss's metrics: over every rank, so all ranks return the same.
+        tokens, micro_batches (this rank's), nonfinite_skipped (1.0 when a NaN or
+        inf loss or gradient left the weights and optimizer as they were), and
+        the batch's token mean of each of _loss's metrics: over every rank, so
+        all ranks return the same.
         """
         tokens = sum(sum(r["loss_mask"]) for r in rows)
         chunks: list[range | None] = list(self._chunks(len(rows)))
@@ -330,7 +341,8 @@ class DeepSpeedEngine(abc.ABC):
                 if key != "tokens":
                     sums[key] = sums.get(key, 0.0) + value * m["tokens"]
         with span("train.optimizer"):
-            grad_norm = step_with_grad_norm(self.engine, self.zero_stage, self.dtype)
+            grad_norm, skipped = step_with_grad_norm(self.engine, self.zero_stage, math.isfinite(loss_sum),
+                                                     self.world_size)
         keys = sorted(sums)
         totals = [loss_sum, float(tokens), *(sums[k] for k in keys)]
         if self.world_size > 1:
@@ -338,7 +350,8 @@ class DeepSpeedEngine(abc.ABC):
             torch.distributed.all_reduce(summed)
             totals = summed.tolist()
         return {"loss": totals[0], "grad_norm": grad_norm, "tokens": totals[1],
-                "micro_batches": float(len(chunks)), **{key: s / n for key, s in zip(keys, totals[2:])}}
+                "micro_batches": float(len(chunks)), "nonfinite_skipped": float(skipped),
+                **{key: s / n for key, s in zip(keys, totals[2:])}}
 
     # Whether only the trainable parameters are synced and saved (LoRA: the
     # adapters; the frozen base is rebuilt from the model directory).
@@ -370,8 +383,14 @@ class DeepSpeedEngine(abc.ABC):
 
     def save_state(self, path: str) -> None:
         """Everything a resumed run needs to continue exactly: weights, optimizer
-        state, step counter and RNG (a DeepSpeed checkpoint in `path`)."""
+        state, step counter and RNG (a DeepSpeed checkpoint in `path`). Refused,
+        on every rank, when a weight holds a NaN or inf."""
+        self.refuse_nonfinite(f"the engine state {path}")
         save_engine_state(self.engine, path, self.trainable_only)
+
+    def refuse_nonfinite(self, what: str) -> None:
+        """Raise NonfiniteWeightsError on every rank if any rank's weights hold a NaN or inf."""
+        finite.refuse_nonfinite_weights(self.engine.module, self.world_size, self.device, what)
 
     def load_state(self, path: str) -> None:
         """Restore save_state's directory into this engine (built with the same config)."""

@@ -99,8 +99,8 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
         values the advantages were computed with). `targets` is aligned row by
         row with `table`, one float per response token.
 
-        Metrics: value_loss (token mean), value_clip_frac, grad_norm, tokens,
-        step, time_s. (The critic worker adds the statistics of the values and
+        Metrics: value_loss (token mean), value_clip_frac, grad_norm,
+        nonfinite_skipped (see DeepSpeedEngine._update), tokens, step, time_s. (The critic worker adds the statistics of the values and
         returns, which it already holds.)
         """
         t0 = time.perf_counter()
@@ -110,6 +110,7 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
             "value_loss": m["loss"],
             "value_clip_frac": m["clip_frac"],
             "grad_norm": m["grad_norm"],
+            "nonfinite_skipped": m["nonfinite_skipped"],
             "tokens": m["tokens"],
             "step": float(self.steps),
             "time_s": time.perf_counter() - t0,

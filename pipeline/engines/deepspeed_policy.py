@@ -123,8 +123,10 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
     def save(self, path: str) -> None:
         """An HF checkpoint of the current weights (with LoRA: the peft adapter
         directory, naming its base model), with the model directory's tokenizer
-        files, written by rank 0; every rank calls it (ZeRO-3 gathers)."""
+        files, written by rank 0; every rank calls it (ZeRO-3 gathers). Refused,
+        on every rank and before anything is written, when a weight holds a NaN or inf."""
         out = Path(path)
+        self.refuse_nonfinite(f"the policy checkpoint {path}")
         state = self.export_weights()
         if self.lora is not None:
             if self.rank == 0:

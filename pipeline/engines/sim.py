@@ -144,8 +144,9 @@ class SimGenerationEngine:
 class SimTrainingEngine:
     def __init__(self, cfg: SimConfig, *, seed: int, faulty: bool = True):
         self.latency = _Latency(cfg, seed)
-        # A rank that sim.fault does not target (another rank) runs clean.
-        self.cfg = cfg if faulty else SimConfig(**{**cfg.__dict__, "fault": ""})
+        # A rank that sim.fault does not target (another rank) runs clean; a non-finite
+        # loss hits every rank, as the real ranks agree on each skip.
+        self.cfg = cfg if faulty or cfg.fault == "train_nonfinite" else SimConfig(**{**cfg.__dict__, "fault": ""})
         self.updates = 0
 
     def train_step(self, table: pa.Table, advantages: pa.Table, shard=None) -> dict[str, float]:
@@ -155,8 +156,12 @@ class SimTrainingEngine:
         # The real engine refuses a misaligned table; so must the stand-in.
         _check_token_column(table, advantages, "advantages")
         self.latency.spend(self.cfg.train_s)
+        if self.cfg.fault == "train_nonfinite" and self.updates >= self.cfg.fault_after:
+            # What the real engines report when they skip a step: the weights stay as they are.
+            return {"loss": float("nan"), "grad_norm": float("nan"), "nonfinite_skipped": 1.0,
+                    "rows": float(table.num_rows)}
         self.updates += 1
-        return {"loss": 1.0 / self.updates, "rows": float(table.num_rows)}
+        return {"loss": 1.0 / self.updates, "rows": float(table.num_rows), "nonfinite_skipped": 0.0}
 
     def save_state(self, path: str) -> None:
         _write_state(path, {"updates": self.updates})

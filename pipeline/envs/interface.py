@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from typing import Any, Protocol
 
 from pipeline.engines.interface import Prompt
@@ -77,4 +78,8 @@ def check_step_result(result: Any) -> tuple[str, float, bool, dict]:
     observation, reward, done, info = result
     if not isinstance(observation, str):
         raise TypeError(f"step() returned a {type(observation).__name__} observation; expected str")
-    return observation, float(reward), bool(done), dict(info or {})
+    reward = float(reward)
+    if not math.isfinite(reward):
+        # Summed into the sample's reward it would reach the loss: fail the sample instead.
+        raise ValueError(f"step() returned reward {reward}; a reward must be finite")
+    return observation, reward, bool(done), dict(info or {})

@@ -134,6 +134,8 @@ class PpoConfig:
 class FaultConfig:
     max_restarts: int = _key(2, "restarts per generator before the run stops", ge=0)
     max_reward_failures: int = _key(0, "samples whose reward may raise before the run stops", ge=0)
+    max_nonfinite_steps: int = _key(3, "optimizer steps in a row skipped for a non-finite loss or gradient norm "
+                                    "that stop the run", ge=1)
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,9 @@ class SimConfig:
     # Fault injection, for the tests and the soak: *_exit ends the worker's process
     # as a crash or an OOM kill would; *_hang waits until the run's deadlines catch it.
     fault: Literal["", "train_raise", "train_hang", "train_exit", "generate_raise", "generate_hang",
-                   "generate_exit", "reward_raise"] = _key("", "inject this fault after fault_after good calls")
+                   "generate_exit", "reward_raise", "train_nonfinite"] = _key(
+        "", "inject this fault after fault_after good calls (train_nonfinite: every later step's loss is NaN, "
+        "on every rank)")
     fault_after: int = _key(0, "good calls before the fault (reward_raise: every N-th sample raises)", ge=0)
     fault_worker: int = _key(0, "generator index that generate_* faults hit, trainer rank that train_* faults hit",
                              ge=0)

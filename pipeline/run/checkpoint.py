@@ -9,7 +9,9 @@
         meta.json        step count and version; written last, so its presence means complete
 
 A rename is atomic on one filesystem, so a killed run leaves either a complete
-`step_<n>` or a `step_<n>.partial` that `latest` never picks.
+`step_<n>` or a `step_<n>.partial` that `latest` never picks. A save that fails
+(a worker's error, or weights holding a NaN or inf, which the engines refuse to
+save) removes its `.partial`.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import ray
 
 from pipeline.io.config import Config
 from pipeline.run.pool import Workers
+from pipeline.run.runner import PipelineError, task_error
 
 # Keys that fix the shape of the launch schedule and the buffer: a resumed run must keep them.
 FROZEN_KEYS = ("algorithm", "backend", "schedule.max_age", "schedule.prompts_per_step", "schedule.group_size",
@@ -40,12 +43,23 @@ def save(workers: Workers, run_dir: Path, steps_done: int, cfg: Config, timeout_
     shutil.rmtree(partial, ignore_errors=True)
     calls = [workers.controller.save_state.remote(str(partial / "controller")),
              *(c.save_state.remote(str(partial / "critic_state")) for c in workers.critics)]
-    # Every rank, one call after the other: rank 0 writes the HF model, each rank
-    # its optimizer partition, and under ZeRO-3 both gather; two collectives
-    # in flight at once could pair one rank's save with another's save_state.
-    ray.get([t.save.remote(str(partial / "policy")) for t in workers.trainers], timeout=timeout_s)
-    calls += [t.save_state.remote(str(partial / "trainer_state")) for t in workers.trainers]
-    ray.get(calls, timeout=timeout_s)
+    try:
+        # Every rank, one call after the other: rank 0 writes the HF model, each rank
+        # its optimizer partition, and under ZeRO-3 both gather; two collectives
+        # in flight at once could pair one rank's save with another's save_state.
+        ray.get([t.save.remote(str(partial / "policy")) for t in workers.trainers], timeout=timeout_s)
+        calls += [t.save_state.remote(str(partial / "trainer_state")) for t in workers.trainers]
+        ray.get(calls, timeout=timeout_s)
+    except BaseException as exc:
+        # A refused save (non-finite weights) or a failed one: no half-written directory is
+        # left to mistake for a checkpoint; the last complete one stays the newest. The other
+        # writers finish first, so none refills it (a hung one is not waited for twice).
+        hung = isinstance(exc, ray.exceptions.GetTimeoutError)
+        ray.wait(calls, num_returns=len(calls), timeout=0 if hung else timeout_s)
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            raise PipelineError(f"checkpoint {final} was not written: {task_error(exc)}") from exc
+        raise
     (partial / "meta.json").write_text(json.dumps({
         "steps_done": steps_done, "version": steps_done, "time": time.time(),
         "config": cfg.to_dict()}, indent=2))

@@ -26,12 +26,14 @@ import yaml
 from dags.step_graph import TRAIN_SUBGRAPHS, build_finish_graph, build_prologue_graph, build_step_graph
 from dags.tokens import StepPlan, TrainOut
 from pipeline.actors.generator import generator_name
+from pipeline.actors.skipped_steps import console_warnings
 from pipeline.io.config import Config
 from pipeline.io.preflight import preflight
 from pipeline.run import checkpoint
 from pipeline.run.events import EventLog, merge_events
 from pipeline.run.metrics import MetricSinks, Progress, step_metrics
 from pipeline.run.placement import place
+from pipeline.run.resources import ResourceProbe
 from pipeline.run.pool import (
     Workers,
     actor_names,
@@ -273,12 +275,20 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
         log.emit("startup", **summary["startup"])
         if prologue["resume"].val_scores:
             sinks.write({"step": start - 1, **dict(prologue["resume"].val_scores)})
+        probe = ResourceProbe(cfg.run.deadline_s)
+        summary["resources_peak"] = probe.peak
         for step in range(start, cfg.run.steps):
             started = time.time()
+            probe.start(execution.step_runner.actors)
             out = execution.run("step_runner", StepPlan(step, validation_due(step, cfg)))
-            metrics = step_metrics(step, time.time() - started, out)
+            metrics = {**step_metrics(step, time.time() - started, out), **probe.read()}
+            # The train token holds this step's weights; kept through the next step, it would
+            # keep a copy alive in the object store beside the next one (invariant 7).
+            del out
             sinks.write(metrics)
             progress.update(metrics)
+            for line in console_warnings(step, metrics, cfg.fault.max_nonfinite_steps):
+                say(line)
             rewards.append(metrics["reward_mean"])
             step_times.append(metrics["step_time_s"])
             tokens += metrics.get("response_tokens", 0.0)

@@ -1,4 +1,4 @@
-"""Check a run's event log against invariants 1-5 of DESIGN.md.
+"""Check a run's event log against invariants 1-5 and 7 of DESIGN.md.
 
 The log is the only evidence that the step graph's ordering held at run time,
 so this checker knows the event schema and nothing of the driver: a bug in the
@@ -9,6 +9,8 @@ events' vector clocks, not their times (pipeline/tools/check_order.py): the verd
 holds whatever the hosts' clocks say. The wall-clock reading of the same pairs
 is kept as a second opinion: `check_report` returns it as notes, which fail
 nothing. Invariants 3-5 compare versions and counts, never two hosts' times.
+Invariant 7, the bound on weight copies in the object store, is proven from
+the clocks too (pipeline/tools/check_bounds.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from pipeline.io.jsonl import JsonLineError, json_lines
+from pipeline.tools.check_bounds import weight_copies_bounded
 from pipeline.tools.check_order import (
     Judge,
     Violation,
@@ -321,6 +324,7 @@ def check_report(events: Iterable[dict]) -> Report:
     rollouts_run_the_loaded_version(events, judge)
     one_version_per_trajectory(events, judge)
     weights_come_from_the_trainer(events, judge, generator_names(events))
+    weight_copies_bounded(events, judge)
     violations = [*judge.violations, *batch_ages_within_max_age(events, run_start),
                   *each_batch_trained_once_or_dropped(events, finished), *versions_rise_by_one(events, finished)]
     return Report(tuple(sorted(violations, key=lambda v: v.invariant)), tuple(judge.notes), judge.fallbacks,
@@ -360,5 +364,5 @@ def main(run_dir: str) -> int:
     if not any(e.get("ev") == "run_end" and e.get("error") is None for e in events):
         print("note: the run did not finish cleanly (no run_end, or it ended on an error), so launched "
               "batches never trained or dropped are not counted as lost")
-    print(f"{len(report.violations)} violations (invariants 1-5) in {len(events)} events")
+    print(f"{len(report.violations)} violations (invariants 1-5, 7) in {len(events)} events")
     return 1 if report.violations else 0

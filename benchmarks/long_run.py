@@ -1,0 +1,150 @@
+"""Long runs: memory, object store and step time stay flat for thousands of steps.
+
+Each case is `python -m pipeline train` as a user runs it, on a model where
+one leaked weight copy a step shows within a minute (4.2M parameters, hidden
+256, 4 layers: 17 MB a copy in fp32; built here if missing), or on the
+simulated workers for many more steps. Every step's record carries each
+role's RSS and the object store's use (pipeline/run/resources.py); from them:
+
+  slope_kb_per_step   least-squares slope of each role's RSS after warm-up
+  store_peak_mb       the object store's peak after warm-up, beside the bound
+                      (max_age + 3) x one weight copy (the largest weights_put)
+  step_time           medians of the first and last 10 % of steps, and their ratio
+  violations          check-events on the run's log (invariant 7 included)
+
+Targets (issue "Long runs"): no role grows by more than 1 KB a step after
+warm-up, the store stays under its bound, the last 10 % of steps are no slower
+than the first 10 %.
+
+    .venv/bin/python benchmarks/long_run.py                  # every case, 2000 real / 20000 sim steps
+    .venv/bin/python benchmarks/long_run.py --quick          # 60 / 300 steps: a smoke run
+    .venv/bin/python benchmarks/long_run.py --cases sim grpo_object_store --real-steps 500
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks._common import ROOT, machine_info, print_table, read_jsonl, write_result
+
+MODEL = ROOT / "models" / "long_run_4m"
+MODEL_ARGS = ["--hidden", "256", "--layers", "4", "--heads", "8", "--intermediate", "1024"]
+SLOPE_TARGET_KB = 1.0
+WARMUP_SHARE = 0.2    # vLLM's and DeepSpeed's first steps allocate what they keep; the slope starts after
+
+# name -> (recipe, overrides); the real cases add the model and the step count.
+REAL = ["generation.max_new_tokens=8", "validation.period=0", "validation.at_end=false", "run.checkpoint_every=0"]
+CASES = {
+    "grpo_object_store": ("examples/tiny_grpo.yaml", REAL),
+    "grpo_collective": ("examples/tiny_grpo.yaml", [*REAL, "generation.weight_sync=collective"]),
+    "ppo_object_store": ("examples/tiny_ppo.yaml", REAL),
+    "grpo_lora": ("examples/tiny_grpo_lora.yaml", REAL),
+    "sim": ("examples/sim_grpo.yaml", ["validation.period=100", "sim.generate_s=0.002", "sim.train_s=0.002",
+                                       "sim.refit_s=0.001", "sim.validate_s=0.001", "sim.jitter=0.3",
+                                       "run.checkpoint_every=0"]),
+}
+
+
+def ensure_model() -> Path:
+    if not (MODEL / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "pipeline.io.tiny", "--out", str(MODEL), *MODEL_ARGS], check=True,
+                       cwd=ROOT, stdout=subprocess.DEVNULL)
+    return MODEL
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+def analyse(run_dir: Path, max_age: int) -> dict:
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", -1) >= 0 and "step_time_s" in r]
+    steps = [r["step"] for r in records]
+    after = [r for r in records if r["step"] >= steps[0] + WARMUP_SHARE * len(steps)]
+    roles = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("rss_mb/")})
+    per_role = {}
+    for role in roles:
+        key = f"rss_mb/{role}"
+        pts = [(r["step"], r[key]) for r in after if key in r]
+        per_role[role] = {"start_mb": round(next(r[key] for r in records if key in r), 1),
+                          "end_mb": round(pts[-1][1], 1),
+                          "slope_kb_per_step": round(slope(*map(list, zip(*pts))) * 1024, 3)}
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    copy_mb = max((e.get("bytes", 0) for e in events if e.get("ev") == "weights_put"), default=0) / 2**20
+    store = [r["store_mb"] for r in after if "store_mb" in r]
+    tenth = max(1, len(records) // 10)
+    first = statistics.median(r["step_time_s"] for r in records[:tenth])
+    last = statistics.median(r["step_time_s"] for r in records[-tenth:])
+    check = subprocess.run([sys.executable, "-m", "pipeline", "check-events", str(run_dir)], cwd=ROOT,
+                           capture_output=True, text=True)
+    bound = (max_age + 3) * copy_mb
+    out = {
+        "steps": len(records), "roles": per_role,
+        "max_slope_kb_per_step": max(v["slope_kb_per_step"] for v in per_role.values()),
+        "weight_copy_mb": round(copy_mb, 3), "store_peak_mb": round(max(store, default=0.0), 3),
+        "store_bound_mb": round(bound, 3),
+        "store_spilled_mb": max((r.get("store_spilled_mb", 0.0) for r in records), default=0.0),
+        "step_time_first10_s": round(first, 4), "step_time_last10_s": round(last, 4),
+        "last_over_first": round(last / first, 3),
+        "violations": int(check.stdout.strip().splitlines()[-1].split()[0]) if check.stdout.strip() else None,
+    }
+    out["targets_met"] = {
+        "rss_slope": out["max_slope_kb_per_step"] <= SLOPE_TARGET_KB,
+        # The simulator's weights are not tensors: nothing of size goes through the store.
+        "store_bound": copy_mb == 0 or out["store_peak_mb"] <= bound,
+        "step_time": last <= first,
+        "no_violations": out["violations"] == 0,
+    }
+    return out
+
+
+def run_case(name: str, steps: int, out_dir: Path) -> dict:
+    recipe, overrides = CASES[name]
+    extra = [] if name == "sim" else [f"model.path={ensure_model()}"]
+    args = [sys.executable, "-m", "pipeline", "train", "--config", recipe, *overrides, *extra,
+            f"run.steps={steps}", f"run.name={name}", f"run.output_dir={out_dir}", "metrics.progress=false"]
+    started = time.time()
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-5:], "wall_s": round(time.time() - started, 1)}
+    max_age = 1  # every recipe here runs async with max_age 1
+    return {"recipe": recipe, "overrides": [*overrides, *extra], "wall_s": round(time.time() - started, 1),
+            **analyse(out_dir / name, max_age)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="60 real / 300 sim steps")
+    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--real-steps", type=int, default=None)
+    ap.add_argument("--sim-steps", type=int, default=None)
+    ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    args = ap.parse_args(argv)
+    real_steps = args.real_steps or (60 if args.quick else 2000)
+    sim_steps = args.sim_steps or (300 if args.quick else 20000)
+    result = {"machine": machine_info(), "model": {"path": str(MODEL.relative_to(ROOT)), "build": MODEL_ARGS},
+              "warmup_share": WARMUP_SHARE, "cases": {}}
+    name = "long_run_quick" if args.quick else "long_run"
+    with tempfile.TemporaryDirectory(prefix="dagrl-long-run-") as tmp:
+        for case in args.cases:
+            print(f"long_run: {case} ...", flush=True)
+            result["cases"][case] = run_case(case, sim_steps if case == "sim" else real_steps, Path(tmp))
+            # Written after every case: a long benchmark stopped half-way keeps what it measured.
+            path = write_result(name, result, Path(args.out) if args.out else None)
+    rows = [[c, r.get("steps"), r.get("max_slope_kb_per_step"), r.get("store_peak_mb"), r.get("store_bound_mb"),
+             r.get("last_over_first"), r.get("violations"), r.get("error", "")] for c, r in result["cases"].items()]
+    print_table(["case", "steps", "max KB/step", "store peak MB", "bound MB", "last/first", "violations", "error"],
+                rows, title=f"written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Resource telemetry: each role's resident memory and the object store's use, every step.
+
+A leak shows first here, as a slope, long before it stops a run: the weights
+a refit moves are the largest thing a step makes, and one copy kept per step
+grows the store by a model a step (DESIGN.md, invariant 7, states the bound).
+
+Sampled beside the step, not in it: `start` asks every actor for its RSS (each
+keeps a thread free for such calls) and a thread of the driver asks the
+raylet for the store's totals while the graph runs; `read` collects both once
+the step is done. Names in the record: `rss_mb/<worker>` (driver included),
+`store_mb`, `store_objects`, `store_spilled_mb`.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import grpc
+import ray
+
+MB = 2 ** 20
+
+
+def process_rss() -> int:
+    """This process's resident set in bytes (Linux /proc; 0 where it has none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class ObjectStoreStats:
+    """The cluster's object-store totals, as `ray memory --stats-only` reads
+    them, from one gRPC channel to a live raylet kept for the run."""
+
+    def __init__(self) -> None:
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+        node = next(n for n in ray.nodes() if n["Alive"])
+        channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+        self._stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+        self._request = node_manager_pb2.FormatGlobalMemoryInfoRequest(include_memory_info=False)
+
+    def sample(self, timeout_s: float) -> dict[str, float]:
+        stats = self._stub.FormatGlobalMemoryInfo(self._request, timeout=timeout_s).store_stats
+        return {"store_mb": stats.object_store_bytes_used / MB, "store_objects": float(stats.num_local_objects),
+                "store_spilled_mb": stats.spilled_bytes_total / MB}
+
+
+class ResourceProbe:
+    """One sample per step of every worker's RSS and the store; the peaks of the run."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.peak: dict[str, float] = {}
+        self._store: ObjectStoreStats | None = ObjectStoreStats()
+        self._rss: dict[str, Any] = {}
+        self._store_sample: dict[str, float] = {}
+        self._thread: threading.Thread | None = None
+
+    def start(self, actors: dict[str, Any]) -> None:
+        self._rss = {name: actor.rss.remote() for name, actor in actors.items()}
+        self._thread = threading.Thread(target=self._sample_store, name="resource-probe", daemon=True)
+        self._thread.start()
+
+    def _sample_store(self) -> None:
+        try:
+            self._store_sample = self._store.sample(self.timeout_s) if self._store is not None else {}
+        except grpc.RpcError as exc:  # telemetry is not worth a run: say so once and go on without it
+            self._store, self._store_sample = None, {}
+            print(f"dagrl: object-store telemetry stopped: {type(exc).__name__}: {exc}")
+
+    def read(self) -> dict[str, float]:
+        """The step's sample: every actor that answered within the deadline, the driver, the store."""
+        record = {"rss_mb/driver": process_rss() / MB}
+        names, refs = list(self._rss), list(self._rss.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s) if refs else ([], [])
+        for name, ref in zip(names, refs):
+            if ref in ready:
+                try:
+                    record[f"rss_mb/{name}"] = ray.get(ref) / MB
+                except ray.exceptions.RayError:
+                    pass  # a dead worker: the runner reports it, and the next step's probe asks its successor
+        self._rss = {}
+        if self._thread is not None:
+            self._thread.join(self.timeout_s)
+            if not self._thread.is_alive():
+                record.update(self._store_sample)
+            self._thread = None
+        for key, value in record.items():
+            self.peak[key] = max(self.peak.get(key, 0.0), value)
+        return record
