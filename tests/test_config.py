@@ -118,3 +118,68 @@ def test_the_readme_lists_every_key_as_the_config_defines_it():
     assert copy == reference_table(), "README's config table is stale: paste `python -m pipeline config-table`"
     listed = {line.split("`")[1] for line in copy.splitlines()[2:]}
     assert "schedule.max_age" in listed and "policy_loss.clip_eps" in listed and len(listed) == copy.count("\n") - 2
+
+
+# -- backend: inferred when the recipe does not set it -------------------------
+
+REAL_KEYS = {"model": {"path": "/models/m"}, "data": {"train": "/data/t.jsonl", "reward": "m:f"}}
+
+
+def _recipe(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("tree,overrides,backend", [
+    (REAL_KEYS, [], "real"),                                    # names a model: a real run, never the simulator
+    ({"run": {"steps": 3}}, [], "sim"),                         # no model: nothing to train but the simulation
+    ({"run": {"steps": 3}, "sim": {"jitter": 0.1}}, [], "sim"),
+    ({**REAL_KEYS, "backend": "sim"}, [], "sim"),               # an explicit backend always wins ...
+    ({**REAL_KEYS, "backend": "real"}, ["backend=sim"], "sim"),  # ... from the recipe or the command line
+    (REAL_KEYS, ["backend=sim"], "sim"),
+    ({"run": {"steps": 3}}, ["model.path=/m", "data.train=/t.jsonl", "data.reward=m:f"], "real"),
+    (REAL_KEYS, ["model.path="], "sim"),                        # the override that empties model.path decides
+])
+def test_backend_is_real_when_the_recipe_names_a_model_unless_it_says_otherwise(tmp_path, tree, overrides,
+                                                                                   backend):
+    import yaml
+    cfg = load_config(_recipe(tmp_path, yaml.safe_dump(tree)), overrides)
+    assert cfg.backend == backend
+    # The run directory's config.yaml carries the resolved backend, so a resume reads the same one back.
+    again = _recipe(tmp_path, yaml.safe_dump(cfg.to_dict()))
+    assert load_config(again).backend == backend and "backend" in cfg.to_dict()
+
+
+def test_an_unset_backend_that_cannot_be_told_is_an_error(tmp_path):
+    # model.path says real, a sim section says simulated: neither guess is safe.
+    recipe = _recipe(tmp_path, "model:\n  path: /models/m\nsim:\n  jitter: 0.1\n")
+    with pytest.raises(ConfigError, match=rf"^{recipe}: backend: not set, but the recipe sets both model.path "
+                                          r"\(a real run\) and the sim section"):
+        load_config(recipe)
+    assert load_config(recipe, ["backend=sim"]).backend == "sim"
+    # Inferred real, the missing key's message says where 'real' came from.
+    with pytest.raises(ConfigError, match=r"data.train: not set; it is required when backend is 'real' "
+                                          r"\(backend is not set: model.path makes it real"):
+        load_config(_recipe(tmp_path, "model:\n  path: /models/m\n"))
+
+
+def test_a_simulated_run_says_so_first_and_in_its_summary(tmp_path):
+    """sim_grpo.yaml without its `backend:` line: inferred sim (no model), and
+    the run's first console line and summary.json say that nothing was trained."""
+    import json
+
+    from tests._procs import run_driver
+    text = Path("examples/sim_grpo.yaml").read_text()
+    assert "\nbackend: sim\n" in text
+    recipe = _recipe(tmp_path, text.replace("\nbackend: sim\n", "\n"))
+    log = tmp_path / "out.log"
+    status = run_driver(["--config", str(recipe), "run.steps=2", f"run.output_dir={tmp_path / 'runs'}",
+                         "run.name=sim", "metrics.progress=false", "metrics.tensorboard=false"], log, timeout_s=300)
+    out = log.read_text()
+    assert status == 0, out[-3000:]
+    assert out.splitlines()[0] == "dagrl: simulated workers (backend: sim): no model is trained", out[:2000]
+    assert out.count("no model is trained") == 1
+    summary = json.loads((tmp_path / "runs" / "sim" / "summary.json").read_text())
+    assert summary["simulated"] is True and summary["backend"] == "sim" and summary["steps"] == 2
+    assert "filtered_overlong" not in summary  # the simulator's prompts are no dataset

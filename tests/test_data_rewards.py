@@ -280,3 +280,108 @@ def test_tiny_task_is_learnable_by_plain_grpo(tmp_path):
 def test_a_reward_spec_from_before_the_move_is_told_where_the_rewards_went():
     with pytest.raises(RewardError, match=r"cannot import module 'pipeline.rewards'.*are in 'pipeline.io.rewards'"):
         load_reward("pipeline.rewards:tiny_reward")
+
+
+# -- over-long prompts (data.filter_overlong) --------------------------------
+
+def _tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+SHORT, LONG = tiny_prompt("1"), "repeat: " + " ".join(["1"] * 40)
+
+
+def test_a_prompt_is_overlong_when_its_tokens_with_the_bos_plus_max_new_tokens_exceed_the_context(
+        tmp_path, tiny_model):
+    from pipeline.io.data import fit_prompts
+    tok = _tokenizer(tiny_model)
+    short, long = len(tok(SHORT).input_ids), len(tok(LONG).input_ids)
+    # Counted as the generator encodes: the BOS the tokenizer prepends is a prompt token too.
+    assert long == len(tok(LONG, add_special_tokens=False).input_ids) + 1 and short < long
+    rows = [{"prompt": t, "answer": "1"} for t in (SHORT, LONG, SHORT, LONG, SHORT)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    # The long prompt fits the context alone (long < context), not with max_new_tokens more.
+    cut = fit_prompts(path, "train", tok, context=long + 7, max_new_tokens=8, drop=True)
+    assert [p.id for p in cut.prompts] == ["train-0", "train-2", "train-4"]  # order and ids kept
+    assert (cut.filtered, cut.total, cut.limit) == (2, 5, long - 1)
+    assert cut.note("data.train") == (f"data.train: filtered 2 of 5 prompts longer than {long - 1} tokens "
+                                      f"(context {long + 7} - max_new_tokens 8); data.filter_overlong")
+    # Exactly at the context it fits, and the list is load_prompts' own.
+    whole = fit_prompts(path, "train", tok, context=long + 8, max_new_tokens=8, drop=False)
+    assert whole.filtered == 0 and list(whole.prompts) == load_prompts(path)
+
+
+def test_with_filtering_off_an_overlong_prompt_is_refused_at_its_line_or_row(tmp_path, tiny_model):
+    from pipeline.io.data import fit_prompts
+    tok = _tokenizer(tiny_model)
+    long = len(tok(LONG).input_ids)
+    fits = f"more than the {long - 9} that fit (the model's context {long - 1} - generation.max_new_tokens 8)"
+    jsonl = tmp_path / "d.jsonl"
+    # Line 4 of the file: the blank line counts, as an editor numbers lines.
+    jsonl.write_text("".join(json.dumps({"prompt": t, "answer": "1"}) + "\n" for t in (SHORT, SHORT))
+                     + "\n" + json.dumps({"prompt": LONG, "answer": "1"}) + "\n")
+    with pytest.raises(DataError) as err:
+        fit_prompts(jsonl, "train", tok, context=long - 1, max_new_tokens=8, drop=False)
+    assert str(err.value).startswith(f"{jsonl}: line 4: the prompt is {long} tokens, {fits}; shorten it, or set "
+                                     "data.filter_overlong: true")
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": [SHORT, LONG, LONG], "answer": ["1", "1", "1"]}), parquet)
+    with pytest.raises(DataError) as err:
+        fit_prompts(parquet, "val", tok, context=long - 1, max_new_tokens=8, drop=False)
+    assert str(err.value).startswith(f"{parquet}: row 1: the prompt is {long} tokens, {fits}; 2 of the 3 "
+                                     "prompts are too long")
+    # Filtering on, a file with nothing left is an error too.
+    only_long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": LONG, "answer": "1"}] * 2)
+    with pytest.raises(DataError, match=rf"^{only_long}: all 2 prompts are longer than the {long - 9} that fit"):
+        fit_prompts(only_long, "train", tok, context=long - 1, max_new_tokens=8, drop=True)
+
+
+def test_the_context_is_the_engines_max_model_len_capped_by_the_model(tmp_path, tiny_model):
+    import shutil
+
+    from pipeline.io.models import DEFAULT_MAX_MODEL_LEN, context_length
+    assert json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"] == 512
+    assert context_length(tiny_model) == DEFAULT_MAX_MODEL_LEN == 512 and context_length(tiny_model, 256) == 256
+    small = tmp_path / "small"
+    shutil.copytree(tiny_model, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    assert context_length(small) == 64
+
+
+def test_run_prompts_fits_what_the_recipe_names_once_per_process(tmp_path, tiny_model):
+    """What preflight and the workers call: the model's context and tokenizer,
+    generation.max_new_tokens and data.filter_overlong from the recipe; a second
+    call with nothing changed is the first's answer, a rewritten file is fitted anew."""
+    from pipeline.io.config import load_config
+    from pipeline.io.data import run_prompts
+    tok = _tokenizer(tiny_model)
+    gsm8k = GSM8K_TEMPLATE.format(question="2 + 2?")
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": SHORT, "answer": "1"}, {"prompt": gsm8k, "answer": "4"}])
+    # max_new_tokens leaves exactly the GSM8K prompt's length: it fits, one token less and it does not.
+    new = 512 - len(tok(gsm8k).input_ids)
+    real = ["backend=real", f"model.path={tiny_model}", f"data.train={train}", "data.reward=m:f"]
+    fitted = run_prompts(load_config(None, [*real, f"generation.max_new_tokens={new}"]), "train")
+    assert fitted.filtered == 0 and fitted.context == 512
+    assert run_prompts(load_config(None, [*real, f"generation.max_new_tokens={new}"]), "train") is fitted
+    cut = run_prompts(load_config(None, [*real, f"generation.max_new_tokens={new + 1}"]), "train")
+    assert [p.text for p in cut.prompts] == [SHORT] and cut.filtered == 1
+    with pytest.raises(DataError, match=r"line 2: the prompt is"):
+        run_prompts(load_config(None, [*real, f"generation.max_new_tokens={new + 1}", "data.filter_overlong=false"]),
+                    "train")
+    write_jsonl(train, [{"prompt": SHORT, "answer": "1"}] * 3)
+    assert run_prompts(load_config(None, [*real, f"generation.max_new_tokens={new}"]), "train").total == 3
+
+
+@pytest.mark.parametrize("recipe", ["tiny_grpo", "tiny_ppo", "tiny_grpo_lora", "tiny_ppo_lora", "tiny_tool_grpo",
+                                    "tiny_tool_ppo", "tiny_game_grpo"])
+def test_the_shipped_recipes_lose_no_prompt(tiny_model, recipe):
+    """Their data fits whole: the run generates from load_prompts' very list, in
+    its order and with its ids, so the seeded replays (results/seeds.json) stand."""
+    from pipeline.io.config import load_config
+    from pipeline.io.data import run_prompts
+    cfg = load_config(f"examples/{recipe}.yaml", [f"model.path={tiny_model}"])
+    for kind, path in (("train", cfg.data.train), ("val", cfg.data.val)):
+        fitted = run_prompts(cfg, kind)
+        assert fitted.filtered == 0 and list(fitted.prompts) == load_prompts(path, kind=kind)

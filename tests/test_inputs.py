@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray  # noqa: F401 - now, not under a capsys test: Ray's log handler keeps the stderr it was imported with
 import yaml
 
 from pipeline.__main__ import main
@@ -198,6 +199,9 @@ def _parquet(columns: dict):
 
 
 GOOD_LINE = '{"prompt": "repeat: 1 1 1 1 1 1 1 1", "answer": "1"}\n'
+# 703 tokens of the tiny tokenizer (BOS included): more than its context of 512.
+LONG_PROMPT = "repeat: " + " ".join(["1"] * 700)
+LONG_LINE = json.dumps({"prompt": LONG_PROMPT, "answer": "1"}) + "\n"
 DATA_CASES = {
     "missing_file": ("train.jsonl", None, "data file does not exist"),
     "directory": ("train.jsonl", lambda p: p.mkdir(), "is not a file"),
@@ -230,6 +234,8 @@ DATA_CASES = {
     "parquet_empty": ("train.parquet", _parquet({"prompt": pa.array([], pa.string()),
                                                  "answer": pa.array([], pa.string())}), "the dataset is empty"),
     "parquet_corrupt": ("train.parquet", _text(b"PAR1 not really"), "cannot read as parquet: "),
+    "every_prompt_overlong": ("train.jsonl", _text(LONG_LINE * 2), "all 2 prompts are longer than the 496 that "
+                              "fit (the model's context 512 - generation.max_new_tokens 16)"),
 }
 
 
@@ -277,6 +283,23 @@ def test_bad_data_exits_1_from_a_subprocess_and_keeps_an_earlier_run(tmp_path, r
     # The earlier run is neither moved aside nor touched, and no new one appears.
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [RUN]
     assert (earlier / "summary.json").read_text() == '{"steps": 40}'
+
+
+@pytest.mark.parametrize("kind,name,where", [("train", "train.jsonl", "line 3"), ("val", "val.parquet", "row 1")])
+def test_an_overlong_prompt_is_refused_with_its_line_when_filtering_is_off(tmp_path, recipe, capsys, kind, name,
+                                                                          where):
+    # Counted by the tokenizer before any worker starts: vLLM would refuse it only at the step that sends it.
+    data = tmp_path / name
+    if name.endswith(".jsonl"):
+        data.write_text(GOOD_LINE + "\n" + LONG_LINE + GOOD_LINE)  # the blank line 2 counts
+    else:
+        pq.write_table(pa.table({"prompt": ["repeat: 1", LONG_PROMPT], "answer": ["1", "1"]}), data)
+    recipe["data"][kind] = str(data)
+    recipe["data"]["filter_overlong"] = False
+    code, err = train_cli(tmp_path, write(tmp_path, recipe), capsys=capsys)
+    assert code == 1 and (f"error: data.{kind}: {data}: {where}: the prompt is 703 tokens, more than the 496 that "
+                          "fit (the model's context 512 - generation.max_new_tokens 16); shorten it, or set "
+                          "data.filter_overlong: true") in err, err
 
 
 # -- model directories: exit 1, the message names the key, the directory and the files

@@ -43,12 +43,15 @@ from pipeline.run import spans
 
 class Controller(Actor):
     def begin_run(self, cfg: Config, run_dir: str, t0: float, start_step: int = 0,
-                  restore_dir: str | None = None) -> Clock:
+                  restore_dir: str | None = None, prompts: list[Prompt] | None = None) -> Clock:
+        """`prompts`: the training prompts as the driver's preflight fitted them
+        (data.filter_overlong), so that this process need not import a tokenizer
+        to count them again; None: read and fit data.train here."""
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, "controller", t0)
         self.log.emit("worker_start", **whereabouts())
         self.buffer = ReplayBuffer(cfg.schedule.max_age, self.log)
-        self.prompts = backends.train_prompts(cfg)
+        self.prompts = list(prompts) if prompts is not None else backends.train_prompts(cfg)
         self.rng = random.Random(cfg.run.seed)
         self.order: list[int] = []
         self.cursor = 0

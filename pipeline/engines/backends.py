@@ -71,8 +71,8 @@ def train_prompts(cfg: Config) -> list[Prompt]:
     if cfg.backend == "sim":
         from pipeline.engines.sim import sim_prompts
         return sim_prompts(max(64, cfg.schedule.prompts_per_step), "train")
-    from pipeline.io.data import load_prompts
-    return load_prompts(cfg.data.train, kind="train")
+    from pipeline.io.data import run_prompts
+    return list(run_prompts(cfg, "train").prompts)  # what the driver's preflight kept (data.filter_overlong)
 
 
 def val_prompts(cfg: Config) -> list[Prompt]:
@@ -81,8 +81,8 @@ def val_prompts(cfg: Config) -> list[Prompt]:
         return sim_prompts(cfg.sim.num_val_prompts, "val")
     if not cfg.data.val:
         return []
-    from pipeline.io.data import load_prompts
-    return load_prompts(cfg.data.val, kind="val")
+    from pipeline.io.data import run_prompts
+    return list(run_prompts(cfg, "val").prompts)
 
 
 def critic_engine(cfg: Config, rank: int = 0, rendezvous=None):

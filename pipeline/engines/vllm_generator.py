@@ -29,7 +29,7 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from pipeline.engines import lora  # noqa: E402
 from pipeline.engines.interface import Completion, Prompt, greedy_all, sample_all  # noqa: E402
-from pipeline.io.models import ModelError, check_model_dir  # noqa: E402
+from pipeline.io.models import DEFAULT_MAX_MODEL_LEN, ModelError, check_model_dir  # noqa: E402
 from pipeline.run.spans import span  # noqa: E402
 
 
@@ -48,7 +48,7 @@ class VllmGenerationEngine:
     PLAIN_LINEAR_MAX = 1 << 16
 
     def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, max_new_tokens: int = 16,
-                 temperature: float = 1.0, top_p: float = 1.0, max_model_len: int | None = 512,
+                 temperature: float = 1.0, top_p: float = 1.0, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN,
                  dtype: str = "float32", block_size: int = 32, enforce_eager: bool | None = None,
                  kv_cache_seqs: int = 64, inflight_kv: str = "recompute", adapter_config: dict | None = None,
                  **llm_kwargs: Any) -> None:

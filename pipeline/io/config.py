@@ -21,9 +21,10 @@ class ConfigError(ValueError):
 
 
 def _key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
-         le: float | None = None) -> Any:
-    """A config key: its default, bounds and the one line the README's table shows."""
-    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "help": help})
+         le: float | None = None, shown: str | None = None) -> Any:
+    """A config key: its default, bounds and the one line the README's table shows
+    (`shown`: the table's default, for a key whose recipe default load_config infers)."""
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "help": help, "shown": shown})
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,9 @@ class DataConfig:
     train: str = _key("", "training prompts, JSONL or Parquet; required with backend real")
     val: str = _key("", "validation prompts; required when validation is scheduled")
     reward: str = _key("", "reward function as module:function; required with backend real")
+    filter_overlong: bool = _key(True, "leave out (and count, on the console and in summary.json) prompts whose "
+                                 "tokens + generation.max_new_tokens exceed the model's context; false: refuse "
+                                 "the run, naming the file and line")
 
 
 @dataclass(frozen=True)
@@ -241,7 +245,8 @@ class Config:
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     ppo: PpoConfig = PpoConfig()
     training: TrainingConfig = TrainingConfig()
-    backend: Literal["sim", "real"] = _key("sim", "real: vLLM and DeepSpeed; sim: simulated workers, no model")
+    backend: Literal["sim", "real"] = _key("sim", "real: vLLM and DeepSpeed; sim: simulated workers, no model; "
+                                           "not set: real when model.path is set, else sim", shown="inferred")
     generation: GenerationConfig = GenerationConfig()
     sim: SimConfig = SimConfig()
     fault: FaultConfig = FaultConfig()
@@ -448,8 +453,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         tree = loaded
     for override in overrides:
         _apply_override(tree, override)
+    inferred = "backend" not in tree
     try:
-        return _check_cross_fields(_build(Config, tree, ""))
+        if inferred:
+            tree["backend"] = _infer_backend(tree)
+        return _check_cross_fields(_build(Config, tree, ""), inferred)
     except ConfigError as exc:
         key = getattr(exc, "key", "") or ""
 
@@ -464,7 +472,20 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{where}{exc}") from None
 
 
-def _check_cross_fields(cfg: Config) -> Config:
+def _infer_backend(tree: dict) -> str:
+    """A recipe without `backend`: real when it names a model, else sim. A sim
+    run trains nothing, so a model's recipe must never fall to it by default."""
+    model = tree.get("model")
+    named = isinstance(model, dict) and bool(model.get("path"))
+    if named and "sim" in tree:
+        err = ConfigError("backend: not set, but the recipe sets both model.path (a real run) and the sim section "
+                          "(simulated workers); set backend: real or backend: sim")
+        err.key = "backend"
+        raise err
+    return "real" if named else "sim"
+
+
+def _check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
     """Rules between keys. Errors carry `.key` like _build's, for load_config to place."""
     def fail(key: str, message: str) -> ConfigError:
         err = ConfigError(f"{key}: {message}")
@@ -480,7 +501,9 @@ def _check_cross_fields(cfg: Config) -> Config:
             needed.append(("data.reward", cfg.data.reward))
         for key, value in needed:
             if not value:
-                raise fail(key, "not set; it is required when backend is 'real'")
+                raise fail(key, "not set; it is required when backend is 'real'" + (
+                    " (backend is not set: model.path makes it real; set backend: sim for simulated workers)"
+                    if inferred else ""))
         if validates and not cfg.data.val:
             raise fail("data.val", "not set, but validation is scheduled (validation.period / at_start / "
                        "at_end); give validation data or turn validation off")

@@ -11,6 +11,11 @@ otherwise surface inside a remote worker, far from the recipe.
 
 JSONL is parsed line by line with `json` rather than by pyarrow, whose errors
 give a row within a read block, not the line of the file.
+
+A real run generates from `run_prompts`: the prompts whose tokens (the model's
+tokenizer, as the generator encodes them) plus generation.max_new_tokens fit
+the engine's context. vLLM refuses a longer prompt only when a step sends it,
+minutes into the run; this finds it before any worker starts.
 """
 from __future__ import annotations
 
@@ -131,6 +136,11 @@ def gsm8k_final_answer(answer: str) -> str | None:
 
 def load_prompts(path: str | Path, *, kind: str = "train") -> list[Prompt]:
     """Read a prompt dataset; `kind` ("train", "val") only prefixes generated ids."""
+    return _load(path, kind)[0]
+
+
+def _load(path: str | Path, kind: str) -> tuple[list[Prompt], list[str]]:
+    """load_prompts, and where each prompt is in the file ("line 7", "row 6")."""
     data = _read(Path(path))
     p = data.path
     if not data.rows:
@@ -164,4 +174,90 @@ def load_prompts(path: str | Path, *, kind: str = "train") -> list[Prompt]:
                                  "which is not a number") from None
             text, answer = GSM8K_TEMPLATE.format(question=text.strip()), final
         prompts.append(Prompt(id=pid, text=text, answer=answer))
-    return prompts
+    return prompts, data.where
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """The prompts of one dataset that leave generation.max_new_tokens of room
+    in the generator's context, in file order with their ids unchanged (so a
+    dataset with nothing to drop gives the run load_prompts' list)."""
+    prompts: tuple[Prompt, ...]
+    total: int           # prompts in the file
+    context: int         # the engine's max_model_len (models.context_length)
+    max_new_tokens: int
+
+    @property
+    def filtered(self) -> int:
+        return self.total - len(self.prompts)
+
+    @property
+    def limit(self) -> int:
+        """The most prompt tokens that leave room for a whole completion."""
+        return self.context - self.max_new_tokens
+
+    def note(self, key: str) -> str:
+        return (f"{key}: filtered {self.filtered} of {self.total} prompts longer than {self.limit} tokens "
+                f"(context {self.context} - max_new_tokens {self.max_new_tokens}); data.filter_overlong")
+
+
+def prompt_lengths(prompts: list[Prompt], tokenizer) -> list[int]:
+    """Each prompt's tokens as the generator sends them to vLLM."""
+    # VllmGenerationEngine.encode: tokenizer(text).input_ids, one text per call and the
+    # special tokens (the BOS) included; anything else could count fewer than vLLM gets.
+    return [len(tokenizer(p.text).input_ids) for p in prompts]
+
+
+def fit_prompts(path: str | Path, kind: str, tokenizer, *, context: int, max_new_tokens: int,
+                drop: bool) -> Fitted:
+    """The prompts of `path` whose tokens plus max_new_tokens fit `context`.
+    An over-long prompt is left out when `drop`, else a DataError naming its
+    line or row and its length; a dataset with none left is a DataError too."""
+    prompts, where = _load(path, kind)
+    limit = context - max_new_tokens
+    lengths = prompt_lengths(prompts, tokenizer)
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    fits = f"the {limit} that fit (the model's context {context} - generation.max_new_tokens {max_new_tokens})"
+    if over and not drop:
+        i = over[0]
+        also = f"; {len(over)} of the {len(prompts)} prompts are too long" if len(over) > 1 else ""
+        raise DataError(f"{path}: {where[i]}: the prompt is {lengths[i]} tokens, more than {fits}{also}; "
+                        "shorten it, or set data.filter_overlong: true to leave such prompts out")
+    if len(over) == len(prompts):
+        raise DataError(f"{path}: all {len(prompts)} prompts are longer than {fits}; none is left to "
+                        "generate from (shorten them or lower generation.max_new_tokens)")
+    dropped = set(over)
+    return Fitted(tuple(p for i, p in enumerate(prompts) if i not in dropped), len(prompts), context,
+                  max_new_tokens)
+
+
+# Fitted datasets by what decides them, so that a process asked twice (the
+# driver's preflight and an in-process worker, or a generator begun for many
+# runs) tokenizes once. Bounded: a pool of workers may serve many datasets.
+_FITTED: dict[tuple, Fitted] = {}
+
+
+def _stamp(path: Path) -> tuple:
+    st = path.stat()
+    return str(path.resolve()), st.st_mtime_ns, st.st_size
+
+
+def run_prompts(cfg, kind: str) -> Fitted:
+    """The prompts of data.train or data.val (`kind`) that a real run generates
+    from: over-long ones left out, or refused, per data.filter_overlong. The
+    driver's preflight and the workers call this alike, so they agree."""
+    from pipeline.io.models import TOKENIZER_FILES, context_length
+    path = Path(cfg.data.train if kind == "train" else cfg.data.val)
+    model = Path(cfg.model.path)
+    stamps = tuple(_stamp(f) for f in (model / "config.json", *(model / n for n in TOKENIZER_FILES)) if f.is_file())
+    key = (kind, _stamp(path), stamps, cfg.generation.max_new_tokens, cfg.data.filter_overlong)
+    if key not in _FITTED:
+        from transformers import AutoTokenizer
+        # The generator's tokenizer: vLLM loads model.path's with AutoTokenizer too.
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        fitted = fit_prompts(path, kind, tokenizer, context=context_length(model),
+                             max_new_tokens=cfg.generation.max_new_tokens, drop=cfg.data.filter_overlong)
+        while len(_FITTED) >= 8:
+            _FITTED.pop(next(iter(_FITTED)))
+        _FITTED[key] = fitted
+    return _FITTED[key]

@@ -130,3 +130,16 @@ def check_model_loads(path: str | Path, *, tokenizer_dir: str | Path | None = No
         raise ModelError(f"model directory {str(p)!r}: {whose} has {len(tokenizer)} tokens "
                          f"but the model's vocab_size is {model_vocab}")
     return p
+
+
+# What VllmGenerationEngine gives vLLM as max_model_len unless told otherwise:
+# it sizes the KV cache, and vLLM refuses a prompt that does not fit it.
+DEFAULT_MAX_MODEL_LEN = 512
+
+
+def context_length(path: str | Path, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> int:
+    """The tokens a generator's vLLM engine holds per sequence, prompt and
+    completion together: max_model_len capped at the model's
+    max_position_embeddings, as VllmGenerationEngine does."""
+    positions = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+    return min(max_model_len, int(positions)) if positions else max_model_len

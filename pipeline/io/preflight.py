@@ -18,11 +18,14 @@ def preflight(cfg: Config) -> Future | None:
     The quick checks raise here. Whether transformers can load the model's
     config and tokenizer takes seconds of imports, so it runs on a thread while
     the caller starts Ray: the returned future's result() raises what it found,
-    and must be called before any worker starts (None: nothing to wait for)."""
+    and must be called before any worker starts (None: nothing to wait for).
+    The same thread then counts every prompt's tokens with the model's
+    tokenizer (data.filter_overlong); the result is the datasets as the run
+    uses them, {"train": Fitted, "val": Fitted (when data.val is set)}."""
     if cfg.backend == "sim":
         return None
-    from pipeline.io.data import DataError, load_prompts
-    from pipeline.io.models import ModelError, check_model_files, check_model_loads
+    from pipeline.io.data import DataError, load_prompts, run_prompts
+    from pipeline.io.models import ModelError, check_model_files, check_model_loads, context_length
     from pipeline.io.rewards import RewardError, load_reward
 
     def check(key: str, fn: Callable, *args, **kwargs):
@@ -45,9 +48,16 @@ def preflight(cfg: Config) -> Future | None:
     if not cfg.env.class_:  # an environment's steps give the rewards (config.py checked its class)
         check("data.reward", load_reward, cfg.data.reward)
 
-    def loads() -> None:
+    context, new = context_length(cfg.model.path), cfg.generation.max_new_tokens
+    if new >= context:
+        raise ModelError(f"generation.max_new_tokens: {new} leaves no room for a prompt in the context of "
+                         f"{context} tokens of model.path {cfg.model.path!r}")
+
+    def loads() -> dict:
         for key, path, tokenizer_dir in models:
             check(key, check_model_loads, path, tokenizer_dir=tokenizer_dir)
+        kinds = ["train", "val"] if cfg.data.val else ["train"]
+        return {kind: check(f"data.{kind}", run_prompts, cfg, kind) for kind in kinds}
     pool = ThreadPoolExecutor(1, thread_name_prefix="preflight")
     try:
         return pool.submit(loads)

@@ -31,7 +31,7 @@ from pipeline.io.config import Config
 from pipeline.io.preflight import preflight
 from pipeline.run import checkpoint
 from pipeline.run.events import EventLog, merge_events
-from pipeline.run.metrics import MetricSinks, Progress, step_metrics
+from pipeline.run.metrics import MetricSinks, Progress, RunTotals, step_metrics
 from pipeline.run.placement import place
 from pipeline.run.resources import ResourceProbe
 from pipeline.run.pool import (
@@ -208,7 +208,10 @@ def train_on(cfg: Config, workers: Workers, *, step_runner: GraphRunner | None =
 
 def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None, restore_from: str | None,
            quiet: bool) -> dict:
-    say = (lambda *a: None) if quiet else print
+    say = (lambda *a, **k: None) if quiet else print
+    if cfg.backend == "sim":
+        # First, before anything else: a recipe meant to train a model must not look like it did.
+        say("dagrl: simulated workers (backend: sim): no model is trained", flush=True)
     entered = time.time()
     model_check = preflight(cfg)
     startup = {"preflight_s": time.time() - entered}
@@ -216,11 +219,15 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
     started_ray = _start_ray(cfg)
     startup["ray_init_s"] = time.time() - entered - startup["preflight_s"]
     placement = None
+    fitted: dict = {}  # the datasets as the run uses them (real backend): data.filter_overlong
     try:
         if model_check is not None:
             waited = time.time()
-            model_check.result()
+            fitted = model_check.result()
             startup["model_check_wait_s"] = time.time() - waited
+            for kind, data in fitted.items():
+                if data.filtered:
+                    say(f"dagrl: {data.note(f'data.{kind}')}")
         # Refuses a recipe the cluster cannot hold before any actor or run directory exists.
         placement = place(cfg, cfg.run.startup_deadline_s) if workers is None else None
         ckpt, start = None, 0
@@ -246,9 +253,10 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
     log = EventLog(run_dir, "driver", t0)
     # Epoch seconds, so that a benchmark can relate the event log's `t` to its own clock.
     summary: dict = {"steps": start, "start_step": start, "error": None, "train_entered_at": entered, "t0": t0}
-    rewards: list[float] = []
-    step_times: list[float] = []
-    tokens = 0.0
+    if fitted:
+        summary["filtered_overlong"] = {kind: fitted[kind].filtered if kind in fitted else 0
+                                        for kind in ("train", "val")}
+    totals = RunTotals()
     own_workers = workers is None
     execution = None
     try:
@@ -256,15 +264,14 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
             workers = start_workers(cfg.generation.num_generators, trainers=cfg.training.num_workers,
                                     critics=cfg.critic_ranks,
                                     placement=placement)
-        workers = begin_run(workers, cfg, run_dir, t0, start, ckpt, log)
+        workers = begin_run(workers, cfg, run_dir, t0, start, ckpt, log,
+                            list(fitted["train"].prompts) if fitted else None)
         startup["workers_s"] = time.time() - t0
         mode = summary["dag_mode"] = resolve_dag_mode(cfg, _cores(joined_cluster=bool(_ray_address(cfg))))
         if step_runner is not None and step_runner.mode != mode:
             raise ValueError(f"step_runner is {step_runner.mode} but run.dag_mode resolves to {mode}")
         say(f"dagrl: {cfg.algorithm} backend={cfg.backend} dag_mode={mode} steps={cfg.run.steps} "
             f"max_age={cfg.schedule.max_age} generators={cfg.generation.num_generators} run_dir={run_dir}")
-        if cfg.backend == "sim":
-            say("dagrl: simulated workers (backend: sim): no model is trained")
         log.emit("run_start", max_age=cfg.schedule.max_age, steps=cfg.run.steps, start_step=start, dag_mode=mode,
                  refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm,
                  env_max_turns=cfg.env.max_turns if cfg.env.class_ else None)
@@ -289,9 +296,7 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
             progress.update(metrics)
             for line in console_warnings(step, metrics, cfg.fault.max_nonfinite_steps):
                 say(line)
-            rewards.append(metrics["reward_mean"])
-            step_times.append(metrics["step_time_s"])
-            tokens += metrics.get("response_tokens", 0.0)
+            totals.add(metrics)
             summary["steps"] = step + 1
             every = cfg.run.checkpoint_every
             if step == cfg.run.steps - 1 or (every and (step + 1) % every == 0):
@@ -323,7 +328,7 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
             ray.shutdown()
         merge_events(run_dir)
         write_trace(run_dir)
-        _write_summary(run_dir, summary, t0, rewards, step_times, tokens, cfg)
+        _write_summary(run_dir, summary, t0, totals, cfg)
     say(f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s (start-up included); "
         f"reward {summary['reward_start']:.3f} -> {summary['reward_end']:.3f} (mean of first/last 3 steps); "
         f"step time {summary['step_time_mean_s']:.2f} s; {summary['generated_tokens_per_s']:.0f} generated tokens/s; "
@@ -331,16 +336,12 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
     return summary
 
 
-def _write_summary(run_dir: Path, summary: dict, t0: float, rewards: list[float], step_times: list[float],
-                   tokens: float, cfg: Config) -> None:
-    head, tail = rewards[:3], rewards[-3:]
+def _write_summary(run_dir: Path, summary: dict, t0: float, totals: RunTotals, cfg: Config) -> None:
     summary.update({
         "wall_s": round(time.time() - t0, 3),
-        "reward_start": sum(head) / len(head) if head else None,
-        "reward_end": sum(tail) / len(tail) if tail else None,
-        "step_time_mean_s": sum(step_times) / len(step_times) if step_times else None,
-        # Over the steps only: worker start-up (vLLM, DeepSpeed) is not generation.
-        "generated_tokens_per_s": tokens / sum(step_times) if step_times else None,
+        **totals.summary(),
+        "backend": cfg.backend,
+        "simulated": cfg.backend == "sim",  # no model was trained: the console's first line said so too
         "generation_backend": "sim" if cfg.backend == "sim" else "vllm",
         "training_backend": "sim" if cfg.backend == "sim" else "deepspeed",
     })

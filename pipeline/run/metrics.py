@@ -8,6 +8,7 @@ import os
 import sys
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -237,3 +238,30 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class RunTotals:
+    """What summary.json says of the whole run's steps, in constant memory: a
+    week-long run is 100k steps, and a list per step is a slope."""
+
+    def __init__(self) -> None:
+        self.head: list[float] = []
+        self.tail: deque[float] = deque(maxlen=3)
+        self.steps, self.time_s, self.tokens = 0, 0.0, 0.0
+
+    def add(self, metrics: dict) -> None:
+        if len(self.head) < 3:
+            self.head.append(metrics["reward_mean"])
+        self.tail.append(metrics["reward_mean"])
+        self.steps += 1
+        self.time_s += metrics["step_time_s"]
+        self.tokens += metrics.get("response_tokens", 0.0)
+
+    def summary(self) -> dict:
+        return {
+            "reward_start": sum(self.head) / len(self.head) if self.head else None,
+            "reward_end": sum(self.tail) / len(self.tail) if self.tail else None,
+            "step_time_mean_s": self.time_s / self.steps if self.steps else None,
+            # Over the steps only: worker start-up (vLLM, DeepSpeed) is not generation.
+            "generated_tokens_per_s": self.tokens / self.time_s if self.steps else None,
+        }

@@ -97,8 +97,9 @@ def generator_index(name: str, workers: Workers, incarnations: dict[int, int]) -
 
 
 def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_step: int,
-              ckpt: Path | None, log: EventLog) -> Workers:
-    """Set up every worker for this run; a pool may hold more generators than it uses."""
+              ckpt: Path | None, log: EventLog, train_prompts: list | None = None) -> Workers:
+    """Set up every worker for this run; a pool may hold more generators than it uses.
+    `train_prompts`: the controller's prompts, as preflight fitted them (None: it reads data.train)."""
     used = workers.first(cfg.generation.num_generators)
     critics = cfg.critic_ranks
     if (len(used.trainers), len(used.critics)) != (cfg.training.num_workers, critics):
@@ -106,7 +107,8 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
                          f"recipe asks {cfg.training.num_workers} (training.num_workers) and {critics} "
                          "(ppo.critic_num_workers with algorithm ppo)")
     restore = (lambda part: str(ckpt / part)) if ckpt is not None else (lambda part: None)
-    setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, restore("controller")),
+    setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, restore("controller"),
+                                              train_prompts),
              *(t.begin_run.remote(cfg, str(run_dir), t0, restore("trainer_state"), start_step, meet)
                for t, meet in zip(used.trainers, _meeting(used.trainers, cfg))),
              *(c.begin_run.remote(cfg, str(run_dir), t0, restore("critic_state"), meet)

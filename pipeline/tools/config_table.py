@@ -35,6 +35,8 @@ def reference_table() -> str:
             default = "true" if value is True else "false" if value is False else repr(value)
             if isinstance(value, tuple):
                 default = "[" + ", ".join(value) + "]"
+            if meta.get("shown"):
+                default = meta["shown"]
             rows.append(f"| `{dotted}` | `{default}` | {allowed.strip()} | {meta['help']} |")
     walk(Config, "")
     return "\n".join(rows) + "\n"
