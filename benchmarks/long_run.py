@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import ROOT, machine_info, print_table, read_jsonl, write_result
+from benchmarks._common import RESULTS, ROOT, machine_info, print_table, read_jsonl, write_result
 
 MODEL = ROOT / "models" / "long_run_4m"
 MODEL_ARGS = ["--hidden", "256", "--layers", "4", "--heads", "8", "--intermediate", "1024"]
@@ -127,18 +127,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-steps", type=int, default=None)
     ap.add_argument("--sim-steps", type=int, default=None)
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other cases of an existing results file (each case records its commit)")
     args = ap.parse_args(argv)
     real_steps = args.real_steps or (60 if args.quick else 2000)
     sim_steps = args.sim_steps or (300 if args.quick else 20000)
     result = {"machine": machine_info(), "model": {"path": str(MODEL.relative_to(ROOT)), "build": MODEL_ARGS},
               "warmup_share": WARMUP_SHARE, "cases": {}}
     name = "long_run_quick" if args.quick else "long_run"
+    out_dir = Path(args.out) if args.out else RESULTS
+    if args.merge and (out_dir / f"{name}.json").is_file():
+        earlier = json.loads((out_dir / f"{name}.json").read_text())
+        result["cases"] = {case: {"git_commit": earlier["machine"]["git_commit"],
+                                  "git_dirty": earlier["machine"]["git_dirty"], **r}
+                           for case, r in earlier["cases"].items() if case not in args.cases}
     with tempfile.TemporaryDirectory(prefix="dagrl-long-run-") as tmp:
         for case in args.cases:
             print(f"long_run: {case} ...", flush=True)
-            result["cases"][case] = run_case(case, sim_steps if case == "sim" else real_steps, Path(tmp))
+            result["cases"][case] = {"git_commit": result["machine"]["git_commit"],
+                                     "git_dirty": result["machine"]["git_dirty"],
+                                     **run_case(case, sim_steps if case == "sim" else real_steps, Path(tmp))}
             # Written after every case: a long benchmark stopped half-way keeps what it measured.
-            path = write_result(name, result, Path(args.out) if args.out else None)
+            path = write_result(name, result, out_dir)
     rows = [[c, r.get("steps"), r.get("max_slope_kb_per_step"), r.get("store_peak_mb"), r.get("store_bound_mb"),
              r.get("last_over_first"), r.get("violations"), r.get("error", "")] for c, r in result["cases"].items()]
     print_table(["case", "steps", "max KB/step", "store peak MB", "bound MB", "last/first", "violations", "error"],

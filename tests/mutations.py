@@ -2,7 +2,8 @@
 
 Each mutation removes one ordering guarantee: an edge of the graph, the
 drain a generator does before it loads new weights, or the engine's labelling
-of each token with the weights that sampled it. They are built here, in
+of each token with the weights that sampled it; or the one resource bound the
+log proves, the weight copies in the object store (a trainer that keeps them all). They are built here, in
 the tests, from the public pieces of dags/step_graph.py; production code
 builds none of them. Some need a generator without one of its own guards
 (collect refuses a version it does not hold, or rollouts still in flight):
@@ -132,10 +133,28 @@ class MutantController(Controller):
         return Controller.resume.__wrapped__(self, *vals)
 
 
+class MutantTrainer(TrainerWorker):
+    """TrainerWorker that can keep every version of the weights it made
+    (configure hoard=True) and log none of them released: a leak of one
+    weight copy a step, which invariant 7 must catch."""
+
+    hoard = False
+
+    def configure(self, hoard: bool = False) -> None:
+        self.hoard, self._hoard = hoard, []
+
+    def _hold(self, version, ref) -> None:
+        if not self.hoard:
+            super()._hold(version, ref)
+            return
+        self._hoard.append(self._live[1])
+        self._live = (version, ref, self.log.now())
+
+
 def start_mutant_workers(num_generators: int) -> Workers:
     """pipeline.run.pool.start_workers with MutantGenerator actors (the same options)."""
     return Workers(ray.remote(MutantController).options(num_cpus=0.5, max_concurrency=8).remote(),
-                   (ray.remote(TrainerWorker).options(num_cpus=0.5, max_concurrency=2).remote(),),
+                   (ray.remote(MutantTrainer).options(num_cpus=0.5, max_concurrency=2).remote(),),
                    tuple(ray.remote(MutantGenerator).options(num_cpus=0.5, max_concurrency=4).remote(i)
                          for i in range(num_generators)))
 
@@ -222,6 +241,7 @@ class Mutation:
     expect: int                                   # the invariant it breaks
     runner: type = GraphRunner
     configure: dict = field(default_factory=dict)  # MutantGenerator.configure; "trainer" means the run's
+    trainer_configure: dict = field(default_factory=dict)  # MutantTrainer.configure
 
 
 MUTATIONS: dict[str, Mutation] = {
@@ -232,6 +252,7 @@ MUTATIONS: dict[str, Mutation] = {
     "refit_without_train": Mutation(refit_without_train, expect=5, configure={"trainer": True}),
     "late_version_label": Mutation(build_step_graph, expect=2, configure={"late_label": True}),
     "deliver_before_the_env": Mutation(build_step_graph, expect=2, configure={"early_delivery": True}),
+    "hoard_weights": Mutation(build_step_graph, expect=7, trainer_configure={"hoard": True}),
 }
 # Mutations that the multi-turn profile (tests/test_mutations.py) runs too; the
 # last one needs environments to mean anything.
@@ -239,6 +260,6 @@ MULTITURN = ("refit_without_drain", "validate_not_before_resume", "deliver_befor
 # Skipping the drain is what refit_mode inflight does on purpose. A label a step
 # late harms only tokens in flight at a load: under drain none are, and the
 # validation after the refit takes the late step before any rollout can.
-ONE_MODE_ONLY = {"refit_without_drain": "drain", "late_version_label": "inflight"}
+ONE_MODE_ONLY = {"refit_without_drain": "drain", "late_version_label": "inflight", "hoard_weights": "drain"}
 
 UNMUTATED = Mutation(build_step_graph, expect=0)
