@@ -7,8 +7,9 @@ grows the store by a model a step (DESIGN.md, invariant 7, states the bound).
 Sampled beside the step, not in it: `start` asks every actor for its RSS (each
 keeps a thread free for such calls) and a thread of the driver asks the
 raylet for the store's totals while the graph runs; `read` collects both once
-the step is done. Names in the record: `rss_mb/<worker>` (driver included),
-`store_mb`, `store_objects`, `store_spilled_mb`.
+the step is done. Names in the record: `rss_mb/<worker>` (driver included;
+the process's own memory, the store's shared pages left out), `store_mb`,
+`store_objects`, `store_spilled_mb`.
 """
 from __future__ import annotations
 
@@ -23,12 +24,21 @@ MB = 2 ** 20
 
 
 def process_rss() -> int:
-    """This process's resident set in bytes (Linux /proc; 0 where it has none)."""
+    """This process's own resident memory in bytes: VmRSS less RssShmem (Linux
+    /proc; 0 where it has none). The object store's pages that a worker wrote
+    or read are shared memory and would count in its VmRSS as it touches more
+    of the store, one put or get a step, however few objects it holds; they
+    are the store's, counted in store_mb."""
+    fields = {}
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in ("VmRSS", "RssShmem"):
+                    fields[name] = int(value.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         return 0
+    return fields.get("VmRSS", 0) - fields.get("RssShmem", 0)
 
 
 class ObjectStoreStats:
