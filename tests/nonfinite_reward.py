@@ -1,4 +1,4 @@
-"""data.reward of tests/test_nonfinite.py's real-stack run, importable by its driver
+"""data.reward of tests/test_finite_updates.py's real-stack run, importable by its driver
 and generator processes (a test module imports pytest-only helpers): NaN for every sample."""
 from __future__ import annotations
 
