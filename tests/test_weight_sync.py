@@ -97,7 +97,9 @@ def test_refit_refuses_object_store_weights_of_another_version(tmp_path, ray_ses
     assert gen.version == 0 and gen.engine.weights_version == 0   # nothing loaded
     events = worker_events(tmp_path, "gen0")
     # Refused before the load was handed to the engine loop: no refit_start.
-    assert [e["ev"] for e in events if e["ev"] not in ("worker_start", "worker_ready")] == ["node_start", "node_error"]
+    # Fetched (the version inside is what is checked), refused, nothing loaded.
+    assert [e["ev"] for e in events if e["ev"] not in ("worker_start", "worker_ready")] == [
+        "node_start", "weights_fetched", "node_error"]
     # The refit that then gets the right object loads it: the check is on the version, not a stuck state.
     assert refit(gen, 0, 1, weights(1)).version == 1 and gen.engine.weights_version == 1
 
