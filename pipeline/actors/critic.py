@@ -30,7 +30,7 @@ from pipeline.algos.ppo import compute_advantages
 from pipeline.engines import backends
 from pipeline.engines.data_parallel import Rendezvous, Shard, rank_name, table_shard
 from pipeline.io.config import Config
-from pipeline.run import spans
+from pipeline.run import resources, spans
 
 
 class CriticWorker(Actor):
@@ -60,6 +60,7 @@ class CriticWorker(Actor):
         # save_state arrives on the second thread; it must not see half an update.
         self._lock = threading.Lock()
         self.skipped = SkippedSteps(self.log, "critic", cfg.fault.max_nonfinite_steps, loss_key="value_loss")
+        self.heap = resources.HeapCap()
         self.log.emit("worker_ready", spans=spans.take())
 
     def _shard(self, table: pa.Table) -> Shard | None:
@@ -100,6 +101,8 @@ class CriticWorker(Actor):
         with self._lock:
             metrics = self.engine.train_step(table, targets, self._shard(table))
         self.skipped.check(adv.step, None, metrics)
+        with spans.span("heap_cap"):
+            self.heap.check()  # the step's activations (pipeline/run/resources.py)
         return CriticOut(adv.step, tuple(sorted({**dict(adv.metrics), **metrics}.items())))
 
     def save_state(self, path: str) -> None:

@@ -17,7 +17,7 @@ from pipeline.actors.skipped_steps import SkippedSteps
 from pipeline.engines import backends, weights
 from pipeline.engines.data_parallel import Rendezvous, rank_name, table_shard, trained_tokens
 from pipeline.io.config import Config
-from pipeline.run import spans
+from pipeline.run import resources, spans
 
 
 class TrainerWorker(Actor):
@@ -40,6 +40,7 @@ class TrainerWorker(Actor):
             self.engine.load_state(restore_dir)
         self.version = start_version
         self.skipped = SkippedSteps(self.log, "policy", cfg.fault.max_nonfinite_steps)
+        self.heap = resources.HeapCap()
         # (version, ObjectRef of (version, weights) or None, clock of their making): exported
         # on first need, since most runs never replace a generator. One attribute, so a
         # reader on the second thread never pairs one step's weights with another's clock.
@@ -96,6 +97,8 @@ class TrainerWorker(Actor):
         self.log.emit("train_end", step=batch.step, version=self.version)
         # Kept alive until the next step's refits are done (see Controller.sample).
         self._hold(self.version, weights_ref)
+        with spans.span("heap_cap"):
+            self.heap.check()
         failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
         metrics = {**metrics, "reward_failures": float(failed),
                    "reward_mean": _mean(table.column("reward").to_pylist()),

@@ -89,6 +89,9 @@ def _prepare_run_dir(cfg: Config, say) -> Path:
     return run_dir
 
 
+FREE_OBJECTS_PERIOD_MS = 100
+
+
 def _ray_address(cfg: Config) -> str:
     return cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")
 
@@ -104,7 +107,12 @@ def _start_ray(cfg: Config) -> bool:
     cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, graph_actor_count(cfg) + 1)
     # Worker output (vLLM, DeepSpeed banners) stays in Ray's session logs; failures
     # reach the driver as errors naming the node, worker and step.
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    # A released object waits in the raylet's free cache until its next flush (1 s by
+    # default): with sub-second steps two released weight copies would still sit in the
+    # store beside the two held (DESIGN.md, invariant 7). A cluster's own raylets take
+    # RAY_free_objects_period_milliseconds at `ray start` (docs/clusters.md).
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+             _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS})
     return True
 
 
