@@ -10,6 +10,7 @@ role's RSS and the object store's use (pipeline/run/resources.py); from them:
   store_peak_mb       the object store's peak after warm-up, beside the bound
                       (max_age + 3) x one weight copy (the largest weights_put)
   step_time           medians of the first and last 10 % of steps, and their ratio
+  heap_trims          how often each trainer handed freed heap back (HeapCap)
   violations          check-events on the run's log (invariant 7 included)
 
 Targets (issue "Long runs"): no role grows by more than 1 KB a step after
@@ -78,6 +79,10 @@ def analyse(run_dir: Path, max_age: int) -> dict:
                           "end_mb": round(pts[-1][1], 1),
                           "slope_kb_per_step": round(slope(*map(list, zip(*pts))) * 1024, 3)}
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    trims = {}
+    for e in events:
+        if e.get("ev") == "heap_trimmed":
+            trims[e["worker"]] = trims.get(e["worker"], 0) + 1
     copy_mb = max((e.get("bytes", 0) for e in events if e.get("ev") == "weights_put"), default=0) / 2**20
     store = [r["store_mb"] for r in after if "store_mb" in r]
     tenth = max(1, len(records) // 10)
@@ -91,6 +96,7 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         "max_slope_kb_per_step": max(v["slope_kb_per_step"] for v in per_role.values()),
         "weight_copy_mb": round(copy_mb, 3), "store_peak_mb": round(max(store, default=0.0), 3),
         "store_bound_mb": round(bound, 3),
+        "heap_trims": trims,  # pipeline/run/resources.py HeapCap: the first one per trainer sets its floor
         "store_peak_copies": round(max(store, default=0.0) / copy_mb, 3) if copy_mb else None,
         "store_spilled_mb": max((r.get("store_spilled_mb", 0.0) for r in records), default=0.0),
         "step_time_first10_s": round(first, 4), "step_time_last10_s": round(last, 4),

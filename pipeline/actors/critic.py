@@ -102,7 +102,10 @@ class CriticWorker(Actor):
             metrics = self.engine.train_step(table, targets, self._shard(table))
         self.skipped.check(adv.step, None, metrics)
         with spans.span("heap_cap"):
-            self.heap.check()  # the step's activations (pipeline/run/resources.py)
+            trimmed = self.heap.check()  # the step's activations (pipeline/run/resources.py)
+        if trimmed:
+            self.log.emit("heap_trimmed", rss_mb=round(trimmed[0] / resources.MB, 1),
+                          floor_mb=round(trimmed[1] / resources.MB, 1))
         return CriticOut(adv.step, tuple(sorted({**dict(adv.metrics), **metrics}.items())))
 
     def save_state(self, path: str) -> None:

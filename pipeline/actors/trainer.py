@@ -98,7 +98,10 @@ class TrainerWorker(Actor):
         # Kept alive until the next step's refits are done (see Controller.sample).
         self._hold(self.version, weights_ref)
         with spans.span("heap_cap"):
-            self.heap.check()
+            trimmed = self.heap.check()
+        if trimmed:
+            self.log.emit("heap_trimmed", rss_mb=round(trimmed[0] / resources.MB, 1),
+                          floor_mb=round(trimmed[1] / resources.MB, 1))
         failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
         metrics = {**metrics, "reward_failures": float(failed),
                    "reward_mean": _mean(table.column("reward").to_pylist()),

@@ -52,35 +52,34 @@ def _malloc_trim():
 
 
 class HeapCap:
-    """Keeps what glibc holds of freed memory within `slack_bytes` of what the
-    process uses, handing the rest back (malloc_trim) when it is over.
+    """Keeps what glibc holds of freed memory within a slack of what the process
+    uses, handing the rest back (malloc_trim) when it is over.
 
     A training step frees its activations and, with the object-store sync, a
     whole weight copy; glibc keeps freed memory for reuse, and because the
     sizes change from step to step what it keeps creeps up in jumps: on the
     4.2M model the trainer's RSS went 727 -> 897 MB within 150 steps. Without a
-    cap rss_mb shows the allocator's high-water mark, and a real leak hides
+    cap rss_mb shows the allocator's high-water mark and a real leak hides
     under it. Trimming every step kept the trainer at 604-614 MB but made the
-    next forward pass 50 % slower (its pages faulted back in); trimming only
-    past the slack costs a step that rarely, and a leak still shows as a rising
-    floor."""
+    next forward pass 50 % slower (its pages faulted back in), so the slack
+    leaves a step's own working set alone: half the floor (the RSS after the
+    last trim), at least `min_slack_bytes`. A leak shows as a rising floor."""
 
-    def __init__(self, slack_bytes: int = 64 * MB) -> None:
-        self.slack_bytes = slack_bytes
-        self.trims = 0
-        self._floor: int | None = None
+    def __init__(self, min_slack_bytes: int = 256 * MB) -> None:
+        self.min_slack_bytes = min_slack_bytes
+        self.floor: int | None = None
 
-    def check(self) -> bool:
-        """True if it trimmed (the first call always does, to set the floor)."""
+    def check(self) -> tuple[int, int] | None:
+        """(RSS before, after) if it trimmed; the first call always does, to set the floor."""
         trim = _malloc_trim()
         if trim is None:
-            return False
-        if self._floor is not None and process_rss() <= self._floor + self.slack_bytes:
-            return False
+            return None
+        before = process_rss()
+        if self.floor is not None and before <= self.floor + max(self.min_slack_bytes, self.floor // 2):
+            return None
         trim(0)
-        self._floor = process_rss()
-        self.trims += 1
-        return True
+        self.floor = process_rss()
+        return before, self.floor
 
 
 class ObjectStoreStats:
