@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 models/tiny/config.json: | $(STAMP)
 	$(PY) -m pipeline build-tiny --out models/tiny
 
-# The tiny model warmed up on a multi-turn env's format (pipeline/envs/warmup.py;
+# The tiny model warmed up on a multi-turn env's format (pipeline/trainer/warmup.py;
 # steps and prompts default to the env class's measured warmup_steps/warmup_prompts).
 models/tiny_tool/config.json: models/tiny/config.json data/tool_train.jsonl data/tool_val.jsonl | $(STAMP)
 	$(PY) -m pipeline warmup --model models/tiny --env pipeline.envs.calculator:CalculatorEnv \

@@ -5,10 +5,10 @@ argument is what orders the downstream node. Bulk data (trajectories, weights)
 stays in the object store; tokens carry references to it.
 
 Every token also carries `clock`: the vector clock of the node that returned it
-(pipeline/run/events.py). The node that takes the token merges it, so its events
+(pipeline/core/events.py). The node that takes the token merges it, so its events
 are provably after everything upstream; pipeline/tools/check.py proves the ordering
 invariants from these clocks, not from wall-clock times. The node decorator
-(pipeline/actors/node.py) stamps the tokens nodes return, the driver the plans it
+(pipeline/core/node.py) stamps the tokens nodes return, the driver the plans it
 feeds a graph; code that builds a token leaves it empty.
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ class Launch:
     batch_id: str
     target: int
     generator: int
-    prompts: tuple[Any, ...] = ()  # pipeline.engines.interface.Prompt: a few short texts
+    prompts: tuple[Any, ...] = ()  # pipeline.core.types.Prompt: a few short texts
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import sys
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import train
     cfg = load_config(args.config, args.overrides)
     train(cfg, restore_from=args.resume)
@@ -29,17 +29,17 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _build_tiny(args: argparse.Namespace) -> int:
-    from pipeline.io.tiny import main
+    from pipeline.inputs.tiny import main
     return main(["--out", args.out, "--seed", str(args.seed)])
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    from pipeline.envs.warmup import run
+    from pipeline.trainer.warmup import run
     return run(args)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from pipeline.engines.lora import export_main
+    from pipeline.tools.export import export_main
     return export_main(args.source, args.out)
 
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_build_tiny)
     p = sub.add_parser("warmup", help="supervised warm-up of a model on an environment's expert transcripts")
-    from pipeline.envs.warmup import add_arguments
+    from pipeline.trainer.warmup import add_arguments
     add_arguments(p)
     p.set_defaults(func=_warmup)
     p = sub.add_parser("export", help="write a checkpoint's policy as a plain HF model (a LoRA adapter merged in)")
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("config-table", help="print every config key with its default as a Markdown table")
     p.set_defaults(func=_config_table)
     args = parser.parse_args(argv)
-    from pipeline.io.config import ConfigError
+    from pipeline.config import ConfigError
     from pipeline.run.runner import PipelineError
     try:
         return args.func(args)

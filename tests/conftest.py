@@ -45,7 +45,7 @@ def sim_pool(ray_session):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The tiny Llama and its tokenizer, built in code (no hub), once per session."""
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.inputs.tiny import build_tiny_model
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 

@@ -1,5 +1,5 @@
 """Hand-written event logs for tests/test_check.py, with the vector clocks a
-real run gives its events (pipeline/run/events.py): `run_log` says what each event
+real run gives its events (pipeline/core/events.py): `run_log` says what each event
 waited for, and leaves one such wait out on request, as the mutations of
 tests/mutations.py do in real runs."""
 from __future__ import annotations

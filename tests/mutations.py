@@ -27,10 +27,10 @@ from ray.dag import InputNode
 
 from dags.step_graph import StepGraph, build_step_graph, graph_of
 from dags.tokens import Gate, Refitted, Resume, StepPlan, Ticket, ValOut
-from pipeline.actors.controller import Controller
-from pipeline.actors.generator import GeneratorWorker
-from pipeline.actors.node import node
-from pipeline.actors.trainer import TrainerWorker
+from pipeline.controller.controller import Controller
+from pipeline.generator.worker import GeneratorWorker
+from pipeline.core.node import node
+from pipeline.trainer.worker import TrainerWorker
 from pipeline.run.pool import Workers
 from pipeline.run.runner import GraphRunner
 

@@ -13,7 +13,7 @@ from training_helpers import make_table
 
 from pipeline.algos.grpo import GRPO_ADVANTAGE_SCHEMA, group_advantages, grpo_advantages
 from pipeline.algos.policy_loss import clipped_policy_loss
-from pipeline.engines.interface import TRAJECTORY_SCHEMA
+from pipeline.core.types import TRAJECTORY_SCHEMA
 
 
 def test_group_advantages_population_std():

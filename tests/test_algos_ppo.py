@@ -22,7 +22,7 @@ from pipeline.algos.ppo import (
     value_loss,
     whiten,
 )
-from pipeline.engines.interface import TRAJECTORY_SCHEMA
+from pipeline.core.types import TRAJECTORY_SCHEMA
 
 # ------------------------------------------------------------------ GAE by hand
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.actors.controller import Controller
+from pipeline.controller.controller import Controller
 
 
 class LaunchesOneTooFarAhead(Controller):
@@ -35,10 +35,11 @@ def test_a_stale_drop_in_a_simulated_run_passes_the_checker(tmp_path, ray_sessio
     import ray
     from ray import cloudpickle
 
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import train_on
     from pipeline.run.pool import Workers, start_workers, stop_workers
-    from pipeline.tools.check import check_events, load_events
+    from pipeline.core.events import load_events
+    from pipeline.tools.check import check_events
 
     # The subclass lives in this test module, which Ray's workers cannot import by name.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])

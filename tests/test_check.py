@@ -14,7 +14,8 @@ import json
 import pytest
 from hand_logs import add, find, log, without_clocks
 
-from pipeline.tools.check import Violation, check_events, check_report, format_violation, load_events, main
+from pipeline.core.events import load_events
+from pipeline.tools.check import Violation, check_events, check_report, format_violation, main
 from pipeline.tools.check_order import Judge
 
 

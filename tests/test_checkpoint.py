@@ -17,9 +17,9 @@ import ray
 from ray import cloudpickle
 
 from dags.tokens import ValOut
-from pipeline.actors.controller import Controller
-from pipeline.actors.trainer import TrainerWorker
-from pipeline.io.config import load_config
+from pipeline.controller.controller import Controller
+from pipeline.trainer.worker import TrainerWorker
+from pipeline.config import load_config
 from pipeline.run import checkpoint
 from pipeline.run.checkpoint import CheckpointError, archive_attempt, latest, read_meta
 from pipeline.run.pool import Workers
@@ -47,7 +47,7 @@ class PoisonedTrainer:
     def save(self, path: str) -> None:
         import torch
 
-        from pipeline.engines.finite import refuse_nonfinite_weights
+        from pipeline.trainer.finite import refuse_nonfinite_weights
         layer = torch.nn.Linear(2, 2)
         with torch.no_grad():
             layer.weight[0, 0] = float("nan")

@@ -1,5 +1,5 @@
-"""Collective weight sync (pipeline/engines/weight_sync.py) and the engine's
-fast load (pipeline/engines/weights.py RefitPlan).
+"""Collective weight sync (pipeline/weights/collective.py) and the engine's
+fast load (pipeline/weights/packing.py RefitPlan).
 
 The trainer side and the generators run in separate processes (multiprocessing,
 spawned): the trainer, which already holds a default torch.distributed group as
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.engines import weight_sync as ws
+from pipeline.weights import collective as ws
 
 torch.set_num_threads(1)
 
@@ -130,7 +130,7 @@ def _engine_receiver(out, addrs, rank, world, model_dir, rounds, bucket, transpo
     sys.path.insert(0, str(TESTS))
     from test_vllm_generator import LONG_PROMPT, draw, hf_logprobs, max_gap, prompt_logprobs
 
-    from pipeline.engines.vllm_generator import VllmGenerationEngine
+    from pipeline.generator.vllm_engine import VllmGenerationEngine
     engine = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=16, max_model_len=256)
     torch.set_num_threads(1)
     engine.PLAIN_LINEAR_MAX = 0   # every linear layer stays packed: the staging and repacking path
@@ -347,9 +347,9 @@ def test_the_fast_load_matches_transformers_with_tied_embeddings(tmp_path):
     lm_head tied to the embeddings; three loads in a row, each matching."""
     from test_vllm_generator import LONG_PROMPT, TOL, draw, max_gap
 
-    from pipeline.engines.vllm_generator import VllmGenerationEngine
-    from pipeline.engines.weights import RefitPlan
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.generator.vllm_engine import VllmGenerationEngine
+    from pipeline.generator.refit_plan import RefitPlan
+    from pipeline.inputs.tiny import build_tiny_model
     model_dir = build_tiny_model(tmp_path / "tied", seed=3, tie_embeddings=True)
     engine = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=16, max_model_len=256)
     torch.set_num_threads(1)
@@ -388,9 +388,10 @@ def test_the_pipeline_trains_the_same_with_either_weight_sync(tmp_path, ray_sess
     the event logs are clean and every step broadcast once."""
     import json
 
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import train
-    from pipeline.tools.check import check_events, load_events
+    from pipeline.core.events import load_events
+    from pipeline.tools.check import check_events
 
     runs = {}
     for sync in ("object_store", "collective"):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.io.config import ConfigError, load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.tools.config_table import reference_table
 
 

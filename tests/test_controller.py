@@ -1,4 +1,4 @@
-"""The Controller (pipeline/actors/controller.py) as a plain object in this
+"""The Controller (pipeline/controller/controller.py) as a plain object in this
 process, driven as the step graph drives it: the launch schedule, the prompt
 stream, its graph nodes (validation_gate, resume, sample, relaunch), the
 rollouts' put and rollout_failed, the reward failure limit, finish, and the
@@ -15,10 +15,10 @@ import pyarrow as pa
 import pytest
 
 from dags.tokens import Gate, RelaunchPlan, StepPlan, TrainOut, ValOut
-from pipeline.actors.controller import Controller
-from pipeline.actors.node import NodeError
-from pipeline.engines.interface import TRAJECTORY_SCHEMA
-from pipeline.io.config import load_config
+from pipeline.controller.controller import Controller
+from pipeline.core.node import NodeError
+from pipeline.core.types import TRAJECTORY_SCHEMA
+from pipeline.config import load_config
 
 
 def trajectories(launch, version: int, reward_errors: int = 0) -> pa.Table:

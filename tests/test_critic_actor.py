@@ -15,9 +15,9 @@ torch.set_num_threads(1)
 @pytest.mark.parametrize("backend", ["sim", "real"])
 def test_critic_worker_nodes(tmp_path, ray_session, model_dir, backend):
     from dags.tokens import Advantages, Batch, CriticOut, Values
-    from pipeline.actors.critic import CriticWorker
-    from pipeline.actors.node import NodeError
-    from pipeline.io.config import load_config
+    from pipeline.trainer.critic_worker import CriticWorker
+    from pipeline.core.node import NodeError
+    from pipeline.config import load_config
     ray = ray_session
     cfg = load_config(None, [f"backend={backend}", "algorithm=ppo", f"model.path={model_dir}",
                              "data.train=x", "data.reward=x", "sim.train_s=0", "ppo.gamma=1.0",

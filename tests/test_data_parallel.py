@@ -19,10 +19,10 @@ import ray
 import torch
 
 from dags.tokens import Batch
-from pipeline.actors.trainer import TrainerWorker
-from pipeline.engines import weights as flat
-from pipeline.engines.data_parallel import batch_shards
-from pipeline.io.config import load_config
+from pipeline.trainer.worker import TrainerWorker
+from pipeline.weights import packing as flat
+from pipeline.core.data_parallel import batch_shards
+from pipeline.config import load_config
 from training_helpers import make_table, model_dir  # noqa: F401 (fixture)
 
 TOLERANCE = 1e-5
@@ -47,7 +47,7 @@ def test_shards_refuse_a_batch_smaller_than_the_ranks_or_split_groups():
 def _cfg(model, tmp_path, ranks: int, micro: int, zero: int):
     return load_config(None, [
         "backend=real", f"model.path={model}", "data.train=data/tiny_train.jsonl",
-        "data.reward=pipeline.io.rewards:tiny_reward", f"run.output_dir={tmp_path}", "schedule.group_size=2",
+        "data.reward=pipeline.inputs.rewards:tiny_reward", f"run.output_dir={tmp_path}", "schedule.group_size=2",
         f"training.num_workers={ranks}", f"training.micro_batch_size={micro}", f"training.zero_stage={zero}",
         "training.lr=1e-3"])
 
@@ -165,7 +165,8 @@ def test_two_zero3_ranks_resume_from_a_checkpoint(tmp_path, ray_session, tiny_mo
     assert train(cfg(2), quiet=True)["error"] is None
     summary = train(cfg(4), quiet=True, restore_from=str(tmp_path / "z3"))
     assert summary["error"] is None and summary["start_step"] == 2 and summary["steps"] == 4
-    from pipeline.tools.check import check_events, load_events
+    from pipeline.core.events import load_events
+    from pipeline.tools.check import check_events
     assert check_events(load_events(tmp_path / "z3")) == []
 
 

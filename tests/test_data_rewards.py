@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.engines.interface import Prompt
-from pipeline.io.data import GSM8K_TEMPLATE, DataError, load_prompts
-from pipeline.io.rewards import RewardError, extract_last_number, gsm8k_reward, load_reward, tiny_reward
-from pipeline.io.tiny import TINY_ALPHABET, tiny_prompt
+from pipeline.core.types import Prompt
+from pipeline.inputs.datasets import GSM8K_TEMPLATE, DataError, load_prompts
+from pipeline.inputs.rewards import RewardError, extract_last_number, gsm8k_reward, load_reward, tiny_reward
+from pipeline.inputs.tiny import TINY_ALPHABET, tiny_prompt
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -215,15 +215,15 @@ def test_gsm8k_reward_reads_formatted_integers(n):
 
 
 def test_load_reward_resolves_and_names_the_spec():
-    assert load_reward("pipeline.io.rewards:tiny_reward") is tiny_reward
+    assert load_reward("pipeline.inputs.rewards:tiny_reward") is tiny_reward
     cases = [
-        ("pipeline.io.rewards.tiny_reward", "expected 'module:function'"),
-        ("pipeline.io.rewards:", "both parts non-empty"),
+        ("pipeline.inputs.rewards.tiny_reward", "expected 'module:function'"),
+        ("pipeline.inputs.rewards:", "both parts non-empty"),
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-        ("pipeline.io.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("pipeline.inputs.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
         ("math:pi", "'pi' is a float, not callable"),
         ("os.path:basename", r"basename\(p\) cannot be called as basename\(prompt, completion_text\)"),
-        ("pipeline.io.rewards:extract_last_number", "cannot be called as extract_last_number"),
+        ("pipeline.inputs.rewards:extract_last_number", "cannot be called as extract_last_number"),
     ]
     for spec, expected in cases:
         with pytest.raises(RewardError, match=expected) as err:
@@ -239,7 +239,7 @@ def test_tiny_task_is_learnable_by_plain_grpo(tmp_path):
     (Adam, lr 1e-2) lift the reward from about 0.01 to well above 0.3."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.inputs.tiny import build_tiny_model
     torch = pytest.importorskip("torch")
     torch.set_num_threads(1)
     path = build_tiny_model(tmp_path / "tiny", seed=0)
@@ -278,7 +278,7 @@ def test_tiny_task_is_learnable_by_plain_grpo(tmp_path):
 
 
 def test_a_reward_spec_from_before_the_move_is_told_where_the_rewards_went():
-    with pytest.raises(RewardError, match=r"cannot import module 'pipeline.rewards'.*are in 'pipeline.io.rewards'"):
+    with pytest.raises(RewardError, match=r"cannot import module 'pipeline.rewards'.*are in 'pipeline.inputs.rewards'"):
         load_reward("pipeline.rewards:tiny_reward")
 
 
@@ -294,7 +294,7 @@ SHORT, LONG = tiny_prompt("1"), "repeat: " + " ".join(["1"] * 40)
 
 def test_a_prompt_is_overlong_when_its_tokens_with_the_bos_plus_max_new_tokens_exceed_the_context(
         tmp_path, tiny_model):
-    from pipeline.io.data import fit_prompts
+    from pipeline.inputs.datasets import fit_prompts
     tok = _tokenizer(tiny_model)
     short, long = len(tok(SHORT).input_ids), len(tok(LONG).input_ids)
     # Counted as the generator encodes: the BOS the tokenizer prepends is a prompt token too.
@@ -313,7 +313,7 @@ def test_a_prompt_is_overlong_when_its_tokens_with_the_bos_plus_max_new_tokens_e
 
 
 def test_with_filtering_off_an_overlong_prompt_is_refused_at_its_line_or_row(tmp_path, tiny_model):
-    from pipeline.io.data import fit_prompts
+    from pipeline.inputs.datasets import fit_prompts
     tok = _tokenizer(tiny_model)
     long = len(tok(LONG).input_ids)
     fits = f"more than the {long - 9} that fit (the model's context {long - 1} - generation.max_new_tokens 8)"
@@ -340,7 +340,7 @@ def test_with_filtering_off_an_overlong_prompt_is_refused_at_its_line_or_row(tmp
 def test_the_context_is_the_engines_max_model_len_capped_by_the_model(tmp_path, tiny_model):
     import shutil
 
-    from pipeline.io.models import DEFAULT_MAX_MODEL_LEN, context_length
+    from pipeline.inputs.models import DEFAULT_MAX_MODEL_LEN, context_length
     assert json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"] == 512
     assert context_length(tiny_model) == DEFAULT_MAX_MODEL_LEN == 512 and context_length(tiny_model, 256) == 256
     small = tmp_path / "small"
@@ -354,8 +354,8 @@ def test_run_prompts_fits_what_the_recipe_names_once_per_process(tmp_path, tiny_
     """What preflight and the workers call: the model's context and tokenizer,
     generation.max_new_tokens and data.filter_overlong from the recipe; a second
     call with nothing changed is the first's answer, a rewritten file is fitted anew."""
-    from pipeline.io.config import load_config
-    from pipeline.io.data import run_prompts
+    from pipeline.config import load_config
+    from pipeline.inputs.datasets import run_prompts
     tok = _tokenizer(tiny_model)
     gsm8k = GSM8K_TEMPLATE.format(question="2 + 2?")
     train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": SHORT, "answer": "1"}, {"prompt": gsm8k, "answer": "4"}])
@@ -379,8 +379,8 @@ def test_run_prompts_fits_what_the_recipe_names_once_per_process(tmp_path, tiny_
 def test_the_shipped_recipes_lose_no_prompt(tiny_model, recipe):
     """Their data fits whole: the run generates from load_prompts' very list, in
     its order and with its ids, so the seeded replays (results/seeds.json) stand."""
-    from pipeline.io.config import load_config
-    from pipeline.io.data import run_prompts
+    from pipeline.config import load_config
+    from pipeline.inputs.datasets import run_prompts
     cfg = load_config(f"examples/{recipe}.yaml", [f"model.path={tiny_model}"])
     for kind, path in (("train", cfg.data.train), ("val", cfg.data.val)):
         fitted = run_prompts(cfg, kind)

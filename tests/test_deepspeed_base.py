@@ -1,4 +1,4 @@
-"""What both DeepSpeed engines share (pipeline/engines/deepspeed_base.py), checked
+"""What both DeepSpeed engines share (pipeline/trainer/deepspeed_base.py), checked
 without starting DeepSpeed: the rows they accept, per-token columns, the
 collated response window, the config, and the model-directory check.
 """
@@ -9,11 +9,11 @@ import pytest
 import torch
 from training_helpers import make_table
 
-from pipeline.engines.deepspeed_base import collate, ds_config, token_column, trajectory_rows
-from pipeline.engines.deepspeed_critic import DeepSpeedCriticEngine
-from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
-from pipeline.engines.interface import TRAJECTORY_SCHEMA
-from pipeline.io.models import ModelError
+from pipeline.trainer.deepspeed_base import collate, ds_config, token_column, trajectory_rows
+from pipeline.trainer.deepspeed_critic import DeepSpeedCriticEngine
+from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
+from pipeline.core.types import TRAJECTORY_SCHEMA
+from pipeline.inputs.models import ModelError
 
 
 def edited(row: int, **changes) -> pa.Table:

@@ -9,7 +9,7 @@ import torch
 from training_helpers import continue_after_resume, make_table, max_diff, model_dir  # noqa: F401
 
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA, compute_advantages
-from pipeline.engines.deepspeed_critic import DeepSpeedCriticEngine
+from pipeline.trainer.deepspeed_critic import DeepSpeedCriticEngine
 
 torch.set_num_threads(1)
 

@@ -24,7 +24,7 @@ from training_helpers import (  # noqa: F401  (model_dir is a fixture)
 
 from pipeline.algos.grpo import grpo_advantages
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA
-from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
+from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()

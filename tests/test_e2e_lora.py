@@ -11,9 +11,10 @@ import sys
 
 import torch
 
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.run.driver import train
-from pipeline.tools.check import check_events, load_events
+from pipeline.core.events import load_events
+from pipeline.tools.check import check_events
 
 STEPS = 30
 

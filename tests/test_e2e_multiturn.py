@@ -1,5 +1,5 @@
 """The calculator tool recipes end to end on the real CPU stack: the tiny
-model warmed up on the call format (pipeline/envs/warmup.py), then async GRPO
+model warmed up on the call format (pipeline/trainer/warmup.py), then async GRPO
 and async PPO with the tool answering between turns. The reward must rise
 (the policy learns to call the tool instead of guessing), no environment token
 may be trained, and the event log must pass the checker."""
@@ -10,9 +10,10 @@ import statistics
 
 import pytest
 
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.run.driver import train
-from pipeline.tools.check import check_events, load_events
+from pipeline.core.events import load_events
+from pipeline.tools.check import check_events
 
 # Seed 0 of the recipes, 60 steps (README "Multi-turn environments"): the
 # training reward goes from about 0.3-0.45 in the first ten steps to about 0.75
@@ -23,7 +24,7 @@ REWARD_RISE = 0.15
 
 @pytest.fixture(scope="module")
 def tool_model(tiny_model, tmp_path_factory):
-    from pipeline.envs.warmup import warmup
+    from pipeline.trainer.warmup import warmup
     out = tmp_path_factory.mktemp("models") / "tiny_tool"
     warmup(tiny_model, "pipeline.envs.calculator:CalculatorEnv", "data/tool_train.jsonl", out,
            val="data/tool_val.jsonl", seed=0)

@@ -9,9 +9,10 @@ import statistics
 import pytest
 import torch
 
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.run.driver import train
-from pipeline.tools.check import check_events, load_events
+from pipeline.core.events import load_events
+from pipeline.tools.check import check_events
 
 # A smoke test: whether the recipes learn on every seed is measured by
 # benchmarks/seeds.py (results/seeds.json: GRPO and PPO, sync and async,

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engines.interface import Prompt
+from pipeline.core.types import Prompt
 from pipeline.envs.calculator import MALFORMED, CalculatorEnv, calculator_rows, write_calculator_data
 from pipeline.envs.digit_game import DigitGuessEnv, game_rows, write_game_data
 from pipeline.envs.interface import load_env_class
-from pipeline.io.data import load_prompts
+from pipeline.inputs.datasets import load_prompts
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 CALC = "pipeline.envs.calculator:CalculatorEnv"
@@ -181,7 +181,7 @@ def test_every_expert_turn_fits_in_12_tokens(tokenizer):
 
 
 def test_expert_transcript_layout(tokenizer):
-    from pipeline.envs.warmup import expert_episode
+    from pipeline.trainer.warmup import expert_episode
     eos = tokenizer.eos_token_id
     prompt = Prompt("p", "What is 17+7? Use the calculator.\n", "24")
     ep = expert_episode(CalculatorEnv, {}, prompt, tokenizer)
@@ -200,7 +200,7 @@ def test_expert_transcript_layout(tokenizer):
 
 
 def test_rollout_max_turns_cuts_the_episode_without_its_last_observation(tokenizer):
-    from pipeline.envs.warmup import Episode
+    from pipeline.trainer.warmup import Episode
     ep = Episode.start(CalculatorEnv(max_turns=3), Prompt("p", "What is 1+2?", "3"), tokenizer, max_turns=2)
     bad = tokenizer("oops", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     ep.play(bad)
@@ -213,7 +213,7 @@ def test_rollout_max_turns_cuts_the_episode_without_its_last_observation(tokeniz
 
 
 def test_expert_turn_over_the_token_limit_is_refused(tokenizer):
-    from pipeline.envs.warmup import expert_episode
+    from pipeline.trainer.warmup import expert_episode
     with pytest.raises(ValueError, match="over max_new_tokens 4"):
         expert_episode(CalculatorEnv, {}, Prompt("p", "What is 1+2?", "3"), tokenizer, max_new_tokens=4)
 
@@ -231,9 +231,9 @@ def test_warmup_cli_lowers_the_loss_and_writes_a_loadable_dir(tiny_model, tmp_pa
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from pipeline.__main__ import main
-    from pipeline.envs.warmup import _decode_turns
-    from pipeline.io.models import check_model_dir
-    from pipeline.io.tiny import model_digest
+    from pipeline.trainer.warmup import _decode_turns
+    from pipeline.inputs.models import check_model_dir
+    from pipeline.inputs.tiny import model_digest
     out = tmp_path / "warm"
     code = main(["warmup", "--model", str(tiny_model), "--env", CALC, "--data", str(DATA / "tool_train.jsonl"),
                  "--val", str(_small_val(tmp_path)), "--out", str(out), "--steps", "25", "--prompts", "32"])
@@ -253,7 +253,7 @@ def test_warmup_cli_lowers_the_loss_and_writes_a_loadable_dir(tiny_model, tmp_pa
     assert _decode_turns(model, contexts, **kw) == [_decode_turns(model, [c], **kw)[0] for c in contexts]
 
     # Deterministic: the same inputs give the same weights.
-    from pipeline.envs.warmup import warmup
+    from pipeline.trainer.warmup import warmup
     again = tmp_path / "again"
     warmup(tiny_model, CALC, DATA / "tool_train.jsonl", again, steps=25, prompts=32)
     assert model_digest(again) == model_digest(out)
@@ -263,7 +263,7 @@ def test_sampled_play_is_seeded(tiny_model):
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from pipeline.envs.warmup import play
+    from pipeline.trainer.warmup import play
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     model = LlamaForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     prompts = load_prompts(DATA / "game_val.jsonl")[:2]

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.run.driver import train, train_on
 from pipeline.run.runner import PipelineError
-from pipeline.tools.check import check_events, load_events
+from pipeline.core.events import load_events
+from pipeline.tools.check import check_events
 
 
 def sim_config(tmp_path, name: str, **overrides):

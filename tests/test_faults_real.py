@@ -9,7 +9,8 @@ import signal
 import subprocess
 import sys
 
-from pipeline.tools.check import check_events, load_events
+from pipeline.core.events import load_events
+from pipeline.tools.check import check_events
 from tests._procs import ROOT, events_of, sigkill_tree, start_driver, steps_logged, wait_for
 
 
@@ -52,7 +53,7 @@ def test_generator_kill_then_driver_kill_then_resume(tmp_path, tiny_model):
     final = run_dir / "checkpoints" / f"step_{steps}"
     model = AutoModelForCausalLM.from_pretrained(final / "policy")
     assert sum(p.numel() for p in model.parameters()) > 0
-    from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
+    from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     engine = DeepSpeedPolicyEngine(str(tiny_model), lr=0.005, micro_batch_size=32)
     try:
         engine.load_state(str(final / "trainer_state"))

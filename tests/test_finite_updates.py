@@ -18,15 +18,15 @@ import torch
 from training_helpers import make_table, model_dir, per_token  # noqa: F401  (model_dir is a fixture)
 
 from dags.tokens import Gate, Launch
-from pipeline.actors.generator import GeneratorWorker
-from pipeline.actors.skipped_steps import NonfiniteStepsError, SkippedSteps, console_warnings
-from pipeline.engines import finite
-from pipeline.engines.deepspeed_critic import DeepSpeedCriticEngine
-from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
-from pipeline.engines.interface import Completion, Prompt
+from pipeline.generator.worker import GeneratorWorker
+from pipeline.trainer.skipped_steps import NonfiniteStepsError, SkippedSteps, console_warnings
+from pipeline.trainer import finite
+from pipeline.trainer.deepspeed_critic import DeepSpeedCriticEngine
+from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
+from pipeline.core.types import Completion, Prompt
 from pipeline.envs.interface import check_step_result
-from pipeline.io.config import ConfigError, LoraConfig, load_config
-from pipeline.run.events import EventLog
+from pipeline.config import ConfigError, LoraConfig, load_config
+from pipeline.core.events import EventLog
 
 torch.set_num_threads(1)
 NAN, INF = float("nan"), float("inf")

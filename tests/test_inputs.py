@@ -1,7 +1,7 @@
 """Bad input to `python -m pipeline train`, one test per kind: an error naming
 the file and the field, a non-zero exit (2 for the recipe, 1 for the model,
 data and reward), and no run directory, because every check runs before
-runs/<name> is made (load_config, then pipeline/io/preflight.py in driver.train).
+runs/<name> is made (load_config, then pipeline/inputs/preflight.py in driver.train).
 
 Each case is the good recipe of `recipe` with one thing broken;
 test_the_good_recipe_passes_every_check shows that recipe itself passes."""
@@ -21,9 +21,9 @@ import ray  # noqa: F401 - now, not under a capsys test: Ray's log handler keeps
 import yaml
 
 from pipeline.__main__ import main
-from pipeline.io.config import load_config
-from pipeline.io.preflight import preflight
-from pipeline.io.tiny import tiny_task_rows
+from pipeline.config import load_config
+from pipeline.inputs.preflight import preflight
+from pipeline.inputs.tiny import tiny_task_rows
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = "bad_input"
@@ -42,7 +42,7 @@ def recipe(tmp_path, tiny_model) -> dict:
     return {"backend": "real",
             "run": {"name": RUN, "output_dir": str(tmp_path / "runs"), "steps": 2},
             "model": {"path": str(tiny_model)},
-            "data": {"train": str(train), "val": str(val), "reward": "pipeline.io.rewards:tiny_reward"},
+            "data": {"train": str(train), "val": str(val), "reward": "pipeline.inputs.rewards:tiny_reward"},
             "schedule": {"max_age": 1, "prompts_per_step": 2, "group_size": 2}, "validation": {"period": 1},
             "training": {"micro_batch_size": 4, "lr": 0.005}}
 
@@ -368,10 +368,10 @@ REWARD_CASES = {
     "no_module": ("no_such_module_xyz:score", "cannot import module 'no_such_module_xyz': ModuleNotFoundError"),
     "module_raises": ("broken_reward_mod:score", "cannot import module 'broken_reward_mod': "
                       "ZeroDivisionError: division by zero"),
-    "no_function": ("pipeline.io.rewards:nope", "module 'pipeline.io.rewards' has no attribute 'nope'"),
+    "no_function": ("pipeline.inputs.rewards:nope", "module 'pipeline.inputs.rewards' has no attribute 'nope'"),
     "not_callable": ("math:pi", "'pi' is a float, not callable"),
     "wrong_signature": ("os.path:basename", "basename(p) cannot be called as basename(prompt, completion_text)"),
-    "no_colon": ("pipeline.io.rewards.tiny_reward", "expected 'module:function'"),
+    "no_colon": ("pipeline.inputs.rewards.tiny_reward", "expected 'module:function'"),
 }
 
 
@@ -390,7 +390,7 @@ def test_a_model_the_engine_cannot_run_is_refused_before_the_first_step(tmp_path
     head_dim 16) passes every file check; the generator's one-token probe at
     start-up refuses it with vLLM's reason, instead of step 0 finding every
     rollout failed. The engine must start to know, so this run has a directory."""
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.inputs.tiny import build_tiny_model
     model = build_tiny_model(tmp_path / "head16", head_dim=16)
     recipe["model"]["path"] = str(model)
     proc = subprocess.run([sys.executable, "-m", "pipeline", "train", "--config", str(write(tmp_path, recipe))],

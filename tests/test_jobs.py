@@ -35,7 +35,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.tools.check import check_events, load_events
+from pipeline.core.events import load_events
+from pipeline.tools.check import check_events
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the environment running the tests has ray and the project's deps

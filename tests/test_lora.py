@@ -15,11 +15,11 @@ import torch
 from training_helpers import continue_after_resume, make_table, max_diff, sequence_logprobs, weights
 
 from pipeline.algos.grpo import grpo_advantages
-from pipeline.engines import lora
-from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
-from pipeline.engines.interface import Prompt, sample_seeds
-from pipeline.io.config import ConfigError, LoraConfig, load_config
-from pipeline.io.tiny import build_tiny_model
+from pipeline.weights import lora
+from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
+from pipeline.core.types import Prompt, sample_seeds
+from pipeline.config import ConfigError, LoraConfig, load_config
+from pipeline.inputs.tiny import build_tiny_model
 
 torch.set_num_threads(1)
 TOL = 1e-5
@@ -125,7 +125,7 @@ def test_resume_continues_the_adapter_exactly(model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from pipeline.engines.vllm_generator import VllmGenerationEngine
+    from pipeline.generator.vllm_engine import VllmGenerationEngine
     eng = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=16, max_model_len=256,
                                adapter_config=lora.adapter_config(LORA, model_dir))
     try:

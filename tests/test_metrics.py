@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dags.tokens import Batch, Refitted, Resume, Ticket, TrainOut, ValOut
-from pipeline.io.config import ConfigError, load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.run.metrics import MetricSinks, Progress, step_metrics
 
 

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (pipeline/actors/episodes.py) on the simulated engine:
+"""Multi-turn rollouts (pipeline/generator/episodes.py) on the simulated engine:
 the tokens and masks of a sample, environment failures and timeouts in the
 generator's process and in a pool of Ray actors, and whole sim runs."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ import time
 import pytest
 
 from dags.tokens import Launch
-from pipeline.actors.engine_loop import EngineLoop
-from pipeline.engines.interface import Prompt
-from pipeline.engines.sim import SimGenerationEngine
-from pipeline.io.config import ConfigError, SimConfig, load_config
-from pipeline.run.events import EventLog
+from pipeline.generator.engine_loop import EngineLoop
+from pipeline.core.types import Prompt
+from pipeline.sim.engines import SimGenerationEngine
+from pipeline.config import ConfigError, SimConfig, load_config
+from pipeline.core.events import EventLog
 
-SIM_ENV = "pipeline.envs.sim:SimToolEnv"
+SIM_ENV = "pipeline.sim.env:SimToolEnv"
 
 
 def env_config(args: str, *extra: str):
@@ -170,11 +170,11 @@ def test_the_pool_replaces_a_stuck_worker_and_replays_the_others(tmp_path, ray_s
 
 def test_a_bad_env_class_is_a_config_error_naming_it():
     with pytest.raises(ConfigError, match=r"env\.class: 'pipeline\.envs\.sim:Nope'.*no attribute 'Nope'"):
-        load_config(None, ["env.class=pipeline.envs.sim:Nope"])
+        load_config(None, ["env.class=pipeline.sim.env:Nope"])
     with pytest.raises(ConfigError, match=r"env\.class: 'no_such_module:Env'.*cannot import"):
         load_config(None, ["env.class=no_such_module:Env"])
     with pytest.raises(ConfigError, match=r"env\.class.*not a class"):
-        load_config(None, ["env.class=pipeline.envs.sim:sim_reward"])
+        load_config(None, ["env.class=pipeline.sim.env:sim_reward"])
     with pytest.raises(ConfigError, match=r"env\.class.*cannot be built with env\.args"):
         load_config(None, [f"env.class={SIM_ENV}", "env.args={nope: 1}"])
     with pytest.raises(ConfigError, match=r"env\.max_turns: 3 needs an environment"):
@@ -185,7 +185,7 @@ def test_a_bad_env_class_is_a_config_error_naming_it():
 
 def test_the_cli_refuses_a_bad_env_class_before_any_worker_starts(tmp_path, capsys):
     from pipeline.__main__ import main
-    code = main(["train", "--config", "examples/sim_grpo.yaml", "env.class=pipeline.envs.sim:Nope",
+    code = main(["train", "--config", "examples/sim_grpo.yaml", "env.class=pipeline.sim.env:Nope",
                  f"run.output_dir={tmp_path}"])
     assert code == 2 and "env.class" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # no run directory: nothing started
@@ -193,7 +193,8 @@ def test_the_cli_refuses_a_bad_env_class_before_any_worker_starts(tmp_path, caps
 
 def sim_run(tmp_path, name, *overrides):
     from pipeline.run.driver import train
-    from pipeline.tools.check import check_events, load_events
+    from pipeline.core.events import load_events
+    from pipeline.tools.check import check_events
     cfg = load_config(None, [f"run.output_dir={tmp_path}", f"run.name={name}", "run.deadline_s=30",
                              "run.dag_mode=classic", "metrics.tensorboard=false", "sim.generate_s=0.02",
                              "sim.train_s=0.01", f"env.class={SIM_ENV}", "env.max_turns=3", *overrides])

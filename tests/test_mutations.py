@@ -9,10 +9,11 @@ import pytest
 import ray
 from mutations import MULTITURN, MUTATIONS, ONE_MODE_ONLY, UNMUTATED, start_mutant_workers
 
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.run.driver import train_on
 from pipeline.run.pool import stop_workers
-from pipeline.tools.check import check_events, check_report, load_events
+from pipeline.core.events import load_events
+from pipeline.tools.check import check_events, check_report
 
 # Opposite races: validation outlasting generation, and generation outlasting it.
 PROFILES = {
@@ -20,7 +21,7 @@ PROFILES = {
     "slow_generation": {"sim.generate_s": 0.08, "sim.train_s": 0.005, "sim.refit_s": 0.005, "sim.validate_s": 0.01},
     # Two turns around a tool that takes as long as a turn: the environments' steps are part of the rollouts.
     "multiturn": {"sim.generate_s": 0.04, "sim.train_s": 0.005, "sim.refit_s": 0.005, "sim.validate_s": 0.01,
-                  "env.class": "pipeline.envs.sim:SimToolEnv", "env.max_turns": 2,
+                  "env.class": "pipeline.sim.env:SimToolEnv", "env.max_turns": 2,
                   "env.args": "{turns: 2, latency_s: 0.03, latency: lognormal}"},
 }
 

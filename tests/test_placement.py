@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.run.placement import Placement, PlacementError, bundles, check_capacity
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pydot
 import pytest
 
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.tools.render import FORMATS, RenderError, describe, graph_for_config, render, to_mermaid, viz_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ def test_viz_main_writes_each_path(tmp_path, capsys):
 
 def test_graph_builds_without_starting_ray():
     """A fresh interpreter: binding actor classes must not start Ray or a worker."""
-    code = ("import ray; from pipeline.io.config import load_config; from pipeline.tools.render import graph_for_config, to_dot\n"
+    code = ("import ray; from pipeline.config import load_config; from pipeline.tools.render import graph_for_config, to_dot\n"
             "g = graph_for_config(load_config('examples/sim_grpo.yaml', ['generation.num_generators=3']))\n"
             "assert 'collect[2]' in to_dot(g)\n"
             "print('ray initialized:', ray.is_initialized())")

@@ -1,4 +1,4 @@
-"""ReplayBuffer (pipeline/actors/replay_buffer.py) on its own, without Ray.
+"""ReplayBuffer (pipeline/controller/replay_buffer.py) on its own, without Ray.
 
 The stale drop (invariants 3 and 4): at `take(step)` every entry whose weight
 version is more than max_age behind the step is dropped with reason "stale",
@@ -23,9 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dags.tokens import Launch
-from pipeline.actors.replay_buffer import Interrupted, ReplayBuffer
-from pipeline.engines.interface import TRAJECTORY_SCHEMA
-from pipeline.run.events import EventLog
+from pipeline.controller.replay_buffer import Interrupted, ReplayBuffer
+from pipeline.core.types import TRAJECTORY_SCHEMA
+from pipeline.core.events import EventLog
 
 
 def rows(batch_id: str, target: int, version: int, n: int = 2) -> pa.Table:

@@ -7,7 +7,7 @@ speeds and interleave differently). Per-step rewards, validation scores and
 the final weights must be identical, bit for bit.
 
 Why they can be: every rollout sample is seeded from (run seed, batch id,
-prompt, sample) (pipeline.engines.interface.sample_seeds), never from the order in
+prompt, sample) (pipeline.core.types.sample_seeds), never from the order in
 which an engine received requests; the data order comes from the controller's
 seeded RNG; the trainer runs in eval mode (no dropout) with a seeded RNG and
 one thread; and the step graph fixes which batches each step trains on. On
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.run.driver import train
 
 STEPS = 8

@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from pipeline.run.resources import MB, HeapCap, process_rss
+from pipeline.core.memory import MB, HeapCap, process_rss
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 

@@ -13,13 +13,14 @@ import ray
 from test_controller import trajectories
 
 from dags.tokens import Resume, ValOut
-from pipeline.actors.controller import Controller
-from pipeline.actors.trainer import TrainerWorker
-from pipeline.io.config import load_config
+from pipeline.controller.controller import Controller
+from pipeline.trainer.worker import TrainerWorker
+from pipeline.config import load_config
 from pipeline.run import checkpoint
 from pipeline.run.driver import train, train_on
 from pipeline.run.runner import GraphRunner, PipelineError
-from pipeline.tools.check import check_events, load_events
+from pipeline.core.events import load_events
+from pipeline.tools.check import check_events
 
 
 def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):

@@ -18,8 +18,8 @@ from ray.dag import InputNode
 
 from dags.step_graph import graph_of
 from dags.tokens import Clock, StepPlan
-from pipeline.actors.node import node
-from pipeline.run.events import EventLog
+from pipeline.core.node import node
+from pipeline.core.events import EventLog
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, dead_actors
 
 # The actors below live in this test module, which Ray's workers cannot import by name.

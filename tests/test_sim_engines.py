@@ -1,4 +1,4 @@
-"""The simulated training and critic engines (pipeline/engines/sim.py): their
+"""The simulated training and critic engines (pipeline/sim/engines.py): their
 state round trip, and the alignment checks the real engines make too.
 """
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 from training_helpers import make_table, per_token
 
 from pipeline.algos.ppo import compute_advantages
-from pipeline.engines.sim import SimCriticEngine, SimTrainingEngine
+from pipeline.sim.engines import SimCriticEngine, SimTrainingEngine
 
 
 def test_sim_engines_save_and_load_state(tmp_path):
-    from pipeline.io.config import SimConfig
+    from pipeline.config import SimConfig
     cfg = SimConfig(train_s=0.0)
     table = make_table()
     t = SimTrainingEngine(cfg, seed=0)

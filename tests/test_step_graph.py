@@ -9,10 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dags.step_graph import build_step_graph
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.run.driver import train, train_on
 from pipeline.run.runner import GraphRunner, PipelineError
-from pipeline.tools.check import check_events, load_events
+from pipeline.core.events import load_events
+from pipeline.tools.check import check_events
 
 
 def sim_config(tmp_path, name: str, **overrides):
@@ -76,7 +77,7 @@ schedules = st.fixed_dictionaries({
     "seed": st.integers(0, 10_000),
     "refit_mode": st.sampled_from(["drain", "inflight"]),
     "response_len": st.sampled_from(["fixed", "lognormal"]),
-    # Multi-turn rollouts (a simulated tool, pipeline/envs/sim.py) in half the schedules.
+    # Multi-turn rollouts (a simulated tool, pipeline/sim/env.py) in half the schedules.
     "turns": st.sampled_from([None, None, 1, 2, "random"]),
     "tool_ms": st.integers(0, 30),
     "tool_latency": st.sampled_from(["fixed", "lognormal"]),
@@ -98,7 +99,7 @@ def check_schedule(tmp_path, pool, runner, s: dict) -> None:
                      sim__jitter=s["jitter"], generation__refit_mode=s["refit_mode"],
                      sim__response_len=s["response_len"], sim__tail_ratio=10,
                      **({} if s["turns"] is None else {
-                         "env__class": "pipeline.envs.sim:SimToolEnv", "env__max_turns": 3,
+                         "env__class": "pipeline.sim.env:SimToolEnv", "env__max_turns": 3,
                          "env__args": f"{{turns: {s['turns']}, max_turns: 3, latency_s: {s['tool_ms'] / 1000}, "
                                       f"latency: {s['tool_latency']}, observation_tokens: 3}}"}))
     summary, events, violations = run_and_check(cfg, pool, runner)

@@ -7,11 +7,12 @@ from collections import Counter, defaultdict
 import pytest
 
 from dags.step_graph import build_step_graph
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.run.driver import train_on
-from pipeline.tools.check import load_events
+from pipeline.core.events import load_events
 from pipeline.tools.render import describe, graph_for_config
-from pipeline.tools.timeline import timeline_main, write_trace
+from pipeline.run.trace import write_trace
+from pipeline.tools.timeline import timeline_main
 
 PAIRS = {"node": ("node_start", "node_end"), "generation": ("rollout_start", "rollout_end"),
          "refit": ("refit_start", "refit_end"), "validation": ("validation_start", "validation_end"),

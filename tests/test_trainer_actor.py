@@ -11,10 +11,10 @@ import pytest
 from training_helpers import make_table
 
 from dags.tokens import Batch
-from pipeline.actors.node import NodeError
-from pipeline.actors.trainer import TrainerWorker
-from pipeline.engines.interface import TRAJECTORY_SCHEMA
-from pipeline.io.config import load_config
+from pipeline.core.node import NodeError
+from pipeline.trainer.worker import TrainerWorker
+from pipeline.core.types import TRAJECTORY_SCHEMA
+from pipeline.config import load_config
 
 
 def trainer(tmp_path) -> TrainerWorker:

@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.tools.check import check_events, load_events
+from pipeline.core.events import load_events
+from pipeline.tools.check import check_events
 
 ROOT = Path(__file__).resolve().parents[1]
 

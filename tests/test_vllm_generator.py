@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from pipeline.engines.interface import Prompt, sample_seeds
-from pipeline.io.models import ModelError, check_model_dir
-from pipeline.io.tiny import build_tiny_model, model_digest, tiny_prompt
+from pipeline.core.types import Prompt, sample_seeds
+from pipeline.inputs.models import ModelError, check_model_dir
+from pipeline.inputs.tiny import build_tiny_model, model_digest, tiny_prompt
 
 torch.set_num_threads(1)
 
@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from pipeline.engines.vllm_generator import VllmGenerationEngine
+    from pipeline.generator.vllm_engine import VllmGenerationEngine
     t0 = time.perf_counter()
     # Stats on, so the test can see prefix-cache hits.
     eng = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=16, temperature=1.0, top_p=1.0,
@@ -320,13 +320,13 @@ def test_load_weights_rejects_a_padded_vocabulary(engine, model_dir):
 # -- bad model directories: errors name the path, before vLLM starts -----------
 
 def test_preflight_counts_a_prompt_and_the_context_as_the_engine_has_them(engine, model_dir):
-    """data.filter_overlong's counts (pipeline/io/data.py, with transformers'
+    """data.filter_overlong's counts (pipeline/inputs/datasets.py, with transformers'
     tokenizer, before any engine starts) are the ids this engine sends to vLLM,
     and its context the max_model_len vLLM enforces."""
     from transformers import AutoTokenizer
 
-    from pipeline.io.data import GSM8K_TEMPLATE, prompt_lengths
-    from pipeline.io.models import context_length
+    from pipeline.inputs.datasets import GSM8K_TEMPLATE, prompt_lengths
+    from pipeline.inputs.models import context_length
     texts = [tiny_prompt("0"), LONG_PROMPT.text, GSM8K_TEMPLATE.format(question="What is 2 + 2?"),
              " a leading space", "\u00fcn\u00efcode \u2713", "<s> looks special"]
     prompts = [Prompt(f"p{i}", t) for i, t in enumerate(texts)]
@@ -337,7 +337,7 @@ def test_preflight_counts_a_prompt_and_the_context_as_the_engine_has_them(engine
 
 
 def test_bad_model_directories_are_named(tmp_path, model_dir):
-    from pipeline.engines.vllm_generator import VllmGenerationEngine
+    from pipeline.generator.vllm_engine import VllmGenerationEngine
     missing = tmp_path / "nope"
     with pytest.raises(ModelError, match="does not exist") as err:
         VllmGenerationEngine(missing)
@@ -389,9 +389,9 @@ def roll_episodes(engine, tmp_path, *overrides):
     import threading
 
     from dags.tokens import Launch
-    from pipeline.actors.engine_loop import EngineLoop
-    from pipeline.io.config import load_config
-    from pipeline.run.events import EventLog
+    from pipeline.generator.engine_loop import EngineLoop
+    from pipeline.config import load_config
+    from pipeline.core.events import EventLog
     cfg = load_config(None, ["env.class=tests.test_vllm_generator:EchoTool", "env.max_turns=3", *overrides])
     out, finished = {}, threading.Event()
     loop = EngineLoop(engine, EventLog(tmp_path, "gen0", time.time()),

@@ -17,11 +17,11 @@ import pytest
 import ray
 
 from dags.tokens import Batch, Gate, TrainOut
-from pipeline.actors.generator import GeneratorWorker
-from pipeline.actors.node import NodeError
-from pipeline.actors.trainer import TrainerWorker
-from pipeline.engines.interface import TRAJECTORY_SCHEMA
-from pipeline.io.config import load_config
+from pipeline.generator.worker import GeneratorWorker
+from pipeline.core.node import NodeError
+from pipeline.trainer.worker import TrainerWorker
+from pipeline.core.types import TRAJECTORY_SCHEMA
+from pipeline.config import load_config
 from pipeline.run.runner import task_error
 
 
@@ -149,12 +149,12 @@ def test_the_refusal_reaches_the_driver_as_a_node_error(tmp_path, ray_session):
 
 
 def test_flat_weights_come_back_equal_through_the_object_store(ray_session):
-    """pipeline/engines/weights.py: fp32, bf16 and integer tensors, a scalar and an empty
+    """pipeline/weights/packing.py: fp32, bf16 and integer tensors, a scalar and an empty
     one survive put and get bit for bit, as read-only views; the sim's dict of
     numbers is stored as it is."""
     import torch
 
-    from pipeline.engines.weights import FlatWeights, pack, unpack
+    from pipeline.weights.packing import FlatWeights, pack, unpack
     state = {"a.weight": torch.randn(3, 5), "b.weight": torch.randn(4, 2).to(torch.bfloat16),
              "steps": torch.tensor(7), "empty": torch.zeros(0, 3), "ids": torch.arange(6).view(2, 3)}
     stored = ray.get(ray.put((3, pack(state))))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA
-from pipeline.engines.deepspeed_base import collate
-from pipeline.engines.interface import TRAJECTORY_SCHEMA
+from pipeline.trainer.deepspeed_base import collate
+from pipeline.core.types import TRAJECTORY_SCHEMA
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import sys
 import psutil
 from ray.cluster_utils import Cluster
 
-from pipeline.io.config import load_config
+from pipeline.config import load_config
 from pipeline.run.driver import train
-from pipeline.tools.check import load_events
+from pipeline.core.events import load_events
 
 
 def cluster_pids(cluster: Cluster) -> set[int]:

@@ -24,7 +24,7 @@ Rules:
   reward 0 unless that last turn answered right. Rewards come only on the
   episode's last step, so the sum and the last of them are the same.
 
-Why this layout (tokens of the tiny byte-level BPE, pipeline/io/tiny.py):
+Why this layout (tokens of the tiny byte-level BPE, pipeline/inputs/tiny.py):
 the prompt writes the sum as "37+45" after a space, the same tokens as the
 call's (checked for every pair 0..99), and the observation's " 82" is the
 answer's: both turns are copies (which a 2-layer model learns by attention)
@@ -37,7 +37,7 @@ them all, and supervised warm-up's greedy reward jumps from 0.28 to 1.0
 within 25 steps (lr 3e-3, steps 75-100): nothing in between is a stable
 starting point. With 10,000, validation problems are mostly unseen, and the
 reward is how well copying generalises: a warm-up on 64 problems plateaus
-at 0.41-0.50 greedy, on all 256 near 0.8-0.97 (pipeline/envs/warmup.py).
+at 0.41-0.50 greedy, on all 256 near 0.8-0.97 (pipeline/trainer/warmup.py).
 
 What RL learns here is to use the tool: the warm-up (warmup_action)
 demonstrates the format on all training prompts, but half of its episodes
@@ -55,8 +55,8 @@ import random
 import re
 from pathlib import Path
 
-from pipeline.engines.interface import Prompt
-from pipeline.io.jsonl import write_train_val
+from pipeline.core.types import Prompt
+from pipeline.core.jsonl import write_train_val
 
 PROMPT = "What is {a}+{b}? Use the calculator.\n"
 CALL = "calc {a}+{b}"

@@ -19,7 +19,7 @@ Rules:
 - after max_turns guesses (default 2) the episode ends; reward 0 unless the
   last guess was right. Rewards come only on the last step.
 
-Why this layout (tokens of the tiny BPE, pipeline/io/tiny.py): the range's
+Why this layout (tokens of the tiny BPE, pipeline/inputs/tiny.py): the range's
 ends are " 3", " 5" in the prompt and the guess writes " 5" the same way, so
 turn 2 is a copy of the end the feedback points at, and turn 1 is the one
 digit between the two ends (a lookup): learnable by a 2-layer model, and
@@ -42,8 +42,8 @@ import random
 import re
 from pathlib import Path
 
-from pipeline.engines.interface import Prompt
-from pipeline.io.jsonl import write_train_val
+from pipeline.core.types import Prompt
+from pipeline.core.jsonl import write_train_val
 
 PROMPT = "Guess my digit from {low} to {high}.\n"
 GUESS = "guess {digit}"

@@ -1,7 +1,7 @@
 """What an environment is, and how a recipe names one (env.class).
 
 A multi-turn rollout alternates model turns and environment steps for each
-sample (pipeline/actors/episodes.py):
+sample (pipeline/generator/episodes.py):
 
     observation = env.reset(prompt)          the model's first context (its text)
     loop up to env.max_turns:
@@ -18,7 +18,7 @@ case and needs no environment.
 
 An environment that can demonstrate its task defines `expert_action()`: the
 right action in its current state. The supervised warm-up
-(pipeline/envs/warmup.py) builds its transcripts from it.
+(pipeline/trainer/warmup.py) builds its transcripts from it.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import inspect
 import math
 from typing import Any, Protocol
 
-from pipeline.engines.interface import Prompt
+from pipeline.core.types import Prompt
 
 
 class EnvError(ValueError):

@@ -7,7 +7,7 @@ steps run at once. A worker whose step timed out is killed and replaced: a
 stuck sandbox would hold up every later step queued for it. The other samples
 it held rebuild their environments on the new one by replaying their actions
 (an environment is a function of its prompt and the actions so far).
-The generator (pipeline/actors/episodes.py) queues each worker's calls and
+The generator (pipeline/generator/episodes.py) queues each worker's calls and
 starts one when the worker is free, so a timeout counts from a call's start.
 """
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ray
 
-from pipeline.io.config import Config
+from pipeline.config import Config
 from pipeline.run.pool import Workers
 from pipeline.run.runner import PipelineError, task_error
 

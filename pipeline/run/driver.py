@@ -8,7 +8,7 @@
 A generator that dies is replaced and its batches relaunched (pipeline/run/pool.py);
 any other dead worker stops the run with the checkpoint to resume from.
 
-The driver has a lane of the vector clock too (pipeline/run/events.py): each plan
+The driver has a lane of the vector clock too (pipeline/core/events.py): each plan
 it feeds a graph carries the driver's clock, and it merges every token a graph
 returns, so each step is provably after everything the steps before it did.
 """
@@ -25,12 +25,12 @@ import yaml
 
 from dags.step_graph import TRAIN_SUBGRAPHS, build_finish_graph, build_prologue_graph, build_step_graph
 from dags.tokens import StepPlan, TrainOut
-from pipeline.actors.generator import generator_name
-from pipeline.actors.skipped_steps import console_warnings
-from pipeline.io.config import Config
-from pipeline.io.preflight import preflight
+from pipeline.generator.worker import generator_name
+from pipeline.trainer.skipped_steps import console_warnings
+from pipeline.config import Config
+from pipeline.inputs.preflight import preflight
 from pipeline.run import checkpoint
-from pipeline.run.events import EventLog, merge_events
+from pipeline.core.events import EventLog, merge_events
 from pipeline.run.metrics import MetricSinks, Progress, RunTotals, step_metrics
 from pipeline.run.placement import place
 from pipeline.run.resources import ResourceProbe
@@ -44,7 +44,7 @@ from pipeline.run.pool import (
     stop_workers,
 )
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied
-from pipeline.tools.timeline import write_trace
+from pipeline.run.trace import write_trace
 
 
 def validation_due(step: int, cfg: Config) -> bool:

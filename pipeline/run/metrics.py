@@ -12,7 +12,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, TextIO
 
-from pipeline.io.config import Config, ConfigError
+from pipeline.config import Config, ConfigError
 
 
 def _clamp01(x: float) -> float:

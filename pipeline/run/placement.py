@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.io.config import Config
+from pipeline.config import Config
+from pipeline.generator.engines import vllm_llm_kwargs
 
 # A custom resource a bundle asks only to be pinned to the nodes that have it.
 NODE_TOKEN = 0.001
@@ -205,7 +206,7 @@ class Placement:
         takes the placement group of the actor it runs in
         (ray.util.get_current_placement_group(): set only with capture_child_tasks),
         the engine running in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as
-        pipeline/engines/vllm_generator.py sets). Without VLLM_RAY_BUNDLE_INDICES
+        pipeline/generator/vllm_engine.py sets). Without VLLM_RAY_BUNDLE_INDICES
         it would take the first T bundles with a GPU in the group: the trainer's.
         Each worker asks VLLM_RAY_PER_WORKER_GPUS (default 1) GPUs of its bundle
         and 0 CPUs, so the generator actor itself asks no GPU (options()).
@@ -224,12 +225,6 @@ class Placement:
         """Free the group's resources; its actors are killed with it."""
         from ray.util import remove_placement_group
         remove_placement_group(self.group)
-
-
-def vllm_llm_kwargs(cfg: Config) -> dict:
-    """vllm.LLM's arguments for the generator's tensor parallelism (none with T = 1)."""
-    tp = cfg.generation.tensor_parallel_size
-    return {"tensor_parallel_size": tp, "distributed_executor_backend": "ray"} if tp > 1 else {}
 
 
 def place(cfg: Config, timeout_s: float) -> Placement:

@@ -17,14 +17,14 @@ import ray
 
 from dags.step_graph import build_relaunch_graph
 from dags.tokens import RelaunchPlan
-from pipeline.actors.controller import Controller
-from pipeline.actors.critic import CriticWorker
-from pipeline.actors.generator import GeneratorWorker, generator_name
-from pipeline.actors.trainer import TrainerWorker
-from pipeline.engines.data_parallel import rank_name
-from pipeline.io.config import Config
-from pipeline.io.models import ModelError
-from pipeline.run.events import EventLog
+from pipeline.controller.controller import Controller
+from pipeline.trainer.critic_worker import CriticWorker
+from pipeline.generator.worker import GeneratorWorker, generator_name
+from pipeline.trainer.worker import TrainerWorker
+from pipeline.core.data_parallel import rank_name
+from pipeline.config import Config
+from pipeline.inputs.models import ModelError
+from pipeline.core.events import EventLog
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, task_error
 
 

@@ -15,7 +15,7 @@ from ray.dag import ClassMethodNode, DAGContext, DAGNode, InputAttributeNode, In
 
 from dags.step_graph import StepGraph
 from dags.tokens import StepPlan
-from pipeline.run.events import unfinished_nodes
+from pipeline.core.events import unfinished_nodes
 
 
 class PipelineError(RuntimeError):

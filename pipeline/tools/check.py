@@ -18,10 +18,9 @@ import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Iterator
 
-from pipeline.io.jsonl import JsonLineError, json_lines
+from pipeline.core.events import load_events
 from pipeline.tools.check_bounds import weight_copies_bounded
 from pipeline.tools.check_order import (
     Judge,
@@ -40,7 +39,7 @@ from pipeline.tools.check_order import (
     weights_come_from_the_trainer,
 )
 
-__all__ = ["Report", "Violation", "check_events", "check_report", "format_violation", "load_events", "main"]
+__all__ = ["Report", "Violation", "check_events", "check_report", "format_violation", "main"]
 
 @dataclass(frozen=True)
 class Report:
@@ -48,30 +47,6 @@ class Report:
     notes: tuple[Violation, ...]       # wall-clock objections to pairs the vector clocks order: not failures
     fallbacks: int                     # ordering decisions taken by wall clock: events without vector clocks
     unclocked: int                     # events without a vector clock
-
-
-def load_events(run_dir: str | Path) -> list[dict]:
-    """The run's events sorted by t: events.jsonl, or the per-worker files of a
-    run that is still going or was killed before merging them."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory not found: {run_dir}")
-    merged = run_dir / "events.jsonl"
-    files = [merged] if merged.is_file() else sorted((run_dir / "events").glob("*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"no events.jsonl or events/*.jsonl in {run_dir}")
-    events = []
-    for path in files:
-        with path.open(encoding="utf-8") as f:
-            try:
-                for lineno, event in json_lines(f):
-                    if not isinstance(event, dict) or not isinstance(event.get("t"), (int, float)):
-                        raise ValueError(f"{path}:{lineno}: expected a JSON object with a numeric 't'")
-                    events.append(event)
-            except JsonLineError as e:
-                raise ValueError(f"{path}:{e.line}: not valid JSON ({e.msg})") from None
-    events.sort(key=lambda e: e["t"])  # stable: equal times keep file order
-    return events
 
 
 def _relaunches(events: list[dict]) -> dict[str, int]:

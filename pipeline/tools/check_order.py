@@ -3,7 +3,7 @@
 Invariants 1 and 2 are about order: no rollout starts while a validation
 runs; no rollout runs on an engine while its weights change. Event times come
 from different processes, and across hosts their clocks disagree, so this
-module proves order from each event's vector clock (`vc`, pipeline/run/events.py):
+module proves order from each event's vector clock (`vc`, pipeline/core/events.py):
 A happened before B when A's clock is <= B's entry by entry and not equal. A
 clock grows only along the graph's edges, the drains of engine loops, the
 batches `sample` takes and what the driver hands on, so a pair that no clock

@@ -1,5 +1,5 @@
 """The README's configuration table, read off the dataclasses in
-pipeline/io/config.py so that the documentation cannot drift from the loader
+pipeline/config/ so that the documentation cannot drift from the loader
 (tests/test_config.py compares the README's copy with it)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import typing
 from typing import Literal
 
-from pipeline.io.config import YAML_NAMES, Config
+from pipeline.config import YAML_NAMES, Config
 
 
 def reference_table() -> str:

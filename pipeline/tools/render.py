@@ -254,12 +254,12 @@ def viz_workers(num_generators: int, algorithm: str = "grpo", trainers: int = 1,
     """Unstarted actors: ClassNodes only describe an actor, so binding them needs no cluster."""
     import ray
 
-    from pipeline.actors.controller import Controller
-    from pipeline.actors.generator import GeneratorWorker
-    from pipeline.actors.trainer import TrainerWorker
+    from pipeline.controller.controller import Controller
+    from pipeline.generator.worker import GeneratorWorker
+    from pipeline.trainer.worker import TrainerWorker
     critic_ranks = ()
     if algorithm == "ppo":
-        from pipeline.actors.critic import CriticWorker
+        from pipeline.trainer.critic_worker import CriticWorker
         critic_ranks = tuple(ray.remote(CriticWorker).bind(r) for r in range(critics))
     return Workers(ray.remote(Controller).bind(), tuple(ray.remote(TrainerWorker).bind(r) for r in range(trainers)),
                    tuple(ray.remote(GeneratorWorker).bind(i) for i in range(num_generators)), critic_ranks)
@@ -276,7 +276,7 @@ def graph_for_config(cfg, prologue: bool = False) -> StepGraph:
 def viz_main(config_path: str | Path | None, overrides: list[str] = (), out_paths: list[str] = (),
              prologue: bool = False) -> int:
     """Write the config's step graph (or prologue) to each path; with no path, print DOT."""
-    from pipeline.io.config import ConfigError, load_config
+    from pipeline.config import ConfigError, load_config
     try:
         cfg = load_config(config_path, list(overrides))
     except ConfigError as exc:

@@ -1,0 +1,245 @@
+"""The controller actor: replay buffer, prompt stream and launch schedule.
+
+Its graph nodes are sample, validation_gate, resume and train_done; the
+generators' engine loops call `put` and `rollout_failed`; the driver calls
+`relaunch`, `interrupt` and `save_state` between graph executions.
+
+Vector clocks (pipeline/core/events.py): a rollout's clock comes with its `put` and
+is kept with the batch, so `sample`, which waits for the batches it takes,
+logs after their rollout_ends and hands that on in its Batch.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+
+from dags.tokens import (
+    Batch,
+    Clock,
+    CriticOut,
+    Gate,
+    Launch,
+    RelaunchPlan,
+    Resume,
+    StepPlan,
+    TrainOut,
+    ValOut,
+    WeightsSent,
+)
+from pipeline.core.node import Actor, node, reopen_log, whereabouts
+from pipeline.controller.replay_buffer import ReplayBuffer
+from pipeline.core.types import Prompt
+from pipeline.config import Config
+from pipeline.core import spans
+
+
+class Controller(Actor):
+    def begin_run(self, cfg: Config, run_dir: str, t0: float, start_step: int = 0,
+                  restore_dir: str | None = None, prompts: list[Prompt] | None = None) -> Clock:
+        """`prompts`: the training prompts as the driver's preflight fitted them
+        (data.filter_overlong), so that this process need not import a tokenizer
+        to count them again; None: read and fit data.train here."""
+        self.cfg = cfg
+        self.log = reopen_log(self, run_dir, "controller", t0)
+        self.log.emit("worker_start", **whereabouts())
+        self.buffer = ReplayBuffer(cfg.schedule.max_age, self.log)
+        self.prompts = list(prompts) if prompts is not None else train_prompts(cfg)
+        self.rng = random.Random(cfg.run.seed)
+        self.order: list[int] = []
+        self.cursor = 0
+        self.start_step = start_step
+        self.reward_failures = 0
+        self._relaunch_at_start: list[str] = []
+        # The last target launched: a restored run launches none up to it again.
+        self._launched_through = start_step - 1
+        if restore_dir is not None:
+            self._restore(Path(restore_dir))
+        return self.log.now()
+
+    def _next_prompts(self, count: int) -> list[Prompt]:
+        out = []
+        for _ in range(count):
+            if self.cursor >= len(self.order):
+                self.order = list(range(len(self.prompts)))
+                self.rng.shuffle(self.order)
+                self.cursor = 0
+            out.append(self.prompts[self.order[self.cursor]])
+            self.cursor += 1
+        return out
+
+    @node("sample")
+    def sample(self, plan: StepPlan) -> Batch:
+        started = time.perf_counter()
+        with spans.span("buffer.take"):
+            ids, versions, table = self.buffer.take(plan.step, self.cfg.run.deadline_s)
+        with spans.span("batch.put"):
+            # Held until the next sample: a ref sent through a compiled-graph channel is
+            # not counted as borrowed, so the owner must keep it alive for the consumer.
+            self._live_table = ray.put(table)
+        return Batch(plan.step, tuple(ids), tuple(versions), (self._live_table,),
+                     wait_s=time.perf_counter() - started)
+
+    @node("validation_gate")
+    def validation_gate(self, plan: StepPlan, train: TrainOut | None = None) -> Gate:
+        return Gate(plan.step, train.version if train is not None else self.start_step, plan.validate)
+
+    @node("train_done")
+    def train_done(self, *outs: TrainOut | CriticOut) -> TrainOut:
+        """Joins the train sub-graph: the policy ranks' TrainOuts (rank 0's first:
+        its weights and its metrics, which are the batch's on every rank) and
+        PPO's CriticOut, whose metrics it adds under critic/."""
+        policy = [o for o in outs if isinstance(o, TrainOut)]
+        made = {(o.step, o.version) for o in policy}
+        if len(made) != 1:
+            raise RuntimeError(f"the policy ranks disagree on (step, version): {sorted(made)}")
+        head = policy[0]
+        if not head.weights_ref and self.cfg.generation.weight_sync == "object_store":
+            raise RuntimeError(f"step {head.step}: the first policy rank sent no weights")
+        metrics = dict(head.metrics) | {f"critic/{k}": v for o in outs if isinstance(o, CriticOut)
+                                        for k, v in o.metrics}
+        return TrainOut(head.step, head.version, head.weights_ref, tuple(sorted(metrics.items())))
+
+    @node("resume")
+    def resume(self, *done: ValOut | WeightsSent) -> Resume:
+        """After every generator's validation (and, with a collective weight sync,
+        the trainer's send): launch the next batches."""
+        vals = [v for v in done if isinstance(v, ValOut)]
+        versions = {v.version for v in done}
+        if len(versions) != 1:
+            raise RuntimeError(f"generators disagree on the weight version: {sorted(versions)}")
+        version, step = versions.pop(), vals[0].step
+        launches = []
+        if step == self.start_step - 1 and self._relaunch_at_start:
+            launches = [self._relaunch(batch_id, version, "resumed from a checkpoint", None)
+                        for batch_id in self._relaunch_at_start]
+            self._relaunch_at_start = []
+        # After a resume the prologue launches only the targets its checkpoint did not hold.
+        launches += self._new_launches(step, version)
+        scores = [dict(v.scores) for v in vals if v.validated]
+        val = ()
+        if scores:
+            count = sum(s["count"] for s in scores)
+            val = (("val_reward", sum(s["reward_sum"] for s in scores) / max(count, 1)), ("val_count", count))
+        return Resume(step, version, tuple(launches), val)
+
+    def _new_launches(self, step: int, version: int) -> list[Launch]:
+        max_age, g = self.cfg.schedule.max_age, self.cfg.generation
+        # The prologue (the step before the first) fills the pipeline; each step then tops it up.
+        first = self.start_step
+        targets = range(first, first + max_age + 1) if step == first - 1 else [step + 1 + max_age]
+        launches = []
+        for target in (t for t in targets if self._launched_through < t < self.cfg.run.steps):
+            prompts = self._next_prompts(self.cfg.schedule.prompts_per_step)
+            for index in range(g.num_generators):
+                shard = tuple(prompts[index::g.num_generators])
+                if shard:
+                    launch = Launch(f"t{target}.g{index}", target, index, shard)
+                    self.buffer.expect(launch.batch_id, target, version, launch)
+                    launches.append(launch)
+            self._launched_through = target
+        return launches
+
+    def _relaunch(self, batch_id: str, version: int, reason: str, dead: str | None) -> Launch:
+        launch = self.buffer.relaunch(batch_id, version)
+        self.log.emit("relaunch", step=launch.target, version=version, batch=batch_id,
+                      target=launch.target, of=dead, reason=reason)
+        return launch
+
+    @node("relaunch")
+    def relaunch(self, plan: RelaunchPlan) -> Resume:
+        """The dead generator's unfinished batches, for its replacement: same ids, same prompts."""
+        launches = [self._relaunch(e.batch_id, plan.version, f"{plan.dead_worker} died", plan.dead_worker)
+                    for e in self.buffer.in_flight(plan.generator)]
+        return Resume(self.start_step - 1, plan.version, tuple(launches))
+
+    def interrupt(self, reason: str) -> None:
+        self.buffer.interrupt(reason)
+
+    def clear_interrupt(self) -> None:
+        self.buffer.clear_interrupt()
+
+    def put(self, batch_id: str, version: int, table: pa.Table, clock: Clock = ()) -> None:
+        """A rollout's batch; `clock`: its rollout_end's, kept with it for `sample`."""
+        failed = [e for e in table.column("reward_error").to_pylist() if e]
+        if failed:
+            self.reward_failures += len(failed)
+            limit = self.cfg.fault.max_reward_failures
+            if self.reward_failures > limit:
+                self.buffer.fatal(f"the reward function failed on {self.reward_failures} samples, more than "
+                                  f"fault.max_reward_failures ({limit}); the last: {failed[-1]}")
+        self.buffer.put(batch_id, version, table, clock)
+
+    def rollout_failed(self, batch_id: str, reason: str, clock: Clock = ()) -> None:
+        self.buffer.fail(batch_id, reason, clock)
+
+    def finish(self, after: Clock = ()) -> dict:
+        """`after`: the driver's clock; the drops at the end are after the whole run."""
+        self.log.merge(after)
+        self.buffer.drop_all("unused_at_end")
+        return {**self.buffer.accounting(), "reward_failures": self.reward_failures}
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_state(self, path: str) -> None:
+        """Data position, RNG, counters and every buffered or in-flight batch."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        entries, counters = self.buffer.snapshot()
+        arrived = [e.table for e in entries if e.table is not None]
+        if arrived:
+            pq.write_table(pa.concat_tables(arrived), out / "buffer.parquet")
+        state = {
+            "order": self.order, "cursor": self.cursor, "rng": _jsonable(self.rng.getstate()),
+            "counters": counters, "reward_failures": self.reward_failures,
+            # Saved, not inferred from the entries: a target whose batches all failed left none.
+            "launched_through": self._launched_through,
+            "entries": [{"batch_id": e.batch_id, "target": e.target, "version": e.version,
+                         "arrived": e.table is not None, "generator": e.launch.generator,
+                         "prompts": [p.__dict__ for p in e.launch.prompts]} for e in entries],
+        }
+        (out / "controller.json").write_text(json.dumps(state))
+
+    def _restore(self, path: Path) -> None:
+        state = json.loads((path / "controller.json").read_text())
+        self.order, self.cursor = state["order"], state["cursor"]
+        self.rng.setstate(_tupled(state["rng"]))
+        self.reward_failures = state["reward_failures"]
+        self.buffer.restore_counters(state["counters"])
+        self._launched_through = state["launched_through"]
+        tables = {}
+        if (path / "buffer.parquet").is_file():
+            table = pq.read_table(path / "buffer.parquet")
+            for batch_id in set(table.column("batch_id").to_pylist()):
+                tables[batch_id] = table.filter(pc.equal(table.column("batch_id"), batch_id))
+        for e in state["entries"]:
+            launch = Launch(e["batch_id"], e["target"], e["generator"], tuple(Prompt(**p) for p in e["prompts"]))
+            table = tables.get(e["batch_id"]) if e["arrived"] else None
+            self.buffer.restore(e["batch_id"], e["target"], e["version"], table, launch)
+            if table is not None:
+                self.log.emit("restore", step=e["target"], version=e["version"], batch=e["batch_id"],
+                              target=e["target"])
+            else:
+                self._relaunch_at_start.append(e["batch_id"])
+
+
+def _jsonable(state):
+    return [_jsonable(x) for x in state] if isinstance(state, tuple) else state
+
+
+def _tupled(state):
+    return tuple(_tupled(x) for x in state) if isinstance(state, list) else state
+
+
+def train_prompts(cfg: Config) -> list[Prompt]:
+    if cfg.backend == "sim":
+        from pipeline.sim.engines import sim_prompts
+        return sim_prompts(max(64, cfg.schedule.prompts_per_step), "train")
+    from pipeline.inputs.datasets import run_prompts
+    return list(run_prompts(cfg, "train").prompts)  # what the driver's preflight kept (data.filter_overlong)

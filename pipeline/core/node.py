@@ -1,0 +1,86 @@
+"""What every actor behind the step graph shares: the node decorator that logs
+and stamps each node, the liveness probe, one torch thread, a log per run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+from pipeline.core.data_parallel import Rendezvous, free_port
+from pipeline.core import spans
+from pipeline.core.events import EventLog
+
+
+class NodeError(RuntimeError):
+    """A graph node failed; the message names the node, the worker and the step."""
+
+
+def one_thread() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+
+
+def node(name: str):
+    """Log node_start/node_end and name the node, worker and step in any failure.
+
+    The node logs on its own lane (`<worker>/<node>`, pipeline/core/events.py),
+    after the clocks of the tokens it takes; the token it returns carries the
+    clock at its node_end. Two nodes of one actor are ordered only if the graph
+    orders them, not because they happened to run one after the other."""
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *tokens):
+            step = next((t.step for t in tokens if hasattr(t, "step")), None)
+            with self.log.lane(f"{self.log.worker}/{name}", *(getattr(t, "clock", ()) for t in tokens)):
+                self.log.emit("node_start", step=step, node=name)
+                spans.take()  # this thread's spans from before the node are not the node's
+                try:
+                    out = method(self, *tokens)
+                except Exception as exc:
+                    self.log.emit("node_error", step=step, node=name, error=f"{type(exc).__name__}: {exc}")
+                    raise NodeError(f"node {name!r} on worker {self.log.worker!r} failed at step {step}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+                self.log.emit("node_end", step=step, node=name, spans=spans.take())
+                return dataclasses.replace(out, clock=self.log.now())
+        return run
+    return wrap
+
+
+def whereabouts() -> dict:
+    """The process and the Ray node a worker runs on, for its worker_start event:
+    where each rank and engine landed (placement, several nodes)."""
+    import ray
+    node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    return {"pid": os.getpid(), "node": node_id}
+
+
+def reopen_log(worker, run_dir: str, name: str, t0: float) -> EventLog:
+    """A pooled actor serves many runs: close the last run's log file first."""
+    if getattr(worker, "log", None) is not None:
+        worker.log.close()
+    return EventLog(run_dir, name, t0)
+
+
+class Actor:
+    """The driver's liveness probe (pipeline/run/runner.py dead_actors). It takes
+    no lock, so a busy threaded actor still answers on its spare thread."""
+
+    def ping(self) -> bool:
+        return True
+
+    def rss(self) -> int:
+        """This worker's resident memory in bytes (pipeline/core/memory.py), lock-free like ping."""
+        from pipeline.core.memory import process_rss
+        return process_rss()
+
+    def rendezvous(self, world_size: int, timeout_s: float) -> Rendezvous:
+        """Asked of rank 0 of a data-parallel role: where the ranks' process group
+        meets (this node's address and a port free on it)."""
+        import ray
+        host = ray.util.get_node_ip_address()
+        return Rendezvous(host, free_port(host), world_size, timeout_s)

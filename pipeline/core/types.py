@@ -1,0 +1,164 @@
+"""What the workers need from their leaves.
+
+A generation engine turns prompts into completions with per-token logprobs and
+takes new weights; a training engine takes a table of trajectories and their
+advantages, updates the policy and exports its weights by HF parameter name.
+The simulated backend (pipeline/sim/engines.py) and the real one (vLLM,
+DeepSpeed) implement these.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+    answer: str = ""
+    # A turn after the first of a multi-turn sample: the context as tokens (text
+    # is not re-encoded, so the model sees exactly the tokens it will be trained on).
+    token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        # A checkpoint's round trip (Arrow, JSON) hands lists back: equal prompts stay equal.
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # one per response token, from the generating engine
+    text: str
+    versions: tuple[int, ...] = ()  # one per response token: the weight version that sampled it
+    # Multi-turn samples (pipeline/generator/episodes.py) only: 1 on model tokens,
+    # 0 on the environment's; each turn's reward on its last model token; their
+    # sum, and why the environment failed the sample ("" if it did not).
+    loss_mask: tuple[int, ...] = ()
+    token_rewards: tuple[float, ...] = ()
+    reward: float | None = None
+    error: str = ""
+    turns: int = 1
+
+
+# One row per completion. Rows of one prompt group share batch_id and prompt_id.
+TRAJECTORY_SCHEMA = pa.schema([
+    ("batch_id", pa.string()),
+    ("target", pa.int32()),
+    ("version", pa.int32()),
+    ("prompt_id", pa.string()),
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("response_ids", pa.list_(pa.int32())),
+    ("logprobs", pa.list_(pa.float32())),
+    # The weight version that sampled each response token: one for all of them
+    # under refit_mode drain, rising along the sample under inflight. `version`
+    # is the oldest of them: a sample's age is measured from it.
+    ("token_versions", pa.list_(pa.int32())),
+    ("text", pa.string()),
+    ("reward", pa.float32()),
+    # Why the reward function or the environment failed this sample, or "" (see GeneratorWorker._score).
+    ("reward_error", pa.string()),
+    # 1 where the model sampled the response token, 0 where an environment's
+    # observation put it (multi-turn): only the 1s are trained. Null: all 1s.
+    ("loss_mask", pa.list_(pa.int8())),
+    # The reward of each model turn on its last token, 0 elsewhere; they sum to
+    # `reward`. PPO's GAE reads them; null: `reward` on the last token.
+    ("token_rewards", pa.list_(pa.float32())),
+])
+
+
+def sample_seeds(run_seed: int, batch_id: str, prompts: list[Prompt], n: int) -> list[list[int]]:
+    """One sampler seed per (run seed, batch, prompt position, prompt, sample).
+
+    A batch's samples then depend on what the batch is, never on which engine
+    call or which position in a call it landed in, so a run replays exactly
+    whatever the timing. The seeds are hashes, not seed + i: vLLM seeds the
+    i-th sample of a request with seed + i, and consecutive seeds would give
+    two requests overlapping streams.
+    """
+    def seed(i: int, prompt: Prompt, j: int) -> int:
+        key = f"{run_seed}|{batch_id}|{i}|{prompt.id}|{j}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    return [[seed(i, p, j) for j in range(n)] for i, p in enumerate(prompts)]
+
+
+class GenerationEngine(Protocol):
+    """Driven a step at a time by the generator's engine loop
+    (pipeline/generator/engine_loop.py): requests are added whenever, each step
+    decodes every running one, weights change only between steps."""
+
+    def add(self, key: str, prompt: Prompt, seed: int | None) -> None:
+        """Queue a request under `key`: sampled with `seed`, greedy when it is None."""
+
+    def step(self) -> list[tuple[str, Completion]]:
+        """One engine step; the requests it finished, by key."""
+
+    def busy(self) -> bool:
+        """Requests are queued or running."""
+
+    def encode(self, text: str) -> list[int]:
+        """A first prompt's token ids (with the BOS the model expects)."""
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of text appended to a context (an environment's observation): no BOS."""
+
+    def progress(self) -> dict[str, int]:
+        """Tokens sampled so far by each request in flight, by key."""
+
+    def abort_all(self) -> None:
+        """Drop every request in flight."""
+
+    def load_weights(self, weights: Any) -> None:
+        """Replace the weights in place, between two steps; caches that depend
+        on them are reset (requests in flight: generation.inflight_kv)."""
+
+    def set_version(self, version: int) -> None:
+        """Label the weights now loaded: tokens sampled from here on carry it."""
+
+
+def run_all(engine: GenerationEngine, requests: list[tuple[str, Prompt, int | None]]) -> list[Completion]:
+    """Add the requests to an idle engine, step until all are done; completions in request order."""
+    if engine.busy():
+        raise RuntimeError("run_all needs an idle engine: requests of the engine loop are in flight")
+    for key, prompt, seed in requests:
+        engine.add(key, prompt, seed)
+    done: dict[str, Completion] = {}
+    try:
+        while engine.busy():
+            done.update(engine.step())
+    finally:
+        engine.abort_all()
+    return [done[key] for key, _, _ in requests]
+
+
+def sample_all(engine: GenerationEngine, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
+    """len(seeds[i]) completions of prompt i, sample j drawn with seeds[i][j]."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"sample: {len(seeds)} seed lists for {len(prompts)} prompts")
+    flat = run_all(engine, [(f"s{i}.{j}", p, seed) for i, (p, group) in enumerate(zip(prompts, seeds))
+                            for j, seed in enumerate(group)])
+    it = iter(flat)
+    return [[next(it) for _ in group] for group in seeds]
+
+
+def greedy_all(engine: GenerationEngine, prompts: list[Prompt]) -> list[Completion]:
+    """One greedy completion per prompt."""
+    return run_all(engine, [(f"g{i}", p, None) for i, p in enumerate(prompts)])
+
+
+class TrainingEngine(Protocol):
+    def train_step(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
+        """One policy update on a table with TRAJECTORY_SCHEMA; `advantages`, row i
+        for row i, has an `advantages` column of one float per response token
+        (pipeline/algos/grpo.py, ppo.py). Returns metrics."""
+
+    def export_weights(self) -> Any:
+        """The current weights, by HF parameter name, ready for load_weights."""
+
+    def save(self, path: str) -> None:
+        """An HF-format checkpoint that transformers can load."""

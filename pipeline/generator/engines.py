@@ -1,0 +1,64 @@
+"""The generation engine a generator runs, simulated or vLLM, and what it
+scores and validates with. Called inside the actor, so that vLLM is imported
+only in the processes that run it."""
+from __future__ import annotations
+
+from typing import Callable
+
+from pipeline.core.types import GenerationEngine, Prompt
+from pipeline.config import Config
+from pipeline.core.spans import span
+
+
+def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> GenerationEngine:
+    # Only the sim's latency jitter draws from this seed: every rollout sample is
+    # seeded from its batch (pipeline.core.types.sample_seeds), so a restarted or
+    # resumed generator replays exactly what its predecessor would have drawn.
+    seed = cfg.run.seed * 1000 + index + 100 * incarnation
+    if cfg.backend == "sim":
+        from pipeline.sim.engines import SimGenerationEngine
+        faulty = index == cfg.sim.fault_worker and incarnation < cfg.sim.fault_incarnations
+        return SimGenerationEngine(cfg.sim, seed=seed, max_new_tokens=cfg.generation.max_new_tokens,
+                                   faulty=faulty)
+    with span("import vllm"):
+        from pipeline.generator.vllm_engine import VllmGenerationEngine
+    g = cfg.generation
+    # One collect starts at most max_age + 1 batches: size the KV cache for all their samples at once
+    # (inflight refits: one batch more, the one a refit finds still decoding).
+    prompts = -(-cfg.schedule.prompts_per_step // g.num_generators)
+    batches = cfg.schedule.max_age + 1 + (g.refit_mode == "inflight")
+    requests = prompts * cfg.schedule.group_size * batches
+    adapter = None
+    if cfg.training.lora.rank:
+        from pipeline.weights.lora import adapter_config
+        adapter = adapter_config(cfg.training.lora, cfg.model.path)
+    with span("vllm.start"):
+        # T > 1: vLLM's TP workers go into this generator's bundles (pipeline/run/placement.py, vllm_llm_kwargs below).
+        return VllmGenerationEngine(cfg.model.path, seed=seed, max_new_tokens=g.max_new_tokens,
+                                    temperature=g.temperature, top_p=g.top_p, kv_cache_seqs=max(requests, 32),
+                                    inflight_kv=g.inflight_kv, adapter_config=adapter,
+                                    **vllm_llm_kwargs(cfg))
+
+
+def vllm_llm_kwargs(cfg: Config) -> dict:
+    """vllm.LLM's arguments for the generator's tensor parallelism (none with T = 1)."""
+    tp = cfg.generation.tensor_parallel_size
+    return {"tensor_parallel_size": tp, "distributed_executor_backend": "ray"} if tp > 1 else {}
+
+
+def reward_function(cfg: Config) -> Callable[[Prompt, str], float]:
+    if cfg.backend == "sim":
+        from pipeline.sim.engines import faulty_sim_reward, sim_reward
+        return faulty_sim_reward(cfg.sim) if cfg.sim.fault == "reward_raise" else sim_reward
+    from pipeline.inputs.rewards import load_reward
+    return load_reward(cfg.data.reward)
+
+
+def val_prompts(cfg: Config) -> list[Prompt]:
+    if cfg.backend == "sim":
+        from pipeline.sim.engines import sim_prompts
+        return sim_prompts(cfg.sim.num_val_prompts, "val")
+    if not cfg.data.val:
+        return []
+    from pipeline.inputs.datasets import run_prompts
+    return list(run_prompts(cfg, "val").prompts)

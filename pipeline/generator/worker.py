@@ -1,0 +1,311 @@
+"""The generator actor: refit, validate and collect, with the engine driven
+by its engine loop (pipeline/generator/engine_loop.py), so generation overlaps
+training.
+
+refit_mode drain: a refit waits until no rollout is in flight, then loads.
+refit_mode inflight: a refit loads between two engine steps and the rollouts
+in flight go on with the new weights.
+
+Each node is a small method that takes upstream tokens and returns one; the
+work is done by the generation engine (pipeline/generator/vllm_engine.py, or the simulator). No method here
+waits on another node except through its arguments.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import pyarrow as pa
+import ray
+
+from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
+from pipeline.generator.engine_loop import EngineLoop, InFlight
+from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
+from pipeline.weights import packing
+from pipeline.generator.engines import generation_engine, reward_function, val_prompts
+from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
+from pipeline.config import Config
+from pipeline.core import spans
+
+
+def generator_name(index: int, incarnation: int = 0) -> str:
+    """gen<i>, and gen<i>r<k> for its k-th replacement: its name in events, metrics and errors."""
+    return f"gen{index}" + (f"r{incarnation}" if incarnation else "")
+
+
+class GeneratorWorker(Actor):
+    """One generation engine, driven by its engine loop."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self._loop: EngineLoop | None = None
+        self._puts: list = []   # the controller's answers to batches put, not yet checked (the loop's)
+
+    def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, incarnation: int = 0,
+                  start_weights: tuple = (), after: Clock = ()) -> Clock:
+        """`start_weights`: (ObjectRef of (version, state),) when starting mid-run (a
+        restart, a resume); the load is logged as this worker's refit to that version.
+        `after`: the caller's clock (it holds the trainer's, from current_weights)."""
+        one_thread()
+        spans.take()
+        if self._loop is not None:
+            # A previous run on this actor must not leak rollouts into this one.
+            self._loop.stop(cfg.run.deadline_s)
+            self._loop = None
+        if self._puts:
+            # ... nor a late put land in this run's buffer under a batch id the runs share.
+            ray.wait(self._puts, num_returns=len(self._puts), timeout=cfg.run.deadline_s)
+        self.cfg = cfg
+        self.log = reopen_log(self, run_dir, generator_name(self.index, incarnation), t0)
+        self.log.merge(after)
+        self.log.emit("worker_start", **whereabouts(), incarnation=incarnation, generator=self.index)
+        self.engine = generation_engine(cfg, self.index, incarnation)
+        self.reward_fn = None if cfg.env.class_ else reward_function(cfg)  # an environment scores itself
+        self.val_prompts = val_prompts(cfg)[self.index::cfg.generation.num_generators]
+        self.controller = controller
+        self.version, self._loaded_step = 0, None
+        self._puts = []
+        if start_weights:
+            version, stored = ray.get(start_weights[0])
+            self.log.emit("weights_fetched", step=version - 1, version=version)
+            self.log.emit("refit_start", step=version - 1, version=self.version)
+            self.engine.load_weights(packing.unpack(stored))
+            del stored
+            self.log.emit("weights_dropped", step=version - 1, version=version)
+            self.engine.set_version(version)
+            self.version, self._loaded_step = version, version - 1
+            self.log.emit("refit_end", step=version - 1, version=self.version)
+        env = cfg.env if cfg.env.class_ else None
+        workers = None
+        if env is not None and env.num_workers:
+            from pipeline.envs.workers import EnvWorkers
+            workers = EnvWorkers(env, self.log.worker)
+            workers.wait_ready(cfg.run.startup_deadline_s)
+        self._loop = EngineLoop(self.engine, self.log, self._deliver, self._fail, self.version,
+                                cfg.schedule.group_size, env, workers)
+        self.log.emit("worker_ready", spans=spans.take())
+        return self.log.now()
+
+    @node("refit")
+    def refit(self, train: TrainOut, gate: Gate) -> Refitted:
+        """Drain: wait until no rollout is in flight, then load. Inflight: hand
+        the load to the engine loop, which runs it between two steps; the
+        rollouts in flight go on with the new weights. The loop logs both ends."""
+        started = time.perf_counter()
+        collective = self.cfg.generation.weight_sync == "collective"
+        fetched = None
+        if train.version == self.version + 1 and not collective:
+            # Fetched while rollouts may still run: only the load changes the engine.
+            with spans.span("weights.get"):
+                fetched = ray.get(train.weights_ref[0])
+            self.log.emit("weights_fetched", step=gate.step, version=train.version)
+        self._drain(gate.step)
+        if self._loaded_step == gate.step and train.version == self.version:
+            # Recovery re-runs a step's tail after a generator restart; whoever
+            # already loaded this step's weights (or started with them) keeps them.
+            return Refitted(self.log.worker, gate.step, self.version, gate.validate)
+        if train.version != self.version + 1:
+            raise RuntimeError(f"weight sync: trainer sent version {train.version}, "
+                               f"generator holds {self.version}; expected {self.version + 1}")
+        if collective:
+            from pipeline.weights import collective  # torch: not in the driver, which imports this module
+
+            def load() -> None:
+                with spans.span("weights.receive"):
+                    # The trainer's send_weights node broadcasts at the same time; both sides
+                    # check the version before any bytes move.
+                    collective.receive_into(self._sync, self.engine, train.version)
+        else:
+            sent_version, stored = fetched
+            if sent_version != train.version:
+                raise RuntimeError(f"weight sync: the weights in the object store are version {sent_version}, "
+                                   f"the trainer announced {train.version}")
+
+            def load() -> None:
+                self.engine.load_weights(packing.unpack(stored))
+        spans.add(self._loop.call("install", (load, gate.step, train.version), self.cfg.run.deadline_s,
+                                  f"the refit of step {gate.step}"))
+        if fetched is not None:
+            # The engine has its own copy now; a view kept of the store's buffer would pin it there.
+            del fetched, stored, load
+            self.log.emit("weights_dropped", step=gate.step, version=train.version)
+        self.version, self._loaded_step = train.version, gate.step
+        return Refitted(self.log.worker, gate.step, self.version, gate.validate,
+                        refit_s=time.perf_counter() - started)
+
+    def _drain(self, step: int) -> None:
+        """refit_mode drain: wait until no rollout is in flight. Either mode: raise what failed."""
+        if self.cfg.generation.refit_mode == "drain":
+            with spans.span("drain"):
+                self._loop.call("wait_idle", None, self.cfg.run.deadline_s,
+                                f"rollouts still running while draining for the refit of step {step}")
+        self._check_puts()
+        error, self._loop.error = self._loop.error, None
+        if error is not None:
+            raise RuntimeError(f"a rollout failed before step {step}: {error}")
+
+    def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                         timeout_s: float) -> None:
+        """generation.weight_sync collective: join trainer rank 0's group as `rank` (1..G)."""
+        from pipeline.weights import collective
+        if getattr(self, "_sync", None) is not None:
+            collective.leave(self._sync)  # a pooled actor: the last run's group
+        self._sync = collective.join(host, port, rank, world_size, backend, timeout_s, engine=self.engine,
+                                      bucket_bytes=int(self.cfg.generation.sync_bucket_mb * 2**20))
+
+    @node("validate")
+    def validate(self, ready: Refitted | Gate) -> ValOut:
+        if not ready.validate or not self.val_prompts:
+            return ValOut(self.log.worker, ready.step, self.version, False)
+        started = time.perf_counter()
+        self.log.emit("validation_start", step=ready.step, version=self.version)
+        # Beside the rollouts in flight (inflight mode): the weights cannot change
+        # before this node returns, and no rollout starts before resume.
+        completions = self._loop.call("greedy", self.val_prompts, self.cfg.run.deadline_s,
+                                      f"the validation of step {ready.step}")
+        scored = [self._score(p, c) for p, c in zip(self.val_prompts, completions)]
+        rewards = [r for r, error in scored if not error]
+        self.log.emit("validation_end", step=ready.step, version=self.version)
+        return ValOut(self.log.worker, ready.step, self.version, True,
+                      (("reward_sum", float(sum(rewards))), ("count", float(len(rewards))),
+                       ("failed", float(len(scored) - len(rewards)))),
+                      validate_s=time.perf_counter() - started)
+
+    @node("collect")
+    def collect(self, resume: Resume) -> Ticket:
+        """Every launched batch starts here, inside the node: the engine loop adds
+        its requests and logs rollout_start before it answers, so a rollout can
+        only start where the graph puts `collect`, and the Ticket's clock is
+        after every rollout_start."""
+        if resume.version != self.version:
+            raise RuntimeError(f"asked to roll out with version {resume.version}, engine holds {self.version}")
+        if self.cfg.generation.refit_mode == "drain" and self._loop.in_flight():
+            raise RuntimeError("collect while rollouts are still in flight: the graph lost its refit edge")
+        return self._start_rollouts(resume, self.version)
+
+    def _start_rollouts(self, resume: Resume, version: int) -> Ticket:
+        mine = [launch for launch in resume.launches if launch.generator == self.index]
+        for launch in mine:
+            self.log.emit("launch", step=launch.target, version=version, batch=launch.batch_id,
+                          target=launch.target)
+        group = self.cfg.schedule.group_size
+        requests = [(launch, [s for seeds in sample_seeds(self.cfg.run.seed, launch.batch_id, list(launch.prompts),
+                                                          group) for s in seeds]) for launch in mine]
+        busy = self._loop.call("submit", (version, requests), self.cfg.run.deadline_s,
+                               f"collect of step {resume.step}")
+        return Ticket(self.log.worker, resume.step, version, tuple(l.batch_id for l in mine), busy)
+
+    def _deliver(self, batch: InFlight, completions: list[Completion], profile: dict) -> None:
+        """The engine loop's: a finished batch, scored and put. Its clock goes with
+        the put to the controller."""
+        launch, group = batch.launch, self.cfg.schedule.group_size
+        groups = [completions[i:i + group] for i in range(0, len(completions), group)]
+        try:
+            table = self._table(launch, batch.version, groups)
+        except Exception as exc:  # a user's reward function beyond one sample, or a malformed completion
+            self._loop.error = self._loop.error or f"batch {launch.batch_id}: {type(exc).__name__}: {exc}"
+            self._fail(batch, f"failed: {type(exc).__name__}: {exc}")
+            return
+        # Logged and put with the version it was launched with: its oldest token is no older.
+        self.log.emit("rollout_end", step=launch.target, version=batch.version, batch=launch.batch_id,
+                      target=launch.target, spans=profile, token_versions=_runs(table),
+                      turns=[c.turns for c in completions])
+        # Not waited for here: the loop would wait out the round trip, and sample
+        # waits for the batch anyway. _check_puts reads the answers.
+        self._puts.append(self.controller.put.remote(launch.batch_id, batch.version, table, self.log.now()))
+
+    def _fail(self, batch: InFlight, reason: str) -> None:
+        launch = batch.launch
+        self.log.emit("rollout_end", step=launch.target, version=batch.version, batch=launch.batch_id,
+                      target=launch.target, failed=True)
+        ray.get(self.controller.rollout_failed.remote(launch.batch_id, reason, self.log.now()))
+
+    def _check_puts(self) -> None:
+        """Raise a put the controller refused; keep the ones still on their way for the next refit."""
+        puts = list(self._puts)  # the loop appends while this reads: take what is there now
+        done, _ = ray.wait(puts, num_returns=len(puts), timeout=0) if puts else ([], [])
+        for ref in done:
+            self._puts.remove(ref)
+        ray.get(done)
+
+    def _score(self, prompt: Prompt, completion: Completion) -> tuple[float, str]:
+        """(reward, why it failed or ""): the environment's sum of turn rewards, or data.reward's."""
+        if completion.reward is not None:
+            if completion.error:
+                return 0.0, f"prompt {prompt.id}: {completion.error}"
+            if not math.isfinite(completion.reward):  # finite turn rewards that overflowed in their sum
+                return 0.0, f"prompt {prompt.id}: environment rewards sum to {completion.reward}"
+            return completion.reward, ""
+        try:
+            reward = float(self.reward_fn(prompt, completion.text))
+        except Exception as exc:  # a user's reward function: any error marks this one sample
+            return 0.0, f"prompt {prompt.id}: {type(exc).__name__}: {exc}"
+        if not math.isfinite(reward):
+            # A NaN or inf would reach the loss, and through it every weight.
+            return 0.0, f"prompt {prompt.id}: reward function returned {reward}"
+        return reward, ""
+
+    def _group_rewards(self, launch: Launch, version: int, prompt: Prompt,
+                       group: list[Completion]) -> tuple[list[float], list[str]]:
+        """A sample whose reward raised is scored with the mean of its group's
+        good rewards: its advantage is then zero, so it teaches nothing, and
+        the rest of the group keeps its ranking."""
+        scored = [self._score(prompt, c) for c in group]
+        good = [r for r, error in scored if not error]
+        fill = sum(good) / len(good) if good else 0.0
+        for _, error in scored:
+            if error:
+                self.log.emit("reward_failed", step=launch.target, version=version, batch=launch.batch_id,
+                              reason=error)
+        return [fill if error else r for r, error in scored], [error for _, error in scored]
+
+    def _table(self, launch: Launch, version: int, groups: list[list[Completion]]) -> pa.Table:
+        rows = [(prompt, c) for prompt, group in zip(launch.prompts, groups) for c in group]
+        rewards, errors = [], []
+        with spans.span("reward"):
+            for prompt, group in zip(launch.prompts, groups):
+                r, e = self._group_rewards(launch, version, prompt, group)
+                rewards += r
+                errors += e
+        n = len(rows)
+        with spans.span("table"):
+            return pa.table({
+                "batch_id": [launch.batch_id] * n, "target": [launch.target] * n,
+                # A sample's age counts from its oldest token (the engine may start it after a later refit).
+                "version": [min(c.versions, default=version) for _, c in rows],
+                "prompt_id": [p.id for p, _ in rows],
+                "prompt_ids": [list(c.prompt_ids) for _, c in rows],
+                "response_ids": [list(c.response_ids) for _, c in rows],
+                "logprobs": [list(c.logprobs) for _, c in rows],
+                "token_versions": [list(c.versions) for _, c in rows],
+                "text": [c.text for _, c in rows],
+                "reward": rewards,
+                "reward_error": errors,
+                "loss_mask": [list(c.loss_mask) or [1] * len(c.response_ids) for _, c in rows],
+                "token_rewards": [_token_rewards(c, r) for (_, c), r in zip(rows, rewards)],
+            }, schema=TRAJECTORY_SCHEMA)
+
+
+def _token_rewards(completion: Completion, reward: float) -> list[float]:
+    """The environment's per-turn rewards; a single-turn reward on the last token."""
+    if completion.token_rewards:
+        return list(completion.token_rewards)
+    out = [0.0] * len(completion.response_ids)
+    if out:
+        out[-1] = reward
+    return out
+
+
+def _runs(table: pa.Table) -> list[list[list[int]]]:
+    """Each row's token versions as runs, [[version, tokens], ...]: what rollout_end
+    logs for the checker (one run per sample under refit_mode drain)."""
+    out = []
+    for versions in table.column("token_versions").to_pylist():
+        runs: list[list[int]] = []
+        for v in versions:
+            if runs and runs[-1][0] == v:
+                runs[-1][1] += 1
+            else:
+                runs.append([v, 1])
+        out.append(runs)
+    return out

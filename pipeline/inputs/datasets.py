@@ -1,0 +1,263 @@
+"""Prompt datasets: JSONL or Parquet, schema-checked row by row.
+
+Two schemas are accepted:
+- generic: `prompt` (string), `answer` (string), optional `id`;
+- GSM8K: `question`, `answer` ending in "#### N"; the question is wrapped in
+  GSM8K_TEMPLATE and the answer becomes N (commas removed).
+Every error is a DataError naming the file, the field and where it is: "line N"
+in JSONL (from 1, as an editor numbers lines; blank lines count) and "row N" in
+Parquet (from 0, as pyarrow and pandas number rows). A bad dataset would
+otherwise surface inside a remote worker, far from the recipe.
+
+JSONL is parsed line by line with `json` rather than by pyarrow, whose errors
+give a row within a read block, not the line of the file.
+
+A real run generates from `run_prompts`: the prompts whose tokens (the model's
+tokenizer, as the generator encodes them) plus generation.max_new_tokens fit
+the engine's context. vLLM refuses a longer prompt only when a step sends it,
+minutes into the run; this finds it before any worker starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.core.types import Prompt
+from pipeline.core.jsonl import JsonLineError, json_lines
+
+GSM8K_TEMPLATE = ("{question}\nLet's think step by step and output the final answer "
+                  "after \"####\".\n")
+# The fields read; any other field or column is ignored, whatever its type.
+FIELDS = ("prompt", "question", "answer", "id")
+_TEXT_TYPES = tuple(getattr(pa.types, name) for name in ("is_string", "is_large_string", "is_string_view",
+                                                         "is_null") if hasattr(pa.types, name))
+_JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used; the message names the file, field and line/row."""
+
+
+@dataclass
+class _Rows:
+    path: Path
+    rows: list[dict]
+    where: list[str]      # "line 18" / "row 17", one per row
+    names: list[str]      # fields seen in any row (JSONL) or the columns (Parquet)
+    noun: str             # "field" (JSONL) or "column" (Parquet)
+
+    def error(self, i: int, message: str) -> DataError:
+        return DataError(f"{self.path}: {self.where[i]}: {message}")
+
+
+def _read_jsonl(p: Path) -> _Rows:
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise DataError(f"{p}: line {line}: not UTF-8 text") from None
+    rows, where, names = [], [], {}
+    try:
+        # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line breaks.
+        decoded = list(json_lines(text.split("\n")))
+    except JsonLineError as exc:
+        raise DataError(f"{p}: line {exc.line}, column {exc.column}: not valid JSON: {exc.msg}") from None
+    for n, row in decoded:
+        if not isinstance(row, dict):
+            got = _JSON_TYPES.get(type(row), type(row).__name__)
+            raise DataError(f"{p}: line {n}: expected a JSON object such as "
+                            f'{{"prompt": ..., "answer": ...}}, got {got} (JSONL holds one object per line)')
+        rows.append(row)
+        where.append(f"line {n}")
+        names.update(dict.fromkeys(row))
+    return _Rows(p, rows, where, list(names), "field")
+
+
+def _read_parquet(p: Path) -> _Rows:
+    try:
+        table = pq.read_table(p)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{p}: cannot read as parquet: {exc}") from None
+    used = [name for name in table.column_names if name in FIELDS]
+    for name in used:
+        typ = table.schema.field(name).type
+        # pandas writes categorical text as a dictionary of strings; it reads back as str.
+        value_type = typ.value_type if pa.types.is_dictionary(typ) else typ
+        if not any(check(value_type) for check in _TEXT_TYPES):
+            hint = " (store it as text, so \"007\" stays \"007\")" if name in ("answer", "id") else ""
+            raise DataError(f"{p}: column {name!r} has type {typ}; it must be a string{hint}")
+    rows = table.select(used).to_pylist()
+    return _Rows(p, rows, [f"row {i}" for i in range(len(rows))], table.column_names, "column")
+
+
+def _read(p: Path) -> _Rows:
+    suffix = p.suffix.lower()
+    if suffix not in (".parquet", ".jsonl"):
+        raise DataError(f"{p}: unknown data file extension {p.suffix!r}; expected .parquet or .jsonl")
+    if not p.exists():
+        # Relative paths are read from the working directory, not from the recipe's.
+        cwd = "" if p.is_absolute() else f" (relative to the working directory {str(Path.cwd())!r})"
+        raise DataError(f"{p}: data file does not exist{cwd}")
+    if not p.is_file():
+        raise DataError(f"{p}: is not a file")
+    try:
+        return _read_parquet(p) if suffix == ".parquet" else _read_jsonl(p)
+    except OSError as exc:
+        raise DataError(f"{p}: cannot read: {exc.strerror or exc}") from None
+
+
+def _text(data: _Rows, i: int, name: str) -> str:
+    row = data.rows[i]
+    if name not in row:
+        raise data.error(i, f"{data.noun} {name!r} is missing")
+    value = row[name]
+    if value is None:
+        raise data.error(i, f"{data.noun} {name!r} is null")
+    if not isinstance(value, str):
+        got = _JSON_TYPES.get(type(value), type(value).__name__)
+        # Numbers are refused, not converted, so that "007" and "7" stay different answers.
+        hint = f' (quote it: "{name}": "{value}")' if type(value) in (int, float) else ""
+        raise data.error(i, f"{data.noun} {name!r} is {got}, not a string{hint}")
+    if not value.strip():
+        raise data.error(i, f"{data.noun} {name!r} is empty")
+    return value
+
+
+def gsm8k_final_answer(answer: str) -> str | None:
+    """The text after the last "####" of a GSM8K answer, commas removed."""
+    if "####" not in answer:
+        return None
+    return answer.rsplit("####", 1)[1].strip().replace(",", "") or None
+
+
+def load_prompts(path: str | Path, *, kind: str = "train") -> list[Prompt]:
+    """Read a prompt dataset; `kind` ("train", "val") only prefixes generated ids."""
+    return _load(path, kind)[0]
+
+
+def _load(path: str | Path, kind: str) -> tuple[list[Prompt], list[str]]:
+    """load_prompts, and where each prompt is in the file ("line 7", "row 6")."""
+    data = _read(Path(path))
+    p = data.path
+    if not data.rows:
+        raise DataError(f"{p}: the dataset is empty (0 rows)")
+    is_gsm8k = "prompt" not in data.names and "question" in data.names
+    text_name = "question" if is_gsm8k else "prompt"
+    for name in (text_name, "answer"):
+        if name not in data.names:
+            hint = " or 'question' (GSM8K)" if name == "prompt" else ""
+            raise DataError(f"{p}: missing required {data.noun} {name!r}{hint} "
+                            f"({data.noun}s found: {', '.join(data.names) or 'none'})")
+    has_ids = "id" in data.names
+    first_of: dict[str, int] = {}
+    prompts = []
+    for i in range(len(data.rows)):
+        text, answer = _text(data, i, text_name), _text(data, i, "answer")
+        pid = f"{kind}-{i}"
+        if has_ids:
+            pid = _text(data, i, "id")
+            if pid in first_of:
+                raise data.error(i, f"{data.noun} 'id' repeats {pid!r} from {data.where[first_of[pid]]}")
+            first_of[pid] = i
+        if is_gsm8k:
+            final = gsm8k_final_answer(answer)
+            if not final:
+                raise data.error(i, f"{data.noun} 'answer' has no final '#### <number>' (GSM8K format)")
+            try:
+                float(final)
+            except ValueError:
+                raise data.error(i, f"{data.noun} 'answer' ends in '#### {final}', "
+                                 "which is not a number") from None
+            text, answer = GSM8K_TEMPLATE.format(question=text.strip()), final
+        prompts.append(Prompt(id=pid, text=text, answer=answer))
+    return prompts, data.where
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """The prompts of one dataset that leave generation.max_new_tokens of room
+    in the generator's context, in file order with their ids unchanged (so a
+    dataset with nothing to drop gives the run load_prompts' list)."""
+    prompts: tuple[Prompt, ...]
+    total: int           # prompts in the file
+    context: int         # the engine's max_model_len (models.context_length)
+    max_new_tokens: int
+
+    @property
+    def filtered(self) -> int:
+        return self.total - len(self.prompts)
+
+    @property
+    def limit(self) -> int:
+        """The most prompt tokens that leave room for a whole completion."""
+        return self.context - self.max_new_tokens
+
+    def note(self, key: str) -> str:
+        return (f"{key}: filtered {self.filtered} of {self.total} prompts longer than {self.limit} tokens "
+                f"(context {self.context} - max_new_tokens {self.max_new_tokens}); data.filter_overlong")
+
+
+def prompt_lengths(prompts: list[Prompt], tokenizer) -> list[int]:
+    """Each prompt's tokens as the generator sends them to vLLM."""
+    # VllmGenerationEngine.encode: tokenizer(text).input_ids, one text per call and the
+    # special tokens (the BOS) included; anything else could count fewer than vLLM gets.
+    return [len(tokenizer(p.text).input_ids) for p in prompts]
+
+
+def fit_prompts(path: str | Path, kind: str, tokenizer, *, context: int, max_new_tokens: int,
+                drop: bool) -> Fitted:
+    """The prompts of `path` whose tokens plus max_new_tokens fit `context`.
+    An over-long prompt is left out when `drop`, else a DataError naming its
+    line or row and its length; a dataset with none left is a DataError too."""
+    prompts, where = _load(path, kind)
+    limit = context - max_new_tokens
+    lengths = prompt_lengths(prompts, tokenizer)
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    fits = f"the {limit} that fit (the model's context {context} - generation.max_new_tokens {max_new_tokens})"
+    if over and not drop:
+        i = over[0]
+        also = f"; {len(over)} of the {len(prompts)} prompts are too long" if len(over) > 1 else ""
+        raise DataError(f"{path}: {where[i]}: the prompt is {lengths[i]} tokens, more than {fits}{also}; "
+                        "shorten it, or set data.filter_overlong: true to leave such prompts out")
+    if len(over) == len(prompts):
+        raise DataError(f"{path}: all {len(prompts)} prompts are longer than {fits}; none is left to "
+                        "generate from (shorten them or lower generation.max_new_tokens)")
+    dropped = set(over)
+    return Fitted(tuple(p for i, p in enumerate(prompts) if i not in dropped), len(prompts), context,
+                  max_new_tokens)
+
+
+# Fitted datasets by what decides them, so that a process asked twice (the
+# driver's preflight and an in-process worker, or a generator begun for many
+# runs) tokenizes once. Bounded: a pool of workers may serve many datasets.
+_FITTED: dict[tuple, Fitted] = {}
+
+
+def _stamp(path: Path) -> tuple:
+    st = path.stat()
+    return str(path.resolve()), st.st_mtime_ns, st.st_size
+
+
+def run_prompts(cfg, kind: str) -> Fitted:
+    """The prompts of data.train or data.val (`kind`) that a real run generates
+    from: over-long ones left out, or refused, per data.filter_overlong. The
+    driver's preflight and the workers call this alike, so they agree."""
+    from pipeline.inputs.models import TOKENIZER_FILES, context_length
+    path = Path(cfg.data.train if kind == "train" else cfg.data.val)
+    model = Path(cfg.model.path)
+    stamps = tuple(_stamp(f) for f in (model / "config.json", *(model / n for n in TOKENIZER_FILES)) if f.is_file())
+    key = (kind, _stamp(path), stamps, cfg.generation.max_new_tokens, cfg.data.filter_overlong)
+    if key not in _FITTED:
+        from transformers import AutoTokenizer
+        # The generator's tokenizer: vLLM loads model.path's with AutoTokenizer too.
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        fitted = fit_prompts(path, kind, tokenizer, context=context_length(model),
+                             max_new_tokens=cfg.generation.max_new_tokens, drop=cfg.data.filter_overlong)
+        while len(_FITTED) >= 8:
+            _FITTED.pop(next(iter(_FITTED)))
+        _FITTED[key] = fitted
+    return _FITTED[key]

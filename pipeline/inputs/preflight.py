@@ -1,0 +1,65 @@
+"""Check what a recipe names (model, data, reward) before any worker starts.
+
+Bad input is then an error naming the recipe key and the path or spec, not a
+worker's traceback minutes into a run.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from pipeline.config import Config
+
+
+def preflight(cfg: Config) -> Future | None:
+    """Check the model, data and reward before any worker starts, so that bad
+    input is an error naming the path or spec, not a worker's traceback.
+
+    The quick checks raise here. Whether transformers can load the model's
+    config and tokenizer takes seconds of imports, so it runs on a thread while
+    the caller starts Ray: the returned future's result() raises what it found,
+    and must be called before any worker starts (None: nothing to wait for).
+    The same thread then counts every prompt's tokens with the model's
+    tokenizer (data.filter_overlong); the result is the datasets as the run
+    uses them, {"train": Fitted, "val": Fitted (when data.val is set)}."""
+    if cfg.backend == "sim":
+        return None
+    from pipeline.inputs.datasets import DataError, load_prompts, run_prompts
+    from pipeline.inputs.models import ModelError, check_model_files, check_model_loads, context_length
+    from pipeline.inputs.rewards import RewardError, load_reward
+
+    def check(key: str, fn: Callable, *args, **kwargs):
+        # Prefix the recipe key, so the error also says which setting named the bad path or spec.
+        try:
+            return fn(*args, **kwargs)
+        except (DataError, ModelError, RewardError) as exc:
+            raise type(exc)(f"{key}: {exc}") from None
+
+    models = [("model.path", cfg.model.path, None)]
+    if cfg.algorithm == "ppo" and cfg.ppo.critic_model:
+        models.append(("ppo.critic_model", cfg.ppo.critic_model, cfg.model.path))
+    for key, path, tokenizer_dir in models:
+        check(key, check_model_files, path, own_tokenizer=tokenizer_dir is None)
+    # Empty files are DataErrors inside load_prompts. data.val is read whenever it is
+    # set: the generators load it at start-up even when no validation is scheduled.
+    check("data.train", load_prompts, cfg.data.train, kind="train")
+    if cfg.data.val:
+        check("data.val", load_prompts, cfg.data.val, kind="val")
+    if not cfg.env.class_:  # an environment's steps give the rewards (config.py checked its class)
+        check("data.reward", load_reward, cfg.data.reward)
+
+    context, new = context_length(cfg.model.path), cfg.generation.max_new_tokens
+    if new >= context:
+        raise ModelError(f"generation.max_new_tokens: {new} leaves no room for a prompt in the context of "
+                         f"{context} tokens of model.path {cfg.model.path!r}")
+
+    def loads() -> dict:
+        for key, path, tokenizer_dir in models:
+            check(key, check_model_loads, path, tokenizer_dir=tokenizer_dir)
+        kinds = ["train", "val"] if cfg.data.val else ["train"]
+        return {kind: check(f"data.{kind}", run_prompts, cfg, kind) for kind in kinds}
+    pool = ThreadPoolExecutor(1, thread_name_prefix="preflight")
+    try:
+        return pool.submit(loads)
+    finally:
+        pool.shutdown(wait=False)

@@ -1,0 +1,115 @@
+"""The PPO critic actor: values -> GAE advantages, then the value update.
+
+Three nodes per step (dags/step_graph.py ppo_train_subgraph), on each of the
+critic's data-parallel ranks (ppo.critic_num_workers):
+
+    critic_values  critic_values(Batch) -> Values   this rank's shard's values under
+                   the weights that trained up to the previous step
+    advantages     advantages(*Values) -> Advantages   rank 0 only: GAE
+                   (pipeline/algos/ppo.py) over the whole batch, so whitening
+                   and statistics are the batch's; the policy reads them
+    critic_train   critic_train(Advantages) -> CriticOut   this rank's shard,
+                   beside the policy update
+
+The driver starts it with ray.remote(CriticWorker), threaded
+(max_concurrency=2), so save_state between steps never waits behind a
+compiled graph's loop. The engine (pipeline/trainer/deepspeed_critic.py or
+pipeline/sim/engines.py SimCriticEngine) does the work.
+"""
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+import ray
+
+from dags.tokens import Advantages, Batch, CriticOut, Values
+from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
+from pipeline.trainer.skipped_steps import SkippedSteps
+from pipeline.algos.ppo import compute_advantages
+from pipeline.trainer.engines import critic_engine
+from pipeline.core.data_parallel import Rendezvous, Shard, rank_name, table_shard
+from pipeline.config import Config
+from pipeline.core import memory
+from pipeline.core import spans
+
+
+class CriticWorker(Actor):
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+
+    def begin_run(self, cfg: Config, run_dir: str, t0: float, restore_dir: str | None = None,
+                  rendezvous: Rendezvous | None = None) -> None:
+        one_thread()
+        old = getattr(self, "engine", None)
+        if old is not None and hasattr(old, "close"):
+            old.close()  # a pooled actor: free the last run's optimizer state first
+        self.cfg = cfg
+        self.world_size = cfg.ppo.critic_num_workers
+        self.log = reopen_log(self, run_dir, rank_name("critic", self.rank, self.world_size), t0)
+        self.log.emit("worker_start", **whereabouts(), rank=self.rank)
+        spans.take()
+        self.engine = critic_engine(cfg, self.rank, rendezvous)
+        if restore_dir is not None:
+            self.engine.load_state(restore_dir)
+        # One step's batch, from critic_values to critic_train of that step.
+        self._pending: dict[int, pa.Table] = {}
+        # Held until the next step's nodes: a ref sent through a compiled-graph
+        # channel is not borrowed, so its owner must keep it alive until the
+        # readers (advantages, the trainer's train) have read it.
+        self._live_values = self._live_advantages = None
+        # save_state arrives on the second thread; it must not see half an update.
+        self._lock = threading.Lock()
+        self.skipped = SkippedSteps(self.log, "critic", cfg.fault.max_nonfinite_steps, loss_key="value_loss")
+        self.heap = memory.HeapCap()
+        self.log.emit("worker_ready", spans=spans.take())
+
+    def _shard(self, table: pa.Table) -> Shard | None:
+        return table_shard(table, self.cfg.schedule.group_size, self.rank, self.world_size,
+                           self.cfg.training.micro_batch_size)
+
+    @node("critic_values")
+    def critic_values(self, batch: Batch) -> Values:
+        table = ray.get(batch.table_ref[0])
+        with self._lock:
+            values = self.engine.values(table, self._shard(table))
+        self._live_values = ref = ray.put(values)
+        # Only this step's entry: its critic_train comes before the next critic_values.
+        self._pending = {batch.step: table}
+        return Values(batch.step, self.rank, (ref,))
+
+    @node("advantages")
+    def advantages(self, *shards: Values) -> Advantages:
+        """Rank 0: the shards' values in rank order are the batch's, row by row."""
+        step = shards[0].step
+        if sorted(v.rank for v in shards) != list(range(self.world_size)) or {v.step for v in shards} != {step}:
+            raise RuntimeError(f"advantages: values of ranks {[v.rank for v in shards]} for steps "
+                               f"{sorted({v.step for v in shards})}; expected every rank's of step {step}")
+        values = [row for v in sorted(shards, key=lambda v: v.rank) for row in ray.get(v.values_ref[0])]
+        p = self.cfg.ppo
+        targets, stats = compute_advantages(self._pending[step], values, gamma=p.gamma, lam=p.lam,
+                                            whiten_advantages=p.whiten_advantages)
+        self._live_advantages = ref = ray.put(targets)
+        return Advantages(step, (ref,), tuple(sorted(stats.items())))
+
+    @node("critic_train")
+    def critic_train(self, adv: Advantages) -> CriticOut:
+        table = self._pending.pop(adv.step, None)
+        if table is None:
+            raise RuntimeError(f"critic_train of step {adv.step} without its critic_values "
+                               f"(pending: {sorted(self._pending)})")
+        targets = ray.get(adv.table_ref[0])
+        with self._lock:
+            metrics = self.engine.train_step(table, targets, self._shard(table))
+        self.skipped.check(adv.step, None, metrics)
+        with spans.span("heap_cap"):
+            trimmed = self.heap.check()  # the step's activations (pipeline/core/memory.py)
+        if trimmed:
+            self.log.emit("heap_trimmed", rss_mb=round(trimmed[0] / memory.MB, 1),
+                          floor_mb=round(trimmed[1] / memory.MB, 1))
+        return CriticOut(adv.step, tuple(sorted({**dict(adv.metrics), **metrics}.items())))
+
+    def save_state(self, path: str) -> None:
+        """Every rank: each writes its own optimizer partition into the same directory."""
+        with self._lock:
+            self.engine.save_state(path)

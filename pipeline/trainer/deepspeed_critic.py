@@ -1,0 +1,117 @@
+"""The PPO critic on DeepSpeed: an HF causal LM's backbone plus a linear value head.
+
+DeepSpeed's set-up and the micro-batch update are pipeline/trainer/deepspeed_base.py's,
+as for the policy: one process, one optimizer step per table.
+"""
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import torch
+
+from pipeline.algos.ppo import value_loss
+from pipeline.core.data_parallel import Rendezvous, Shard
+from pipeline.trainer.deepspeed_base import DeepSpeedEngine, collate
+
+
+class ValueModel(torch.nn.Module):
+    """backbone (the causal LM without its LM head) -> hidden states -> Linear(hidden, 1).
+
+    The head starts at zero, so the first values are 0 and the first
+    advantages are the plain returns: no random critic noise in early steps.
+    """
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               use_cache=False).last_hidden_state
+        # Positions start .. L-2: the window of pipeline.trainer.deepspeed_base.collate.
+        return self.value_head(hidden[:, start:-1]).squeeze(-1).float()
+
+
+class DeepSpeedCriticEngine(DeepSpeedEngine):
+    """Values of response tokens and the clipped value-loss update.
+
+    Which state a value belongs to: V_t, the value of response token t, is the
+    head's output at position P + t - 1 (P = prompt length), the last position
+    before token t. That hidden state has seen the prompt and response[:t],
+    i.e. the state in which the policy chooses token t, and it is the position
+    whose logits give token t's logprob, so values, logprobs and advantages
+    share one window. For t = 0 it is the last prompt token. The state after
+    the last token is terminal (V = 0, see pipeline.algos.ppo.gae) and gets no value.
+    """
+
+    def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
+                 micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
+                 value_clip: float = 0.2, seed: int = 0, weight_decay: float = 0.0,
+                 num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None):
+        self.value_clip = value_clip
+        super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
+                         grad_accum=grad_accum, lr=lr, seed=seed, weight_decay=weight_decay,
+                         num_threads=num_threads, rank=rank, rendezvous=rendezvous)
+
+    def _build_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+        lm = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        lm.config.use_cache = False
+        # base_model is the decoder stack (Llama: lm.model); the LM head is dropped.
+        model = ValueModel(lm.base_model, lm.config.hidden_size)
+        del lm
+        model.eval()  # no dropout: the old values and the first pass agree exactly
+        return model
+
+    def values(self, table: pa.Table, shard: Shard | None = None) -> list[list[float]]:
+        """V_t for every response token of every row (no update). With a shard,
+        as many forward passes as it says: under ZeRO-3 each gathers parameters
+        together with the other ranks' passes. `table` is the whole batch; a shard's
+        values are those of its rows."""
+        if shard is not None:
+            table = table.slice(shard.start, shard.stop - shard.start)
+        rows = table.select(["prompt_ids", "response_ids"]).to_pylist()
+        chunks = self._chunks(len(rows))
+        extra = 0 if shard is None else shard.micro_batches - len(chunks)
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for idx in chunks:
+                batch = collate([rows[i] for i in idx], self.device, token_keys={})
+                v = self.engine(batch["ids"], batch["attn"], batch["start"])
+                out += [v[j][batch["mask"][j]].tolist() for j in range(len(idx))]
+            for _ in range(extra):
+                batch = collate(rows[:1], self.device, token_keys={})
+                self.engine(batch["ids"], batch["attn"], batch["start"])
+        return out
+
+    def _loss(self, batch: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+        v = self.engine(batch["ids"], batch["attn"], batch["start"])
+        return value_loss(v, batch["old"], batch["returns"], batch["train_mask"], clip=self.value_clip,
+                          num_tokens=num_tokens)
+
+    def train_step(self, table: pa.Table, targets: pa.Table, shard: Shard | None = None) -> dict[str, float]:
+        """One clipped value-loss step (pipeline.algos.ppo.value_loss) towards the
+        `returns` column of `targets`, clipped around its `values` column (the
+        values the advantages were computed with). `targets` is aligned row by
+        row with `table`, one float per response token.
+
+        Metrics: value_loss (token mean), value_clip_frac, grad_norm,
+        nonfinite_skipped (see DeepSpeedEngine._update), tokens, step, time_s. (The critic worker adds the statistics of the values and
+        returns, which it already holds.)
+        """
+        t0 = time.perf_counter()
+        rows = self._rows(table, targets, ("returns", "values"), shard)
+        m = self._update(rows, {"returns": "returns", "old": "values"}, shard)
+        return {
+            "value_loss": m["loss"],
+            "value_clip_frac": m["clip_frac"],
+            "grad_norm": m["grad_norm"],
+            "nonfinite_skipped": m["nonfinite_skipped"],
+            "tokens": m["tokens"],
+            "step": float(self.steps),
+            "time_s": time.perf_counter() - t0,
+        }

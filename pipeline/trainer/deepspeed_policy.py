@@ -1,0 +1,143 @@
+"""The DeepSpeed policy engine: one clipped policy update per trajectory table.
+
+The advantages come with the table (GRPO's from the trainer actor, PPO's from
+the critic); DeepSpeed's set-up and the micro-batch update are
+pipeline/trainer/deepspeed_base.py's.
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from pipeline.algos.policy_loss import clipped_policy_loss
+from pipeline.weights import lora as adapters
+from pipeline.core.data_parallel import Rendezvous, Shard
+from pipeline.trainer.deepspeed_base import DeepSpeedEngine, full_params
+from pipeline.inputs.models import TOKENIZER_FILES
+from pipeline.core.spans import span
+
+
+class DeepSpeedPolicyEngine(DeepSpeedEngine):
+    """TrainingEngine (pipeline/core/types.py) on a DeepSpeed-wrapped HF causal LM.
+
+    `temperature` must be the generator's sampling temperature. With
+    kl_coef > 0 a frozen copy of the initial weights is the KL reference.
+    With `lora` (a training.lora section) only peft adapters are trained, and
+    the weights it exports, saves and restores are the adapter's; the KL
+    reference is then the base model itself, adapters switched off.
+    """
+
+    def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
+                 micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
+                 clip_eps: float = 0.2, kl_coef: float = 0.0, is_clip: float = 2.0, decoupled: bool = True,
+                 lora=None, seed: int = 0, temperature: float = 1.0,
+                 weight_decay: float = 0.0, num_threads: int | None = 1, rank: int = 0,
+                 rendezvous: Rendezvous | None = None):
+        self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
+        self.decoupled = decoupled
+        self.lora = lora
+        self.trainable_only = lora is not None
+        # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
+        self.temperature = temperature
+        super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
+                         grad_accum=grad_accum, lr=lr, seed=seed, weight_decay=weight_decay,
+                         num_threads=num_threads, rank=rank, rendezvous=rendezvous)
+        if self.ref is not None:
+            self.ref.to(self.device)
+
+    def _build_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        # eval(): no dropout, so the logprobs match the generator's and `old` is exact.
+        model.eval()
+        compute_dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
+        self.ref = None
+        if self.lora is not None:
+            model = adapters.wrap(model, self.lora, self.model_path)
+            model.eval()
+            if self.lora.dropout > 0:
+                for name, module in model.named_modules():
+                    if name.endswith("lora_dropout.default"):
+                        module.train()
+            return model
+        if self.kl_coef > 0:
+            # Copied before deepspeed.initialize, which partitions parameters under ZeRO-3.
+            self.ref = copy.deepcopy(model).to(compute_dtype).requires_grad_(False)
+        return model
+
+    def token_logprobs(self, model, batch: dict) -> torch.Tensor:
+        """`model`'s logprob of each token in a collated batch's response window
+        (pipeline.trainer.deepspeed_base.collate), at the sampling temperature."""
+        ids, start = batch["ids"], batch["start"]
+        out = model(input_ids=ids, attention_mask=batch["attn"], use_cache=False,
+                    logits_to_keep=ids.shape[1] - start)
+        logits = out.logits[:, :-1].float() / self.temperature
+        targets = ids[:, start + 1:]
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def _loss(self, batch: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+        with span("train.forward"):
+            lp = self.token_logprobs(self.engine, batch)
+        ref = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref = self.token_logprobs(self.ref, batch)
+        elif self.lora is not None and self.kl_coef > 0:
+            with torch.no_grad(), self.engine.module.disable_adapter():
+                ref = self.token_logprobs(self.engine, batch)
+        # Decoupled (AReaL): the proximal policy is the one before this step's update, which
+        # with one update per batch is lp itself; classic PPO clips against the behaviour policy.
+        proximal = lp.detach() if self.decoupled else batch["gen"]
+        return clipped_policy_loss(lp, proximal, batch["gen"], batch["adv"], batch["train_mask"],
+                                   clip_eps=self.clip_eps, kl_coef=self.kl_coef, ref_logprobs=ref,
+                                   is_clip=self.is_clip, num_tokens=num_tokens)
+
+    def train_step(self, table: pa.Table, advantages: pa.Table, shard: Shard | None = None) -> dict[str, float]:
+        """One policy update on the table: clipped ratio plus the truncated IS
+        correction (pipeline.algos.policy_loss.clipped_policy_loss).
+
+        `advantages` is aligned row by row with `table`; its `advantages`
+        column holds one float per response token (pipeline.algos.grpo or the
+        critic's pipeline.algos.ppo table).
+
+        Metrics: loss (token mean over the table), grad_norm (before clipping),
+        tokens (response tokens), clip_frac / is_weight / kl / ratio (token
+        means, see clipped_policy_loss), micro_batches, step (optimizer steps
+        so far), time_s.
+        """
+        t0 = time.perf_counter()
+        rows = self._rows(table, advantages, ("advantages",), shard)
+        metrics = self._update(rows, {"gen": "logprobs", "adv": "advantages"}, shard)
+        return {**metrics, "step": float(self.steps), "time_s": time.perf_counter() - t0}
+
+    def _synced(self) -> dict[str, torch.Tensor]:
+        """With LoRA the adapter's tensors, under peft's saved names; else every weight."""
+        return adapters.adapter_state(self.engine.module) if self.lora is not None else super()._synced()
+
+    def save(self, path: str) -> None:
+        """An HF checkpoint of the current weights (with LoRA: the peft adapter
+        directory, naming its base model), with the model directory's tokenizer
+        files, written by rank 0; every rank calls it (ZeRO-3 gathers). Refused,
+        on every rank and before anything is written, when a weight holds a NaN or inf."""
+        out = Path(path)
+        self.refuse_nonfinite(f"the policy checkpoint {path}")
+        state = self.export_weights()
+        if self.lora is not None:
+            if self.rank == 0:
+                adapters.write_adapter(out, state, adapters.adapter_config(self.lora, self.model_path))
+        else:
+            with full_params(self.deepspeed, self.engine.module, self.zero_stage):
+                if self.rank == 0:
+                    out.mkdir(parents=True, exist_ok=True)
+                    self.engine.module.save_pretrained(out, state_dict=state)
+        if self.rank != 0:
+            return
+        for name in TOKENIZER_FILES:
+            if (self.model_path / name).is_file():
+                shutil.copy2(self.model_path / name, out / name)
