@@ -161,7 +161,7 @@ def analyse_run(run_dir: Path, threshold: float, window: int) -> dict:
 
 def run_once(model: Path, out_dir: Path, name: str, max_age: int, steps: int, seed: int,
              dag_mode: str, extra: list[str]) -> Path:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import train
     cfg = load_config(RECIPE, [
         f"model.path={model}", f"data.train={ROOT / 'data' / 'tiny_train.jsonl'}",
@@ -179,7 +179,7 @@ def default_dag_mode() -> str:
     """What `auto` would choose if Ray were told the real core count: Ray is started
     with 8 logical CPUs (so that fractional actors never wait), which alone would
     make `auto` choose compiled graphs, whose channels spin a core each."""
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import resolve_dag_mode
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return resolve_dag_mode(load_config(RECIPE, ["run.dag_mode=auto"]), cores)
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import ray
 
-    from pipeline.io.tiny import build_tiny_model, model_digest
+    from pipeline.inputs.tiny import build_tiny_model, model_digest
 
     info = machine_info()
     dag_mode = args.dag_mode or default_dag_mode()

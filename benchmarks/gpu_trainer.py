@@ -6,7 +6,7 @@ the same way. On the same synthetic batch, with the same micro-batch size,
 ZeRO stage, dtype and DeepSpeed config:
 
   worker  pipeline.algos.grpo.grpo_advantages(table) and
-          pipeline.engines.deepspeed_policy.DeepSpeedPolicyEngine.train_step(table, advantages):
+          pipeline.trainer.deepspeed_policy.DeepSpeedPolicyEngine.train_step(table, advantages):
           the GRPO trainer as the pipeline runs it (an Arrow table in
           TRAJECTORY_SCHEMA -> group advantages, rows, collation and
           host-to-device copies every step, the policy loss and its metrics)
@@ -135,7 +135,7 @@ def build_rows(size: dict, vary: float, seed: int) -> list[dict]:
 def to_table(rows: list[dict]):
     import pyarrow as pa
 
-    from pipeline.engines.interface import TRAJECTORY_SCHEMA
+    from pipeline.core.types import TRAJECTORY_SCHEMA
     return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
 
 
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     from pipeline.algos.grpo import grpo_advantages
-    from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
+    from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 
     info = machine_info(cuda)
     meter = Meter(cuda)

@@ -3,7 +3,7 @@ copy layout of the collective weight sync, checked bit for bit and timed.
 
 A Llama of a few hundred million parameters is built from a config (random
 weights, saved to a temporary directory, as benchmarks/gpu_trainer.py does)
-and loaded in pipeline.engines.deepspeed_policy.DeepSpeedPolicyEngine, bf16,
+and loaded in pipeline.trainer.deepspeed_policy.DeepSpeedPolicyEngine, bf16,
 world size 1, at each ZeRO stage asked for (default 0 and 3); it takes one
 GRPO step first, so the weights read are ones the optimizer wrote.
 
@@ -15,7 +15,7 @@ GRPO step first, so the weights read are ones the optimizer wrote.
            be bit-equal to the module's (gathered under ZeRO-3). At ZeRO 0,
            engine.live_weights() must name the same tensors with the same shapes
            and dtypes, and be the module's own tensors (not copies).
-  buckets  pipeline/engines/weight_sync.py's layout on the device: the live
+  buckets  pipeline/weights/collective.py's layout on the device: the live
            tensors (under ZeRO-3: inside the gather) packed into two bucket
            buffers at weight_sync._layout's offsets and unpacked as
            weight_sync.receive does (a view of the bucket, or a tensor that spans
@@ -130,7 +130,7 @@ class Buckets:
     def __init__(self, items: list, bucket_bytes: int):
         import torch
 
-        from pipeline.engines import weight_sync as ws
+        from pipeline.weights import collective as ws
         self.manifest = ws.manifest_of(0, items)
         self.sizes = self.manifest.sizes()
         self.layout = ws._layout(self.sizes, bucket_bytes)
@@ -144,7 +144,7 @@ class Buckets:
 
     def stream(self):
         """(name, tensor) in manifest order, each valid until the next is asked for."""
-        from pipeline.engines import weight_sync as ws
+        from pipeline.weights import collective as ws
         whole: dict = {}
         for k, bucket in enumerate(self.layout):
             # send packs a bucket of several pieces; a one-piece bucket goes out from the
@@ -204,9 +204,9 @@ def stage_paths(model_dir: Path, stage: int, bucket_sizes: list[int], size: dict
     import torch
 
     from pipeline.algos.grpo import grpo_advantages
-    from pipeline.engines.deepspeed_base import full_params
-    from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
-    from pipeline.engines.weight_sync import ALIGN
+    from pipeline.trainer.deepspeed_base import full_params
+    from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
+    from pipeline.weights.collective import ALIGN
     engine = DeepSpeedPolicyEngine(str(model_dir), zero_stage=stage, dtype="bf16", micro_batch_size=2,
                                    grad_accum=1, lr=1e-4, seed=seed)
     try:
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     if size["hidden"] % size["heads"]:
         raise SystemExit(f"gpu_weight_paths: --hidden {size['hidden']} must be a multiple of --heads {size['heads']}")
     bucket_sizes = args.bucket_bytes or BUCKETS[mode]
-    from pipeline.engines.weight_sync import ALIGN
+    from pipeline.weights.collective import ALIGN
     if min(bucket_sizes) < ALIGN:
         raise SystemExit(f"gpu_weight_paths: --bucket-bytes must be at least weight_sync.ALIGN ({ALIGN})")
     import torch

@@ -44,7 +44,7 @@ SKIP_FIRST = 3   # the prologue's batches and the first refits
 
 
 def sim_run(overrides: list[str], pool, runner, out_dir: Path, name: str, skip_last: int) -> dict:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import train_on
     cfg = load_config(None, [*overrides, f"run.output_dir={out_dir}", f"run.name={name}"])
     summary = train_on(cfg, pool, step_runner=runner, quiet=True)
@@ -104,7 +104,7 @@ def throughput(args, info: dict, tmp: Path) -> list[dict]:
 
 
 def learning(args, tmp: Path) -> list[dict]:
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.inputs.tiny import build_tiny_model
     model = build_tiny_model(tmp / "tiny")
     runs = []
     for age in args.learn_ages:

@@ -55,7 +55,7 @@ CASES = {
 
 def ensure_model() -> Path:
     if not (MODEL / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "pipeline.io.tiny", "--out", str(MODEL), *MODEL_ARGS], check=True,
+        subprocess.run([sys.executable, "-m", "pipeline.inputs.tiny", "--out", str(MODEL), *MODEL_ARGS], check=True,
                        cwd=ROOT, stdout=subprocess.DEVNULL)
     return MODEL
 

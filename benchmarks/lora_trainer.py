@@ -39,9 +39,9 @@ def one(model_dir: str, rank: int, steps: int) -> dict:
     torch.set_num_threads(1)
 
     from pipeline.algos.grpo import grpo_advantages
-    from pipeline.engines.deepspeed_policy import DeepSpeedPolicyEngine
-    from pipeline.engines.interface import TRAJECTORY_SCHEMA
-    from pipeline.io.config import LoraConfig
+    from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
+    from pipeline.core.types import TRAJECTORY_SCHEMA
+    from pipeline.config import LoraConfig
     engine = DeepSpeedPolicyEngine(model_dir, micro_batch_size=ROWS, lr=1e-4,
                                    lora=LoraConfig(rank=rank) if rank else None)
     gen = torch.Generator().manual_seed(0)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(one(args.one[0], int(args.one[1]), int(args.one[2]))))
         return 0
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.inputs.tiny import build_tiny_model
     sizes = args.sizes.split(",") if args.sizes else (["tiny"] if args.quick else list(SIZES))
     steps = args.steps or (2 if args.quick else 4)
     result = {"benchmark": "lora_trainer", "machine": machine_info(),

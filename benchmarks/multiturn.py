@@ -1,8 +1,8 @@
 """Multi-turn rollouts with a simulated tool: async against sync, step time and generated tokens/s.
 
 Simulated workers (backend sim) play the simulated tool environment
-`pipeline.envs.sim:SimToolEnv` (pipeline/envs/sim.py). Each sample alternates
-model turns and tool calls (pipeline/actors/episodes.py): a turn's length is
+`pipeline.sim.env:SimToolEnv` (pipeline/sim/env.py). Each sample alternates
+model turns and tool calls (pipeline/generator/episodes.py): a turn's length is
 lognormal (sim.response_len, p99 / p50 = --len-tail, capped at max_new_tokens),
 a tool call sleeps its latency (fixed at --latency-s, or lognormal with median
 --latency-s and p99 / p50 = --tool-tail), answers 8 observation tokens (masked
@@ -82,7 +82,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
 
-SIM_ENV = "pipeline.envs.sim:SimToolEnv"
+SIM_ENV = "pipeline.sim.env:SimToolEnv"
 ASYNC_MAX_AGE = 2
 MODES = {"sync": ["schedule.max_age=0", "generation.refit_mode=drain"],
          "async": [f"schedule.max_age={ASYNC_MAX_AGE}", "generation.refit_mode=inflight"]}
@@ -94,7 +94,7 @@ FIGURES = ("step_s", "step_mean_s", "tokens_per_s", "busy", "observation_share")
 
 
 def sim_run(overrides: list[str], pool, runner, out_dir: Path, name: str) -> dict:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import train_on
     from pipeline.tools.check import check_events, load_events
     cfg = load_config(None, [*overrides, f"run.output_dir={out_dir}", f"run.name={name}"])

@@ -131,8 +131,8 @@ def measure_sim(w: Workers, mode: str, lat: dict, steps: int, warm: int, max_age
     """One run of `steps` steps. The CPU window covers steps warm..steps-1: compiling a
     graph and starting its loops are set-up, not per-step cost. The workers' compute
     in the window is the CPU their CpuBurn logged inside it (pro rata at the edges)."""
-    from pipeline.io.config import load_config
-    from pipeline.run.events import EventLog, merge_events
+    from pipeline.config import load_config
+    from pipeline.core.events import EventLog, merge_events
     from pipeline.run.runner import GraphRunner
     from pipeline.tools.check import check_events, load_events
     cfg = load_config(None, [f"sim.generate_s={lat['G']}", f"sim.train_s={lat['T']}",
@@ -199,7 +199,7 @@ def rotate(seq, k):
 
 
 def auto_mode_here(num_generators: int, cpus: float) -> str:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import resolve_dag_mode
     return resolve_dag_mode(load_config(None, [f"generation.num_generators={num_generators}"]), cpus)
 

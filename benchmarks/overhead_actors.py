@@ -10,9 +10,9 @@ import ray
 import ray.cloudpickle
 
 from dags.tokens import Batch, Gate, Refitted, Resume, Ticket, TrainOut, ValOut
-from pipeline.actors.controller import Controller
-from pipeline.actors.generator import GeneratorWorker
-from pipeline.actors.trainer import TrainerWorker
+from pipeline.controller.controller import Controller
+from pipeline.generator.worker import GeneratorWorker
+from pipeline.trainer.worker import TrainerWorker
 from pipeline.run.pool import Workers
 
 # Ray's worker processes cannot import this module by name: ship its classes by value.

@@ -40,7 +40,7 @@ def times_for(ratio: float, scale: float) -> tuple[float, float]:
 
 
 def run_once(cfg_overrides: list[str], pool, runner, out_dir: Path, name: str) -> list[float]:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import train_on
     cfg = load_config(None, [*cfg_overrides, f"run.output_dir={out_dir}", f"run.name={name}"])
     summary = train_on(cfg, pool, step_runner=runner, quiet=True)

@@ -74,8 +74,8 @@ class Trainer:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.lora = lora_rank > 0
         if self.lora:
-            from pipeline.engines import lora
-            from pipeline.io.config import LoraConfig
+            from pipeline.weights import lora
+            from pipeline.config import LoraConfig
             self.model = lora.wrap(self.model, LoraConfig(rank=lora_rank), model_dir)
             with torch.no_grad():   # a trained adapter: B away from its zero start
                 for name, p in self.model.named_parameters():
@@ -85,36 +85,36 @@ class Trainer:
 
     def _state(self) -> dict:
         """What the policy engine exports: every tensor, or the adapter's (deepspeed_policy)."""
-        from pipeline.engines import lora
+        from pipeline.weights import lora
         return lora.adapter_state(self.model) if self.lora else self.model.state_dict()
 
     def sync_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._state().values())
 
     def export_put(self, version: int) -> tuple[list, dict]:
-        """pipeline/actors/trainer.py's train tail: export_weights (DeepSpeedEngine.export_weights), pack, put."""
-        from pipeline.engines import weights
+        """pipeline/trainer/worker.py's train tail: export_weights (DeepSpeedEngine.export_weights), pack, put."""
+        from pipeline.weights import packing
         t0 = time.perf_counter()
         state = {name: t.detach().to("cpu", copy=True) for name, t in self._state().items()}
         t1 = time.perf_counter()
-        packed = weights.pack(state)
+        packed = packing.pack(state)
         t2 = time.perf_counter()
         ref = ray.put((version, packed))
         t3 = time.perf_counter()
         return [ref], {"export_s": t1 - t0, "pack_s": t2 - t1, "put_s": t3 - t2}
 
     def address(self) -> tuple[str, int]:
-        from pipeline.engines import weight_sync as ws
+        from pipeline.weights import collective as ws
         return ws.sync_address(ws.node_ip())
 
     def join(self, host: str, port: int, world: int, transport: str) -> None:
-        from pipeline.engines import weight_sync as ws
+        from pipeline.weights import collective as ws
         if transport in self.groups:
             ws.leave(self.groups.pop(transport))
         self.groups[transport] = ws.join(host, port, 0, world, timeout_s=TIMEOUT_S, transport=transport)
 
     def send(self, version: int, bucket_bytes: int, transport: str) -> dict:
-        from pipeline.engines import weight_sync as ws
+        from pipeline.weights import collective as ws
         t0 = time.perf_counter()
         ws.send(self.groups[transport], self._state().items(), version, bucket_bytes)
         return {"send_s": time.perf_counter() - t0}
@@ -127,20 +127,20 @@ class Generator:
     def __init__(self, model_dir: str, lora_rank: int = 0):
         import torch
 
-        from pipeline.engines import lora
-        from pipeline.engines.vllm_generator import VllmGenerationEngine
-        from pipeline.io.config import LoraConfig
+        from pipeline.weights import lora
+        from pipeline.generator.vllm_engine import VllmGenerationEngine
+        from pipeline.config import LoraConfig
         adapter = lora.adapter_config(LoraConfig(rank=lora_rank), model_dir) if lora_rank else None
         self.engine = VllmGenerationEngine(model_dir, max_model_len=128, kv_cache_seqs=4, adapter_config=adapter)
         torch.set_num_threads(1)
         self.groups: dict = {}
 
     def load_from_store(self, refs: list, version: int, reload: bool = False) -> dict:
-        from pipeline.engines import weights
+        from pipeline.weights import packing
         t0 = time.perf_counter()
         stored_version, stored = ray.get(refs[0])
         assert stored_version == version
-        tensors = weights.unpack(stored)
+        tensors = packing.unpack(stored)
         t1 = time.perf_counter()
         if reload:   # the load as it was: vLLM's reload_weights, then the prefix-cache reset
             self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
@@ -150,13 +150,13 @@ class Generator:
         return {"get_s": t1 - t0, "load_s": time.perf_counter() - t1, **self._repack()}
 
     def join(self, host: str, port: int, rank: int, world: int, transport: str) -> None:
-        from pipeline.engines import weight_sync as ws
+        from pipeline.weights import collective as ws
         if transport in self.groups:
             ws.leave(self.groups.pop(transport))
         self.groups[transport] = ws.join(host, port, rank, world, timeout_s=TIMEOUT_S, transport=transport)
 
     def receive(self, version: int, bucket_bytes: int, transport: str) -> dict:
-        from pipeline.engines import weight_sync as ws
+        from pipeline.weights import collective as ws
         t0 = time.perf_counter()
         ws.receive_into(self.groups[transport], self.engine, version, bucket_bytes)
         return {"receive_load_s": time.perf_counter() - t0, **self._repack()}
@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-rank", type=int, default=8, help="adapter rank of the lora_* paths")
     ap.add_argument("--out", type=Path, help="directory for refit.json (default benchmarks/results)")
     args = ap.parse_args(argv)
-    from pipeline.engines import weight_sync as ws
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.weights import collective as ws
+    from pipeline.inputs.tiny import build_tiny_model
     sizes = args.sizes.split(",") if args.sizes else (["tiny"] if args.quick else list(SIZES))
     generators = [int(g) for g in (args.generators or ("1" if args.quick else "1,2")).split(",")]
     bucket_bytes = int(args.bucket_mb * 2**20) if args.bucket_mb else ws.BUCKET_BYTES

@@ -77,7 +77,7 @@ def read_run(run_dir: Path) -> dict:
 
 def run_once(algorithm: str, max_age: int, seed: int, steps: int, val_period: int, model: Path,
              out_dir: Path, extra: list[str], name: str = "") -> dict:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import train
     mode = MODES.get(max_age, f"async{max_age}")
     name = name or f"{algorithm}_{mode}_s{seed}"
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or (3 if args.quick else 80)
     val_period = args.val_period if args.val_period is not None else (0 if args.quick else 10)
 
-    from pipeline.io.tiny import build_tiny_model, model_digest
+    from pipeline.inputs.tiny import build_tiny_model, model_digest
 
     info = machine_info()
     t_start = time.time()

@@ -64,7 +64,7 @@ EXPECTED_ERROR = {"generator_exit_exhausted": "fault.max_restarts", "reward_rais
 
 
 def run_one(s: dict, out_dir: str, name: str) -> dict:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import train
     from pipeline.tools.check import check_events, load_events
     cfg = load_config(None, overrides(s, out_dir, name))

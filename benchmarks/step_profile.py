@@ -8,7 +8,7 @@ does (a fresh process, a local Ray), once async (max_age 1) and once sync
                (previous execution's last output -> this sample), sample, train,
                validation_gate, refit, validate, resume, collect, and the Ray
                dispatch gap before each; medians over the steady steps
-  spans        inside each node and rollout (pipeline/run/spans.py): vLLM request
+  spans        inside each node and rollout (pipeline/core/spans.py): vLLM request
                set-up, generate, completions; reward and table building; the
                put to the controller; the trainer's rows, collate, forward,
                backward, optimizer, weight export and object-store put; the
@@ -51,7 +51,7 @@ def median(values) -> float | None:
 
 def build_model(out_dir: Path) -> Path:
     """The recipe's tiny model, built fresh (a clean checkout has no models/tiny until `make train`)."""
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.inputs.tiny import build_tiny_model
     return build_tiny_model(out_dir / "model")
 
 
@@ -167,9 +167,9 @@ def leaves(model: Path, calls: int = 20) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     torch.set_num_threads(1)
-    from pipeline.engines.interface import Prompt, sample_seeds
-    from pipeline.engines.vllm_generator import VllmGenerationEngine
-    from pipeline.run.events import EventLog
+    from pipeline.core.types import Prompt, sample_seeds
+    from pipeline.generator.vllm_engine import VllmGenerationEngine
+    from pipeline.core.events import EventLog
 
     engine = VllmGenerationEngine(model, max_new_tokens=16)
     prompts = [Prompt(f"p{i}", "repeat: 1 1 1 1 1 1 1 1") for i in range(8)]

@@ -1,7 +1,7 @@
 """Do the multi-turn recipes learn on every seed? (the real CPU stack)
 
 For each environment a recipe uses, the tiny model is built and warmed up on
-the format once (pipeline/envs/warmup.py, its defaults, seed 0), as `make`
+the format once (pipeline/trainer/warmup.py, its defaults, seed 0), as `make`
 does. Each recipe then runs with run.seed = each --seeds, for --steps steps,
 greedy validation every --val-period steps and at the start and the end.
 Per run: the greedy validation before RL (the warm-up's) and at the end, the
@@ -33,7 +33,7 @@ DATA = {"pipeline.envs.calculator:CalculatorEnv": "tool", "pipeline.envs.digit_g
 
 
 def warmed_up(env_class: str, base: Path, tmp: Path) -> Path:
-    from pipeline.envs.warmup import warmup
+    from pipeline.trainer.warmup import warmup
     stem = DATA[env_class]
     out = tmp / f"warm_{stem}"
     if not (out / "config.json").is_file():
@@ -43,7 +43,7 @@ def warmed_up(env_class: str, base: Path, tmp: Path) -> Path:
 
 
 def run_once(recipe: str, seed: int, args, model: Path, tmp: Path) -> dict:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     from pipeline.run.driver import train
     name = f"{recipe}_s{seed}"
     cfg = load_config(ROOT / "examples" / f"{recipe}.yaml", [
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--val-period", type=int, default=10)
     ap.add_argument("--out", type=Path, help="directory for tool_seeds.json (default benchmarks/results)")
     args = ap.parse_args(argv)
-    from pipeline.io.config import load_config
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.config import load_config
+    from pipeline.inputs.tiny import build_tiny_model
 
     info = machine_info()
     t0 = time.time()

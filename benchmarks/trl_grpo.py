@@ -29,8 +29,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
-# Only pipeline.io.rewards is taken from dagrl. It is not standard-library only:
-# pipeline.engines.interface (which defines Prompt) imports pyarrow, which datasets
+# Only pipeline.inputs.rewards is taken from dagrl. It is not standard-library only:
+# pipeline.core.types (which defines Prompt) imports pyarrow, which datasets
 # installs here anyway. dagrl's runtime stack must stay out of this process.
 DAGRL_RUNTIME = {"torch", "vllm", "ray", "deepspeed", "transformers"}
 
@@ -45,11 +45,11 @@ def load_tiny_reward():
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
     before = {name.split(".")[0] for name in sys.modules}
-    module = importlib.import_module("pipeline.io.rewards")
+    module = importlib.import_module("pipeline.inputs.rewards")
     added = {name.split(".")[0] for name in sys.modules} - before
     extra = sorted(DAGRL_RUNTIME & added)
     if extra:
-        raise RuntimeError(f"importing pipeline.io.rewards pulled in {extra}; "
+        raise RuntimeError(f"importing pipeline.inputs.rewards pulled in {extra}; "
                            "this baseline must not depend on dagrl's runtime")
     return module.tiny_reward
 
@@ -70,7 +70,7 @@ def parse_args():
 
 
 def read_rows(path: str) -> list[dict]:
-    """The generic schema of pipeline/io/data.py: `prompt` is the text the model
+    """The generic schema of pipeline/inputs/datasets.py: `prompt` is the text the model
     sees as is (no chat template), `answer` the character to repeat."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return [{"prompt": r["prompt"], "answer": r["answer"], "id": r.get("id", str(i))}
@@ -163,7 +163,7 @@ def main():
                      "torch": torch.__version__, "datasets": datasets.__version__},
         "settings": {**settings, "model": args.model, "train": args.train,
                      "prompts_per_step": args.prompts_per_step, "torch_threads": torch.get_num_threads(),
-                     "reward": "pipeline.io.rewards:tiny_reward", "prompt_format": "plain text, no chat template"},
+                     "reward": "pipeline.inputs.rewards:tiny_reward", "prompt_format": "plain text, no chat template"},
         "seed": args.seed,
     }
     out = Path(args.out)
