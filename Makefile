@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RECIPE ?= examples/tiny_grpo.yaml
 
-.PHONY: setup train test
+.PHONY: setup train test test-fast
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ train: setup models/tiny/config.json $(RECIPE_MODEL:%=%/config.json)
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# One tier (tests/conftest.py): unit tests only, no Ray and no engines; about a minute.
+test-fast: setup
+	$(PY) -m pytest -q tests --tier unit
 
 # TRL's GRPOTrainer as a baseline (benchmarks/trl_grpo.py), in its own venv so its
 # transformers pin cannot disturb dagrl's.

@@ -1,5 +1,11 @@
 """Shared fixtures: one local Ray and one pool of simulated workers per session,
-and a final check that the suite leaves no Ray process behind."""
+a final check that the suite leaves no Ray process behind, and the tiers.
+
+Every test is in one tier, its closest mark (a test marked apart from its
+module's `pytestmark` is in its own): unit (no Ray, no engines), sim (Ray and
+simulated workers), real (vLLM or DeepSpeed), cluster (several Ray nodes or
+`ray job submit`). `--tier unit` (make test-fast) runs one tier; with no
+--tier every test runs."""
 from __future__ import annotations
 
 import faulthandler
@@ -10,6 +16,31 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+TIERS = ("unit", "sim", "real", "cluster")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", action="append", choices=TIERS, default=[],
+                     help="run only the tests of this tier (repeatable); default: every tier")
+
+
+def tier_of(item) -> str:
+    closest = next((m.name for m in item.iter_markers() if m.name in TIERS), None)
+    if closest is None:
+        raise pytest.UsageError(f"{item.nodeid}: no tier; mark its module with pytestmark = pytest.mark.<tier> "
+                                f"(one of {', '.join(TIERS)})")
+    return closest
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = config.getoption("--tier")
+    keep, drop = [], []
+    for item in items:
+        tier = tier_of(item)  # every test has one, asked for or not
+        (keep if not wanted or tier in wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def _ray_processes() -> list[psutil.Process]:

@@ -1,6 +1,6 @@
 """GRPO's advantages: each sample's reward against the other samples of its prompt.
 
-No engine state, so the math can be checked by hand (tests/test_algos_grpo.py).
+No engine state, so the math can be checked by hand (tests/algos/test_algos_grpo.py).
 The trainer actor turns a trajectory table into an advantages table here, and
 the policy update reads it as it reads PPO's (pipeline/algos/policy_loss.py).
 """

@@ -1,7 +1,7 @@
 """The token-level clipped policy loss that GRPO and PPO share.
 
 Pure torch, no engine state, so the math can be checked by hand
-(tests/test_policy_loss.py). GRPO feeds it each sequence's group advantage,
+(tests/algos/test_policy_loss.py). GRPO feeds it each sequence's group advantage,
 PPO the critic's per-token GAE advantages (pipeline/algos/grpo.py, ppo.py).
 
 Shapes: a batch of B sequences padded to T response positions. Every per-token

@@ -1,7 +1,7 @@
 """PPO's advantages (GAE) of a trajectory table and the clipped value loss.
 
 No engine state, so every number can be checked by hand
-(tests/test_algos_ppo.py). The policy loss is the one GRPO uses
+(tests/algos/test_algos_ppo.py). The policy loss is the one GRPO uses
 (pipeline/algos/policy_loss.py), fed these per-token advantages.
 
 Shapes: B sequences of response tokens, right-padded to T positions. Every

@@ -35,8 +35,9 @@ def load_reward(spec: str) -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - a module's import can raise anything
-        # The built-in rewards lived in pipeline.rewards before pipeline/ was grouped by role.
-        moved = "; the built-in rewards are in 'pipeline.inputs.rewards'" if module_name == "pipeline.rewards" else ""
+        # Where the built-in rewards lived before: recipes written then still name it.
+        moved = ("; the built-in rewards are in 'pipeline.inputs.rewards'"
+                 if module_name in ("pipeline.rewards", "pipeline.io.rewards") else "")
         raise RewardError(f"reward spec {spec!r}: cannot import module {module_name!r}: "
                           f"{type(exc).__name__}: {exc}{moved}") from exc
     fn = module

@@ -1,6 +1,6 @@
 """The README's configuration table, read off the dataclasses in
 pipeline/config/ so that the documentation cannot drift from the loader
-(tests/test_config.py compares the README's copy with it)."""
+(tests/config/test_config.py compares the README's copy with it)."""
 from __future__ import annotations
 
 import dataclasses

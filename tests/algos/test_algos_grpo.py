@@ -1,0 +1,102 @@
+"""Hand-computed checks of pipeline/algos/grpo.py: group advantages and the
+advantages table the trainer actor builds from a trajectory table.
+
+Every expected number below is derived in the comments, not by calling the
+code under test.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+import torch
+from tests.support.training_helpers import make_table
+
+from pipeline.algos.grpo import GRPO_ADVANTAGE_SCHEMA, group_advantages, grpo_advantages
+from pipeline.algos.policy_loss import clipped_policy_loss
+from pipeline.core.types import TRAJECTORY_SCHEMA
+
+pytestmark = pytest.mark.unit
+
+
+def test_group_advantages_population_std():
+    # group A = [1, 0, 0, 1]: mean 0.5, deviations +-0.5, population var 0.25, std 0.5
+    #   -> [1, -1, -1, 1] (times 0.5 / (0.5 + 1e-6))
+    # group B = [0, 0, 0, 4]: mean 1, deviations [-1, -1, -1, 3],
+    #   population var (1 + 1 + 1 + 9) / 4 = 3, std sqrt(3) = 1.7320508
+    #   -> [-0.5773503, -0.5773503, -0.5773503, 1.7320508]
+    #   (the unbiased std sqrt(12 / 3) = 2 would give [-0.5, -0.5, -0.5, 1.5])
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 4.0])
+    adv = group_advantages(r, 4)
+    s = 0.5 / (0.5 + 1e-6)
+    expected = torch.tensor([s, -s, -s, s, -0.5773503, -0.5773503, -0.5773503, 1.7320508])
+    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
+
+
+def test_group_advantages_equal_rewards_are_exact_zeros():
+    # 0.1 three times: mean 0.1 up to round-off; the result must still be exactly 0,
+    # and so must a group of size 1 (std 0).
+    r = torch.tensor([0.1, 0.1, 0.1, 3.0, 1.0, 2.0])
+    adv = group_advantages(r, 3)
+    assert torch.equal(adv[:3], torch.zeros(3))
+    # second group [3, 1, 2]: mean 2, deviations [1, -1, 0], var 2/3, std 0.8164966
+    torch.testing.assert_close(adv[3:], torch.tensor([1.2247449, -1.2247449, 0.0]), atol=1e-5, rtol=0)
+    assert torch.equal(group_advantages(torch.tensor([5.0, -2.0]), 1), torch.zeros(2))
+
+
+def test_group_advantages_rejects_ragged():
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages(torch.zeros(6), 4)
+
+
+def _lp(values):
+    return torch.tensor(values, dtype=torch.float32, requires_grad=True)
+
+
+def test_equal_reward_group_gives_zero_loss_and_gradient():
+    adv = group_advantages(torch.tensor([1.0, 1.0, 1.0, 1.0]), 4)
+    lp = _lp([[-1.0, -2.0]] * 4)
+    loss, _ = clipped_policy_loss(lp, lp.detach(), lp.detach() - 0.3, adv, torch.ones(4, 2), clip_eps=0.2)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(lp.grad, torch.zeros(4, 2))
+
+
+# ------------------------------------------------------- the advantages table
+
+def test_advantages_table_repeats_each_rows_group_advantage_on_its_tokens():
+    # Groups [1, 0] and [0, 0]: the first gives +-0.5 / (0.5 + 1e-6), the second
+    # is flat and gives exact zeros. Responses of 2, 1, 3 and 1 tokens.
+    table = make_table(groups=2, responses=[[5, 6], [7], [8, 8, 8], [9]], rewards=[1.0, 0.0, 0.0, 0.0])
+    out = grpo_advantages(table, 2)
+    assert out.schema == GRPO_ADVANTAGE_SCHEMA
+    assert out.schema.field("advantages").type == pa.list_(pa.float32())
+    a = 0.5 / (0.5 + 1e-6)
+    got = out.column("advantages").to_pylist()
+    assert got[0] == pytest.approx([a, a]) and got[1] == pytest.approx([-a])
+    assert got[2:] == [[0.0] * 3, [0.0]]
+    # Exactly group_advantages' float32 numbers, through the Arrow column and back.
+    expected = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 2)
+    for row, adv in zip(got, expected):
+        assert torch.equal(torch.tensor(row, dtype=torch.float32), adv.repeat(len(row)))
+
+
+def test_advantages_table_of_no_rows_is_empty():
+    assert grpo_advantages(TRAJECTORY_SCHEMA.empty_table(), 4).num_rows == 0
+
+
+def test_misordered_groups_are_rejected():
+    rows = make_table().to_pylist()
+    rows[1], rows[2] = rows[2], rows[1]
+    with pytest.raises(ValueError, match="must be one prompt group"):
+        grpo_advantages(pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), 2)
+    with pytest.raises(ValueError, match="groups of 2"):
+        grpo_advantages(make_table().slice(0, 5), 2)
+    with pytest.raises(ValueError, match="rows 0..1 must be one prompt group; found"):
+        grpo_advantages(make_table(groups=2, group_size=1), 2)  # two prompts, one sample each
+
+
+def test_a_row_without_reward_is_refused():
+    rows = make_table().to_pylist()
+    rows[3]["reward"] = None
+    with pytest.raises(ValueError, match="row 3 has no reward"):
+        grpo_advantages(pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), 2)

@@ -1,0 +1,143 @@
+"""The benchmarks run in their quick mode and write their JSON: structure, not speed.
+
+Benchmarks measure; they are not tests. This only keeps them from rotting: each
+script must run end to end with one command and write a result file whose
+shape the README and the people reading it rely on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sim
+
+ROOT = Path(__file__).resolve().parents[2]
+STAT_KEYS = {"n", "median", "min", "max", "spread", "iqr", "values"}
+MACHINE_KEYS = {"platform", "python", "ray", "cpu_physical", "cpu_logical", "memory_gib",
+                "loadavg_start", "loadavg_end", "git_commit"}
+
+
+def run_quick(name: str, out: Path, timeout: float = 300) -> dict:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)  # the benchmarks start their own local cluster
+    proc = subprocess.run([sys.executable, f"benchmarks/{name}.py", "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "targets" in proc.stdout, "the script prints its tables"
+    assert "still running after shutdown" not in proc.stderr, "the script left Ray processes behind"
+    path = out / f"{name}.json"
+    assert path.is_file(), f"{name} did not write {path}"
+    result = json.loads(path.read_text())
+    assert result["benchmark"] == name
+    assert MACHINE_KEYS <= set(result["machine"])
+    assert result["params"]["quick"] is True
+    return result
+
+
+def is_stat(x) -> bool:
+    return isinstance(x, dict) and STAT_KEYS <= set(x) and x["n"] >= 1 and x["median"] is not None
+
+
+def test_overlap_quick(tmp_path):
+    result = run_quick("overlap", tmp_path)
+    params = result["params"]
+    assert set(params["max_ages"]) == {0, 1, 2} and 1.0 in params["ratios_G_over_T"]
+    figures = result["figures"]
+    seen = {(f["mode"], f["G_over_T"], f["max_age"]) for f in figures}
+    assert seen == {(m, r, a) for m in params["modes"] for r in params["ratios_G_over_T"] for a in (0, 1, 2)}
+    for f in figures:
+        for key in ("step_s", "efficiency", "speedup_over_sync", "overhead_ms"):
+            assert is_stat(f[key]), (key, f)
+        assert f["ideal_async_step_s"] == pytest.approx(max(f["G_s"], f["T_s"]) + f["R_s"])
+    for t in result["targets"]:
+        assert {"mode", "max_age", "efficiency", "efficiency_met", "speedup", "speedup_target",
+                "speedup_met"} <= set(t)
+    assert {t["max_age"] for t in result["targets"]} == {1, 2}
+
+
+def test_inflight_quick(tmp_path):
+    result = run_quick("inflight", tmp_path)
+    figures = result["throughput"]
+    assert [(f["tail_ratio"], f["max_age"]) for f in figures] == [(10.0, 2)]
+    for key in ("drain_tokens_per_s", "inflight_tokens_per_s", "drain_busy", "inflight_busy", "tokens_per_s_ratio"):
+        assert is_stat(figures[0][key]), key
+    assert result["learning"] == "not run under --quick"
+    assert [t["target"] for t in result["targets"]] == ["tokens/s inflight / drain >= 1.5 (tail 10.0, max_age 2)"]
+
+
+def test_overhead_quick(tmp_path):
+    result = run_quick("overhead", tmp_path)
+    figures = result["figures"]
+    assert is_stat(figures["calib"]["call_ms"]) and is_stat(figures["calib"]["ray_idle_cores"])
+    for part in ("stub", "zero", "sleep", "busy"):
+        for mode in ("compiled", "classic", "hand"):
+            m = figures[part][mode]
+            assert is_stat(m["step_ms"]) and is_stat(m["cpu_ms_per_step"]), (part, mode)
+        assert is_stat(figures[part]["compiled_over_hand"]) and is_stat(figures[part]["classic_over_hand"])
+    for mode in ("compiled", "classic", "hand"):
+        assert is_stat(figures["stub"][mode]["idle_cores"])
+        for key in ("worker_cpu_ms_per_step", "overhead_cpu_ms_per_step", "overhead_cpu_fraction",
+                    "background_cpu_ms_per_step", "orchestration_cpu_ms_per_step", "orchestration_cpu_fraction"):
+            assert is_stat(figures["busy"][mode][key])
+    # Busy workers really burned CPU inside the measured window; sleeping ones did not.
+    assert figures["busy"]["classic"]["worker_cpu_ms_per_step"]["median"] > 0
+    assert figures["sleep"]["classic"]["worker_cpu_ms_per_step"]["median"] == 0
+    assert result["auto"]["auto_with_these_logical_cpus"] in ("classic", "compiled")
+    assert {t["target"].split(" (")[0] for t in result["targets"]} == {
+        "compiled <= 1 ms per step", "compiled <= 0.5 x hand-written loop",
+        "orchestration <= 5 % of step CPU, busy workers",
+        "orchestration + Ray background <= 5 % of step CPU, busy workers"}
+    assert all(isinstance(t["met"], bool) for t in result["targets"])
+
+
+def test_soak_quick(tmp_path):
+    """The short soak: one schedule per fault kind; this one is behaviour, so it asserts zeros."""
+    result = run_quick("soak", tmp_path, timeout=600)
+    runs = result["runs"]
+    assert {r["fault"] for r in runs} == {"none", "generator_exit", "generator_exit_exhausted",
+                                          "reward_raise", "reward_raise_exhausted"}
+    totals = result["totals"]
+    assert totals["violations"] == 0 and totals["hangs"] == 0, runs
+    assert totals["lost"] == 0 and totals["duplicated"] == 0 and totals["unexpected_outcomes"] == 0, runs
+    assert totals["restarts"] >= 3 and totals["reward_failures"] > 0
+
+
+def test_vs_trl_figures_from_step_times():
+    """benchmarks/vs_trl.py's reading of a run, on made-up step times: start-up is
+    launch to the first step, time to 0.7 runs from the first step's start to the
+    end of the first step whose 3-step mean reaches 0.7, and ratios are per seed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import vs_trl
+    begin = [10.0 + 0.1 * k for k in range(8)]
+    end = [b + 0.08 for b in begin]
+    rewards = [0.1, 0.2, 0.6, 0.7, 0.9, 0.9, 1.0, 1.0]
+    fig = vs_trl.curve(begin, end, rewards)
+    assert fig["startup_s"] == 10.0 and fig["step_time_s"] == pytest.approx(0.08)
+    assert fig["steps_to_threshold"] == 5 and fig["time_to_threshold_s"] == pytest.approx(0.48)
+    never = vs_trl.curve(begin, end, [0.1] * 8)
+    assert never["steps_to_threshold"] is None and never["time_to_threshold_s"] is None
+    runs = {"dagrl_async": [dict(fig, seed=0)], "dagrl_sync": [dict(never, seed=0)],
+            "trl": [dict(fig, startup_s=5.0, step_time_s=0.1, time_to_threshold_s=0.6, seed=0)]}
+    summary = vs_trl.summarise(runs)
+    assert summary["dagrl_async_over_trl"] == {"step_time_s": 0.8, "time_to_threshold_s": 0.8, "startup_s": 2.0}
+    assert summary["dagrl_sync_over_trl"]["time_to_threshold_s"] is None
+    assert [t["met"] for t in summary["targets"]] == [True, True, True]
+
+
+def test_multiturn_quick(tmp_path):
+    result = run_quick("multiturn", tmp_path)
+    figures = result["figures"]
+    assert [(f["latency"], f["turns"], f["env"]) for f in figures] == [("lognormal", 2, "threads")]
+    for key in ("sync_tokens_per_s", "async_tokens_per_s", "sync_step_s", "async_step_s", "sync_busy",
+                "async_busy", "tokens_per_s_ratio", "mean_step_ratio"):
+        assert is_stat(figures[0][key]), key
+    assert figures[0]["async_observation_share"]["median"] > 0  # two turns: one observation appended
+    assert figures[0]["violations"] == [] and figures[0]["env_failures"] == 0
+    assert [t["target"] for t in result["targets"]] == [
+        "tokens/s async / sync >= 1.6 (lognormal, turns 2, env threads)",
+        "check-events violations + environment failures == 0"]

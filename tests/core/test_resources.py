@@ -1,0 +1,37 @@
+"""What the per-step telemetry reads: a process's own memory, and the cap on
+what the C heap keeps of memory a step has freed."""
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from pipeline.core.memory import MB, HeapCap, process_rss
+
+pytestmark = pytest.mark.unit
+
+glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+
+
+@glibc
+def test_heap_cap_hands_back_freed_memory_past_its_slack():
+    cap = HeapCap(min_slack_bytes=32 * MB)
+    assert cap.check() is not None   # the first call sets the floor
+    assert cap.check() is None       # nothing freed since: within the slack (half the floor)
+    # 64 KB blocks come from the heap (below glibc's mmap threshold); the last one
+    # kept stands at the heap's top, so free() alone cannot shrink it.
+    blocks = [bytearray(64 * 1024) for _ in range(2 * cap.floor // (64 * 1024))]
+    del blocks[:-1]
+    trimmed = cap.check()
+    assert trimmed is not None and trimmed[0] - trimmed[1] > cap.floor // 2, (trimmed, cap.floor)
+
+
+@glibc
+def test_heap_cap_leaves_memory_in_use_alone():
+    cap = HeapCap(min_slack_bytes=32 * MB)
+    cap.check()
+    blocks = [bytearray(64 * 1024) for _ in range(2 * cap.floor // (64 * 1024))]  # all of it in use
+    used = process_rss()
+    cap.check()
+    assert used - process_rss() < 8 * MB
+    del blocks
