@@ -39,7 +39,7 @@ class CpuBurn:
 class _Switchable:
     """configure(stub=True): every node returns its token at once, nothing else runs.
     configure(busy=True) before begin_run: the engine burns CPU instead of sleeping.
-    Otherwise the worker is the plain sim worker of pipeline/actors/."""
+    Otherwise the worker is the plain sim worker of pipeline/generator/ or pipeline/trainer/."""
     stub = False
     busy = False
 

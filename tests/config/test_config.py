@@ -112,12 +112,13 @@ def test_a_recipe_from_before_the_split_is_told_where_its_keys_went(tmp_path):
     assert "max_age -> schedule.max_age" in str(err.value) and "clip_eps -> policy_loss.clip_eps" in str(err.value)
 
 
-def test_the_readme_lists_every_key_as_the_config_defines_it():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_configuration_page_lists_every_key_as_the_config_defines_it():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     start, end = "<!-- config-table: start -->\n", "<!-- config-table: end -->"
-    assert start in readme and end in readme
-    copy = readme[readme.index(start) + len(start):readme.index(end)]
-    assert copy == reference_table(), "README's config table is stale: paste `python -m pipeline config-table`"
+    assert start in page and end in page
+    copy = page[page.index(start) + len(start):page.index(end)]
+    assert copy == reference_table(), \
+        "docs/configuration.md's config table is stale: paste `python -m pipeline config-table` between its markers"
     listed = {line.split("`")[1] for line in copy.splitlines()[2:]}
     assert "schedule.max_age" in listed and "policy_loss.clip_eps" in listed and len(listed) == copy.count("\n") - 2
 
