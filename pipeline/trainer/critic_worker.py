@@ -105,7 +105,7 @@ class CriticWorker(Actor):
         with spans.span("heap_cap"):
             trimmed = self.heap.check()  # the step's activations (pipeline/core/memory.py)
         if trimmed:
-            self.log.emit("heap_trimmed", rss_mb=round(trimmed[0] / memory.MB, 1),
+            self.log.emit("heap_trimmed", step=adv.step, rss_mb=round(trimmed[0] / memory.MB, 1),
                           floor_mb=round(trimmed[1] / memory.MB, 1))
         return CriticOut(adv.step, tuple(sorted({**dict(adv.metrics), **metrics}.items())))
 

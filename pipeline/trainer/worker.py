@@ -102,7 +102,7 @@ class TrainerWorker(Actor):
         with spans.span("heap_cap"):
             trimmed = self.heap.check()
         if trimmed:
-            self.log.emit("heap_trimmed", rss_mb=round(trimmed[0] / memory.MB, 1),
+            self.log.emit("heap_trimmed", step=batch.step, rss_mb=round(trimmed[0] / memory.MB, 1),
                           floor_mb=round(trimmed[1] / memory.MB, 1))
         failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
         metrics = {**metrics, "reward_failures": float(failed),
