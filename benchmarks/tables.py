@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks.harness import RESULTS
 
 
 def md(headers: list[str], rows: list[list], text_cols: int = 2) -> str:
