@@ -27,24 +27,23 @@ Target (issue): async reaches the threshold in <= 0.7 x the sync wall time.
 On a 2-core machine vLLM and DeepSpeed share the same two cores, so async
 overlap gains less than it would where each worker owns its device.
 
-    .venv/bin/python benchmarks/e2e_tiny.py            # full: 4 repeats x 30 steps, 4-10 minutes
-    .venv/bin/python benchmarks/e2e_tiny.py --quick    # CI smoke run: 3 steps each, about 1-2 minutes
+    .venv/bin/python -m benchmarks.e2e_tiny            # full: 4 repeats x 30 steps, 4-10 minutes
+    .venv/bin/python -m benchmarks.e2e_tiny --quick    # CI smoke run: 3 steps each, about 1-2 minutes
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, first_crossing, machine_info, print_table, read_jsonl, start_ray, stats, write_result  # noqa: E402
+from benchmarks.harness import ROOT, first_crossing, machine_info, print_table, print_targets, read_jsonl
+from benchmarks.harness import shutdown_ray, start_ray, stats, write_result
+from benchmarks.workloads import MODES, RECIPES, run_train
 
-RECIPE = ROOT / "examples" / "tiny_grpo.yaml"
-MODES = {0: "sync", 1: "async"}           # schedule.max_age -> name
+RECIPE = RECIPES["grpo"]
 TARGET_RATIO = 0.7
 # Per-step components, in the order the step graph runs them (one generator: a chain).
 PARTS = ("sample", "train", "validation_gate", "drain", "load", "validate", "resume", "collect", "other")
@@ -161,17 +160,14 @@ def analyse_run(run_dir: Path, threshold: float, window: int) -> dict:
 
 def run_once(model: Path, out_dir: Path, name: str, max_age: int, steps: int, seed: int,
              dag_mode: str, extra: list[str]) -> Path:
-    from pipeline.config import load_config
-    from pipeline.run.driver import train
+    from pipeline.io.config import load_config
     cfg = load_config(RECIPE, [
         f"model.path={model}", f"data.train={ROOT / 'data' / 'tiny_train.jsonl'}",
         f"data.val={ROOT / 'data' / 'tiny_val.jsonl'}", f"schedule.max_age={max_age}",
         f"run.output_dir={out_dir}", f"run.name={name}", f"run.steps={steps}", f"run.seed={seed}",
         "run.checkpoint_every=0", "validation.period=0", "validation.at_end=false", "validation.at_start=false",
         f"run.dag_mode={dag_mode}", *extra])
-    summary = train(cfg, quiet=True)
-    if summary["error"] or not summary["accounting"]["balanced"]:
-        raise RuntimeError(f"run {name} failed: {summary['error'] or summary['accounting']}")
+    run_train(cfg, name)
     return out_dir / name
 
 
@@ -206,9 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     if steps < args.window:
         ap.error(f"--steps {steps} must be at least --window {args.window}")
 
-    import ray
-
-    from pipeline.inputs.tiny import build_tiny_model, model_digest
+    from pipeline.io.tiny import build_tiny_model, model_digest
 
     info = machine_info()
     dag_mode = args.dag_mode or default_dag_mode()
@@ -242,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if args.keep_runs is None:
                     shutil.rmtree(run_dir, ignore_errors=True)
     finally:
-        ray.shutdown()
+        shutdown_ray()
         shutil.rmtree(tmp, ignore_errors=True)
 
     result = summarise(runs, params, info, repeats)
@@ -346,8 +340,7 @@ def report(result: dict) -> None:
                                                      "steady_step_time_perfect_overlap_bound", "steps_wall",
                                                      "generated_tokens_per_s_engine", "trainer_tokens_per_s")],
                 title="within-repeat ratios")
-    print_table(["target", "value", "met"], [[t["target"], t["value"], t["met"]] for t in result["targets"]],
-                title="targets")
+    print_targets(result["targets"])
 
 
 if __name__ == "__main__":

@@ -29,29 +29,22 @@ never imports Ray or vLLM. Exits at once with an error where no CUDA GPU is
 visible. `--cpu-smoke` runs a toy size on the CPU only to check the code path
 (it writes gpu_trainer_cpu_smoke.json, and its figures are not GPU figures).
 
-    python benchmarks/gpu_trainer.py              # ~370M parameters, about 2-4 minutes on one GPU
-    python benchmarks/gpu_trainer.py --quick      # a small model, seconds on one GPU
-    python benchmarks/gpu_trainer.py --cpu-smoke  # code-path check on CPU, no GPU needed
+    python -m benchmarks.gpu_trainer              # ~370M parameters, about 2-4 minutes on one GPU
+    python -m benchmarks.gpu_trainer --quick      # a small model, seconds on one GPU
+    python -m benchmarks.gpu_trainer --cpu-smoke  # code-path check on CPU, no GPU needed
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import gc
-import os
-import platform
-import random
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, _git, print_table, stats, write_result  # noqa: E402
-
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.harness import gpu_machine_info, print_table, print_targets, require_gpu, stats, write_result
+from benchmarks.workloads import build_llama, build_rows, to_table
 
 NO_GPU = "gpu_trainer needs a CUDA GPU; none is visible"
 TARGET_TPS, TARGET_MEM = 0.9, 1.1
@@ -95,48 +88,6 @@ def resolve_sizes(args: argparse.Namespace) -> dict:
     if size["hidden"] % size["heads"]:
         raise SystemExit(f"gpu_trainer: --hidden {size['hidden']} must be a multiple of --heads {size['heads']}")
     return size
-
-
-# --- model and batch --------------------------------------------------------------------------
-
-def build_model(out: Path, size: dict, seed: int) -> int:
-    """A random Llama from a config, saved in bf16; returns its parameter count."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["intermediate"],
-                         num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
-                         num_key_value_heads=size["heads"], max_position_embeddings=4096, rms_norm_eps=1e-6,
-                         tie_word_embeddings=False, use_cache=False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    count = sum(p.numel() for p in model.parameters())
-    model.to(torch.bfloat16).save_pretrained(out)
-    del model
-    gc.collect()
-    return count
-
-
-def build_rows(size: dict, vary: float, seed: int) -> list[dict]:
-    """Prompt groups in TRAJECTORY_SCHEMA's columns: one prompt per group, responses of varied length."""
-    rng = random.Random(seed)
-    vocab, rows = size["vocab"], []
-    lo = max(1, int(round(size["response_len"] * (1 - vary))))
-    for g in range(size["rows"] // size["group_size"]):
-        prompt = [rng.randrange(3, vocab) for _ in range(size["prompt_len"])]
-        for i in range(size["group_size"]):
-            n = rng.randint(lo, size["response_len"])
-            rows.append({"batch_id": "b0", "target": 0, "version": 0, "prompt_id": f"p{g}",
-                         "prompt_ids": prompt, "response_ids": [rng.randrange(3, vocab) for _ in range(n)],
-                         "logprobs": [-rng.uniform(0.01, 3.0) for _ in range(n)], "text": "",
-                         "reward": float(i % 2)})   # never a flat group: every advantage is non-zero
-    return rows
-
-
-def to_table(rows: list[dict]):
-    import pyarrow as pa
-
-    from pipeline.core.types import TRAJECTORY_SCHEMA
-    return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
 
 
 # --- the two sides ----------------------------------------------------------------------------
@@ -226,44 +177,9 @@ def gib(x: int | None) -> float | None:
     return None if x is None else x / 2**30
 
 
-def machine_info(cuda: bool) -> dict:
-    """_common.machine_info's keys, without importing Ray, plus the GPU and library versions."""
-    import deepspeed
-    import psutil
-    import torch
-    import transformers
-    mem = psutil.virtual_memory()
-    info = {
-        "platform": platform.platform(), "python": platform.python_version(), "ray": None,
-        "cpu_physical": psutil.cpu_count(logical=False), "cpu_logical": psutil.cpu_count(logical=True),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_gib": round(mem.total / 2**30, 1), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
-        "torch": torch.__version__, "torch_cuda": torch.version.cuda, "deepspeed": deepspeed.__version__,
-        "transformers": transformers.__version__, "device": "cpu",
-    }
-    if cuda:
-        props = torch.cuda.get_device_properties(0)
-        info.update(device="cuda", gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    gpu_capability=f"{props.major}.{props.minor}", gpu_count=torch.cuda.device_count(),
-                    cudnn=torch.backends.cudnn.version())
-    return info
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if not args.cpu_smoke:
-        import torch
-        if not torch.cuda.is_available():
-            print(f"{NO_GPU} (torch {torch.__version__}, CUDA build {torch.version.cuda}, "
-                  f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). "
-                  "Run it on a machine with an NVIDIA GPU, or use --cpu-smoke to check the code path only.",
-                  file=sys.stderr)
-            raise SystemExit(1)
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""   # the CPU even where a GPU is visible (the engine asks torch)
-        os.environ["DS_ACCELERATOR"] = "cpu"   # read when deepspeed picks its accelerator
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    require_gpu(NO_GPU, args.cpu_smoke)
     size = resolve_sizes(args)
     import torch
     cuda = not args.cpu_smoke
@@ -272,13 +188,13 @@ def main(argv: list[str] | None = None) -> dict:
     from pipeline.algos.grpo import grpo_advantages
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 
-    info = machine_info(cuda)
+    info = gpu_machine_info(cuda)
     meter = Meter(cuda)
     t_start = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="dagrl_gpu_trainer_"))
     worker = bare = None
     try:
-        n_params = build_model(tmp / "model", size, args.seed)
+        n_params = build_llama(tmp / "model", size, args.seed)
         rows = build_rows(size, args.vary, args.seed)
         table = to_table(rows)
         seq_tokens = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
@@ -368,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(["side", "ms/step", "range", "tokens/s", "response tok/s", "resident GiB", "peak GiB"], rows_out,
                 title=f"gpu_trainer: {n_params / 1e6:.1f}M parameters, median of {size['repeats']} repeats x "
                       f"{size['steps']} steps" + (" (CPU SMOKE: not a measurement)" if args.cpu_smoke else ""))
-    print_table(["target", "value", "met"], [[t["target"], t["value"], t["met"]] for t in targets], title="targets")
+    print_targets(targets)
     path = write_result("gpu_trainer_cpu_smoke" if args.cpu_smoke else "gpu_trainer", result, args.out)
     print(f"\nwrote {path}")
     return result

@@ -2,8 +2,8 @@
 copy layout of the collective weight sync, checked bit for bit and timed.
 
 A Llama of a few hundred million parameters is built from a config (random
-weights, saved to a temporary directory, as benchmarks/gpu_trainer.py does)
-and loaded in pipeline.trainer.deepspeed_policy.DeepSpeedPolicyEngine, bf16,
+weights, saved to a temporary directory, as benchmarks.gpu_trainer does)
+and loaded in pipeline.engines.deepspeed_policy.DeepSpeedPolicyEngine, bf16,
 world size 1, at each ZeRO stage asked for (default 0 and 3); it takes one
 GRPO step first, so the weights read are ones the optimizer wrote.
 
@@ -35,27 +35,22 @@ the same code on CPU tensors at a toy size to check it (it writes
 gpu_weight_paths_cpu_smoke.json; its figures are not GPU figures). Exit code 1
 when any check fails (after the JSON is written).
 
-    python benchmarks/gpu_weight_paths.py              # ~370M parameters, a few minutes on one GPU
-    python benchmarks/gpu_weight_paths.py --quick      # a small model, seconds on one GPU
-    python benchmarks/gpu_weight_paths.py --cpu-smoke  # code-path check on CPU, no GPU needed
+    python -m benchmarks.gpu_weight_paths              # ~370M parameters, a few minutes on one GPU
+    python -m benchmarks.gpu_weight_paths --quick      # a small model, seconds on one GPU
+    python -m benchmarks.gpu_weight_paths --cpu-smoke  # code-path check on CPU, no GPU needed
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, print_table, stats, write_result  # noqa: E402
-from gpu_trainer import build_model, build_rows, machine_info, to_table  # noqa: E402
-
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.harness import gpu_machine_info, print_table, require_gpu, stats, write_result
+from benchmarks.workloads import build_llama, build_rows, to_table
 
 NO_GPU = "gpu_weight_paths needs a CUDA GPU; none is visible"
 NOT_EXERCISED = ("the NCCL path itself (weight_sync backend 'nccl': vLLM's weight-transfer engine, trainer and "
@@ -72,7 +67,7 @@ SIZES = {
 # The toy model is ~0.3 MiB: buckets scaled down so tensors still span several,
 # and one (64 KiB) exactly the embedding's size.
 BUCKETS = {"full": [1 * MIB, 64 * MIB], "quick": [1 * MIB, 64 * MIB], "cpu_smoke": [4096, 64 << 10]}
-# One tiny GRPO batch (gpu_trainer.build_rows' keys): the weights read are ones the
+# One tiny GRPO batch (workloads.build_rows' keys): the weights read are ones the
 # optimizer wrote, not the loaded ones.
 BATCH = dict(rows=2, group_size=2, prompt_len=8, response_len=8)
 
@@ -298,18 +293,7 @@ def human(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if not args.cpu_smoke:
-        import torch
-        if not torch.cuda.is_available():
-            print(f"{NO_GPU} (torch {torch.__version__}, CUDA build {torch.version.cuda}, "
-                  f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). "
-                  "Run it on a machine with an NVIDIA GPU, or use --cpu-smoke to check the code path only.",
-                  file=sys.stderr)
-            raise SystemExit(1)
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""   # the CPU even where a GPU is visible (the engine asks torch)
-        os.environ["DS_ACCELERATOR"] = "cpu"   # read when deepspeed picks its accelerator
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    require_gpu(NO_GPU, args.cpu_smoke)
     mode = "cpu_smoke" if args.cpu_smoke else "quick" if args.quick else "full"
     size = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in SIZES[mode].items()}
     if size["hidden"] % size["heads"]:
@@ -321,12 +305,12 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     torch.set_num_threads(1)   # the host side of these copies is one thread; a shared box stays usable
     cuda = not args.cpu_smoke
-    info = machine_info(cuda)
+    info = gpu_machine_info(cuda)
     timer = Timer(cuda)
     t_start = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="dagrl_gpu_weight_paths_"))
     try:
-        n_params = build_model(tmp / "model", size, args.seed)
+        n_params = build_llama(tmp / "model", size, args.seed)
         print(f"gpu_weight_paths: {n_params / 1e6:.1f}M parameters, bf16, ZeRO {args.zero_stages}, buckets "
               f"{bucket_sizes} + one larger than the model, device {info.get('gpu', 'cpu')}", flush=True)
         stages = {f"zero{s}": stage_paths(tmp / "model", s, bucket_sizes, size, args.seed, cuda, timer)

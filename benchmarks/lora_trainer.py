@@ -1,6 +1,6 @@
 """Trainer memory and step time, full fine-tuning against LoRA (training.lora),
 on the DeepSpeed policy engine (CPU, fp32, ZeRO 0) for the model sizes of
-benchmarks/refit.py.
+benchmarks.refit.
 
 Each (size, mode) runs in a fresh process, so its peak resident memory is its
 own: the process builds the engine, takes `--steps` GRPO updates on a fixed
@@ -9,8 +9,8 @@ the bytes of its trainable parameters (their gradients take as many) and
 AdamW's state (counted from the tensors), and the median step time. The two modes of a size
 run back to back.
 
-    .venv/bin/python benchmarks/lora_trainer.py            # tiny .. 400M
-    .venv/bin/python benchmarks/lora_trainer.py --quick    # tiny only
+    .venv/bin/python -m benchmarks.lora_trainer            # tiny .. 400M
+    .venv/bin/python -m benchmarks.lora_trainer --quick    # tiny only
 """
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, print_table, write_result  # noqa: E402
-from refit import SIZES  # noqa: E402
+from benchmarks.harness import ROOT, machine_info, print_table, write_result
+from benchmarks.workloads import MODEL_SIZES, build_sized_model
 
 ROWS, PROMPT, RESPONSE = 16, 32, 32
 
@@ -72,7 +71,7 @@ def one(model_dir: str, rank: int, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the tiny model only, 2 steps")
-    ap.add_argument("--sizes", help=f"comma-separated, of {','.join(SIZES)} (full: all)")
+    ap.add_argument("--sizes", help=f"comma-separated, of {','.join(MODEL_SIZES)} (full: all)")
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank (every linear layer and lm_head)")
     ap.add_argument("--steps", type=int, default=None, help="updates per run (default 4; quick 2)")
     ap.add_argument("--out", type=Path, help="directory for lora_trainer.json (default benchmarks/results)")
@@ -81,24 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(one(args.one[0], int(args.one[1]), int(args.one[2]))))
         return 0
-    from pipeline.inputs.tiny import build_tiny_model
-    sizes = args.sizes.split(",") if args.sizes else (["tiny"] if args.quick else list(SIZES))
+    sizes = args.sizes.split(",") if args.sizes else (["tiny"] if args.quick else list(MODEL_SIZES))
     steps = args.steps or (2 if args.quick else 4)
     result = {"benchmark": "lora_trainer", "machine": machine_info(),
-              "params": {"quick": args.quick, "sizes": {s: SIZES[s] for s in sizes}, "rank": args.rank,
+              "params": {"quick": args.quick, "sizes": {s: MODEL_SIZES[s] for s in sizes}, "rank": args.rank,
                          "steps": steps, "rows": ROWS, "prompt_tokens": PROMPT, "response_tokens": RESPONSE,
                          "dtype": "fp32", "zero_stage": 0},
               "figures": []}
     work = Path(tempfile.mkdtemp(prefix="dagrl_lora_trainer_"))
     try:
         for name in sizes:
-            hidden, layers, heads, head_dim, inter = SIZES[name]
-            model_dir = build_tiny_model(work / name, hidden=hidden, layers=layers, heads=heads,
-                                         head_dim=head_dim, intermediate=inter)
+            model_dir = build_sized_model(work, name)
             pair = {}
             for mode, rank in (("full", 0), ("lora", args.rank)):
-                proc = subprocess.run([sys.executable, __file__, "--one", str(model_dir), str(rank), str(steps)],
-                                      capture_output=True, text=True, timeout=3600)
+                proc = subprocess.run([sys.executable, "-m", "benchmarks.lora_trainer", "--one", str(model_dir),
+                                       str(rank), str(steps)], cwd=ROOT, capture_output=True, text=True, timeout=3600)
                 if proc.returncode != 0:
                     raise RuntimeError(f"{name} {mode} failed:\n{proc.stderr[-3000:]}")
                 pair[mode] = {"size": name, "mode": mode, "rank": rank,

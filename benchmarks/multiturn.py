@@ -65,22 +65,21 @@ environments in the generator's threads, env.threads 64).
 Target (the issue): async >= 1.6x sync's generated tokens/s at equal workers,
 reported per (latency, turns) cell.
 
-    .venv/bin/python benchmarks/multiturn.py            # full: about 11 minutes on 2 cores
-    .venv/bin/python benchmarks/multiturn.py --quick    # CI smoke: one cell, seconds; not a measurement
+    .venv/bin/python -m benchmarks.multiturn            # full: about 11 minutes on 2 cores
+    .venv/bin/python -m benchmarks.multiturn --quick    # CI smoke: one cell, seconds; not a measurement
 """
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
+from benchmarks.harness import machine_info, print_table, print_targets, sample_load, shutdown_ray, start_ray
+from benchmarks.harness import stats, write_result
+from benchmarks.workloads import sim_run
 
 SIM_ENV = "pipeline.sim.env:SimToolEnv"
 ASYNC_MAX_AGE = 2
@@ -93,19 +92,10 @@ TARGET = 1.6
 FIGURES = ("step_s", "step_mean_s", "tokens_per_s", "busy", "observation_share")
 
 
-def sim_run(overrides: list[str], pool, runner, out_dir: Path, name: str) -> dict:
-    from pipeline.config import load_config
-    from pipeline.run.driver import train_on
-    from pipeline.tools.check import check_events, load_events
-    cfg = load_config(None, [*overrides, f"run.output_dir={out_dir}", f"run.name={name}"])
-    summary = train_on(cfg, pool, step_runner=runner, quiet=True)
-    if summary["error"] or not summary["accounting"]["balanced"]:
-        raise RuntimeError(f"run {name} failed: {summary['error'] or summary['accounting']}")
-    violations = check_events(load_events(out_dir / name))
-    rows = [json.loads(line) for line in (out_dir / name / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["step"] >= 0]
+def steady_figures(overrides: list[str], pool, runner, out_dir: Path, name: str) -> dict:
+    """One run (workloads.sim_run, its event log checked) and its figures over the steady steps."""
+    summary, steps, violations = sim_run(overrides, pool, runner, out_dir, name, check=True)
     steady = steps[SKIP_FIRST:len(steps) - SKIP_LAST]
-    shutil.rmtree(out_dir / name, ignore_errors=True)
     elapsed = sum(r["step_time_s"] for r in steady)
     model = sum(r.get("model_tokens", r["response_tokens"]) for r in steady)
     response = sum(r["response_tokens"] for r in steady)
@@ -154,7 +144,7 @@ def throughput(args, info: dict, tmp: Path) -> list[dict]:
                 for mode in (list(MODES) if rep % 2 == 0 else list(MODES)[::-1]):
                     sample_load(info)
                     started = time.time()
-                    run = sim_run([
+                    run = steady_figures([
                         "backend=sim", f"run.steps={steps}", "run.dag_mode=classic", "validation.period=0",
                         "metrics.tensorboard=false", f"generation.num_generators={args.generators}",
                         *MODES[mode], f"generation.max_new_tokens={args.max_new_tokens}",
@@ -243,9 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         figures = throughput(args, info, tmp)
     finally:
-        left = shutdown_ray()
-        if left:
-            print(f"warning: Ray processes still running after shutdown: {left}", file=sys.stderr)
+        shutdown_ray()
         shutil.rmtree(tmp, ignore_errors=True)
     params = {k: v for k, v in vars(args).items() if k != "out"}
     params.update({"async_max_age": ASYNC_MAX_AGE, "env_max_turns": MAX_TURNS, "skip_first": SKIP_FIRST,
@@ -263,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f["tokens_per_s_ratio"]["min"], f["tokens_per_s_ratio"]["max"], f["sync_busy"]["median"],
                   f["async_busy"]["median"]] for f in figures],
                 title="generated (model) tokens/s, simulated workers and tool (ratio: async / sync, within a repeat)")
-    print_table(["target", "value", "met"], [[t["target"], t["value"], t["met"]] for t in tgts], title="targets")
+    print_targets(tgts)
     print(f"wrote {path} ({result['wall_s']:.0f} s)")
     return result
 

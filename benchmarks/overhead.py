@@ -22,26 +22,25 @@ Measurements, all on one pool of actors (controller, trainer, generators):
 
 See benchmarks/README.md for the method and the results.
 
-    .venv/bin/python benchmarks/overhead.py            # full: about 4 minutes
-    .venv/bin/python benchmarks/overhead.py --quick    # CI smoke run: under a minute
+    .venv/bin/python -m benchmarks.overhead            # full: about 4 minutes
+    .venv/bin/python -m benchmarks.overhead --quick    # CI smoke run: under a minute
 """
 from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ray  # noqa: E402
-from _common import CpuWindow, machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
+import ray
 
-from dags.step_graph import build_prologue_graph, build_step_graph  # noqa: E402
-from dags.tokens import StepPlan  # noqa: E402
-from overhead_actors import DEADLINE_S, actors, configure, start_pool  # noqa: E402
-from pipeline.run.pool import Workers  # noqa: E402
+from benchmarks.harness import CpuWindow, machine_info, print_table, print_targets, sample_load, shutdown_ray
+from benchmarks.harness import start_ray, stats, write_result
+from benchmarks.overhead_actors import DEADLINE_S, actors, configure, start_pool
+from dags.step_graph import build_prologue_graph, build_step_graph
+from dags.tokens import StepPlan
+from pipeline.run.pool import Workers
 
 MODES = ("compiled", "classic", "hand")
 
@@ -134,7 +133,8 @@ def measure_sim(w: Workers, mode: str, lat: dict, steps: int, warm: int, max_age
     from pipeline.config import load_config
     from pipeline.core.events import EventLog, merge_events
     from pipeline.run.runner import GraphRunner
-    from pipeline.tools.check import check_events, load_events
+    from pipeline.tools.check import check_events
+    from pipeline.tools.check import load_events
     cfg = load_config(None, [f"sim.generate_s={lat['G']}", f"sim.train_s={lat['T']}",
                              f"sim.refit_s={lat['R']}", "sim.validate_s=0", "sim.jitter=0",
                              f"schedule.max_age={max_age}", "validation.period=0", f"run.steps={steps}",
@@ -279,9 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
         if pool is not None:
             for a in actors(pool):
                 ray.kill(a)
-        left = shutdown_ray()
-        if left:
-            print(f"warning: Ray processes still running after shutdown: {left}", file=sys.stderr)
+        shutdown_ray()
         shutil.rmtree(tmp, ignore_errors=True)
 
     # Split the overhead: Ray's background (its idle rate, measured in the same repeat,
@@ -373,8 +371,7 @@ def report(result: dict) -> None:
                 title=f"overhead: {result['params']['generators']} generators, median of "
                       f"{result['params']['repeats']} repeats")
     print(f"auto here: {result['auto']}")
-    print_table(["target", "value", "met"], [[t["target"], t["value"], t["met"]] for t in result["targets"]],
-                title="targets")
+    print_targets(result["targets"])
 
 
 if __name__ == "__main__":

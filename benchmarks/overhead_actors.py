@@ -1,4 +1,4 @@
-"""The actors benchmarks/overhead.py measures: the sim workers, switchable to
+"""The actors benchmarks.overhead measures: the sim workers, switchable to
 stub nodes (every node returns its token at once) or to engines that burn CPU
 instead of sleeping."""
 from __future__ import annotations

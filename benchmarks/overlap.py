@@ -12,21 +12,19 @@ to back on one set of actors, and reports per run the steady-state step time,
 Target (issue): efficiency >= 0.95 and speedup >= 0.95 * (G + T) / max(G, T)
 at G = T.
 
-    .venv/bin/python benchmarks/overlap.py            # full: about 5 minutes
-    .venv/bin/python benchmarks/overlap.py --quick    # CI smoke run: seconds
+    .venv/bin/python -m benchmarks.overlap            # full: about 5 minutes
+    .venv/bin/python -m benchmarks.overlap --quick    # CI smoke run: seconds
 """
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
+from benchmarks.harness import machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result
+from benchmarks.workloads import sim_run
 
 AGES = (0, 1, 2)
 RATIOS = (0.5, 1.0, 2.0)   # G / T
@@ -37,19 +35,6 @@ SKIP_LAST = max(AGES)       # pipeline drain: the last max_age steps have nothin
 def times_for(ratio: float, scale: float) -> tuple[float, float]:
     """(G, T) with the longer of the two equal to `scale`, so that every ratio has the same ideal step."""
     return (scale * ratio, scale) if ratio <= 1 else (scale, scale / ratio)
-
-
-def run_once(cfg_overrides: list[str], pool, runner, out_dir: Path, name: str) -> list[float]:
-    from pipeline.config import load_config
-    from pipeline.run.driver import train_on
-    cfg = load_config(None, [*cfg_overrides, f"run.output_dir={out_dir}", f"run.name={name}"])
-    summary = train_on(cfg, pool, step_runner=runner, quiet=True)
-    if summary["error"] or not summary["accounting"]["balanced"]:
-        raise RuntimeError(f"run {name} failed: {summary['error'] or summary['accounting']}")
-    lines = (out_dir / name / "metrics.jsonl").read_text().splitlines()
-    times = [r["step_time_s"] for r in map(json.loads, lines) if r["step"] >= 0]
-    shutil.rmtree(out_dir / name, ignore_errors=True)
-    return times
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -105,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
                                          "validation.period=0", f"run.steps={steps}", f"run.dag_mode={mode}",
                                          f"generation.num_generators={args.generators}", "run.deadline_s=60"]
                             sample_load(info)
-                            times = run_once(overrides, pool, runner, tmp, f"{mode}_{ratio}_{age}_{rep}")
+                            run = sim_run(overrides, pool, runner, tmp, f"{mode}_{ratio}_{age}_{rep}")
+                            times = [r["step_time_s"] for r in run.steps]
                             steady = times[SKIP_FIRST:len(times) - SKIP_LAST]
                             raw[mode][ratio][age].append(stats(steady)["median"])
                             print(f"  {mode:8s} G/T={ratio:<4} max_age={age} rep={rep}: "
@@ -118,9 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
             runner.close()
         if pool is not None:
             stop_workers(pool)
-        left = shutdown_ray()
-        if left:
-            print(f"warning: Ray processes still running after shutdown: {left}", file=sys.stderr)
+        shutdown_ray()
         shutil.rmtree(tmp, ignore_errors=True)
 
     figures, rows = [], []

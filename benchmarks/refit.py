@@ -25,8 +25,8 @@ from the first call to the last generator done, several times after a warm-up
 wall time and their fraction of this machine's memory-copy bandwidth
 (torch copy_ of 256 MiB, one thread, measured in the same run).
 
-    .venv/bin/python benchmarks/refit.py            # full: several minutes
-    .venv/bin/python benchmarks/refit.py --quick    # smoke run: tiny model, one generator
+    .venv/bin/python -m benchmarks.refit            # full: several minutes
+    .venv/bin/python -m benchmarks.refit --quick    # smoke run: tiny model, one generator
 """
 from __future__ import annotations
 
@@ -39,11 +39,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import psutil  # noqa: E402
-import ray  # noqa: E402
-import ray.cloudpickle  # noqa: E402
-from _common import machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result  # noqa: E402
+import psutil
+import ray
+import ray.cloudpickle
+
+from benchmarks.harness import machine_info, print_table, sample_load, shutdown_ray, start_ray, stats, write_result
+from benchmarks.workloads import MODEL_SIZES, build_sized_model
 
 # Ray's workers cannot import this script by name: ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -52,14 +53,6 @@ FULL_PATHS = ("object_store", "object_store_reload", "collective", "collective_s
 LORA_PATHS = ("lora_object_store", "lora_collective")
 PATHS = FULL_PATHS + LORA_PATHS
 TRANSPORTS = {"collective": "shared", "collective_socket": "socket", "lora_collective": "shared"}
-# hidden, layers, heads, head_dim, intermediate (vocabulary: the tiny tokenizer's 384)
-SIZES = {
-    "tiny": (64, 2, 4, 32, 128),
-    "1M": (128, 4, 4, 32, 512),
-    "25M": (512, 6, 8, 64, 2048),
-    "100M": (1024, 6, 16, 64, 4096),
-    "400M": (1024, 24, 16, 64, 4096),
-}
 TIMEOUT_S = 600.0
 
 
@@ -257,7 +250,7 @@ def measure_size(name: str, model_dir: Path, nbytes: int, generators: list[int],
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke size: the tiny model, one generator, 2 repeats")
-    ap.add_argument("--sizes", help=f"comma-separated, of {','.join(SIZES)} (full: all)")
+    ap.add_argument("--sizes", help=f"comma-separated, of {','.join(MODEL_SIZES)} (full: all)")
     ap.add_argument("--generators", default=None, help="comma-separated counts (full 1,2; quick 1)")
     ap.add_argument("--repeats", type=int, help="timed refits per path (full 5, 3 at 400M; quick 2)")
     ap.add_argument("--bucket-mb", type=float, default=None,
@@ -265,14 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-rank", type=int, default=8, help="adapter rank of the lora_* paths")
     ap.add_argument("--out", type=Path, help="directory for refit.json (default benchmarks/results)")
     args = ap.parse_args(argv)
-    from pipeline.weights import collective as ws
-    from pipeline.inputs.tiny import build_tiny_model
-    sizes = args.sizes.split(",") if args.sizes else (["tiny"] if args.quick else list(SIZES))
+    from pipeline.engines import weight_sync as ws
+    sizes = args.sizes.split(",") if args.sizes else (["tiny"] if args.quick else list(MODEL_SIZES))
     generators = [int(g) for g in (args.generators or ("1" if args.quick else "1,2")).split(",")]
     bucket_bytes = int(args.bucket_mb * 2**20) if args.bucket_mb else ws.BUCKET_BYTES
     info = machine_info()
     result = {"benchmark": "refit", "machine": info,
-              "params": {"quick": args.quick, "sizes": {s: SIZES[s] for s in sizes}, "generators": generators,
+              "params": {"quick": args.quick, "sizes": {s: MODEL_SIZES[s] for s in sizes}, "generators": generators,
                          "bucket_bytes": bucket_bytes, "paths": list(PATHS), "dtype": "float32",
                          "lora_rank": args.lora_rank,
                          "size_fields": ["hidden", "layers", "heads", "head_dim", "intermediate"]},
@@ -281,9 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     start_ray(num_cpus=8)
     try:
         for name in sizes:
-            hidden, layers, heads, head_dim, inter = SIZES[name]
-            model_dir = build_tiny_model(work / name, hidden=hidden, layers=layers, heads=heads,
-                                         head_dim=head_dim, intermediate=inter)
+            model_dir = build_sized_model(work, name)
             nbytes = (model_dir / "model.safetensors").stat().st_size   # within a few KB of the tensors' bytes
             free = psutil.virtual_memory().available
             if 8 * nbytes > free:   # trainer (model, export, pack), the store, two engines, staging
@@ -300,10 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(model_dir)
             gc.collect()
     finally:
-        left = shutdown_ray()
+        shutdown_ray()
         shutil.rmtree(work, ignore_errors=True)
-        if left:
-            print(f"Ray processes still running after shutdown: {left}", file=sys.stderr)
     memcpy = statistics.median(result["memcpy_bytes_per_s"])
     result["memcpy"] = stats(result["memcpy_bytes_per_s"])
     for f in result["figures"]:

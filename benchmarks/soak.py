@@ -8,22 +8,19 @@ fault is past its limit, stop with the error that names it. From each run's
 event log it counts invariant violations, hangs (a deadline hit), and prompt
 groups lost (launched, never trained or dropped) or duplicated (trained twice).
 
-    .venv/bin/python benchmarks/soak.py                # 40 schedules, a few minutes
-    .venv/bin/python benchmarks/soak.py --quick        # CI: 5 schedules
+    .venv/bin/python -m benchmarks.soak                # 40 schedules, a few minutes
+    .venv/bin/python -m benchmarks.soak --quick        # CI: 5 schedules
 """
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._common import machine_info, print_table, shutdown_ray, start_ray, write_result  # noqa: E402
+from benchmarks.harness import machine_info, print_table, print_targets, shutdown_ray, start_ray, write_result
 
 FAULTS = ("none", "generator_exit", "generator_exit_exhausted", "reward_raise", "reward_raise_exhausted")
 
@@ -66,7 +63,8 @@ EXPECTED_ERROR = {"generator_exit_exhausted": "fault.max_restarts", "reward_rais
 def run_one(s: dict, out_dir: str, name: str) -> dict:
     from pipeline.config import load_config
     from pipeline.run.driver import train
-    from pipeline.tools.check import check_events, load_events
+    from pipeline.tools.check import check_events
+    from pipeline.tools.check import load_events
     cfg = load_config(None, overrides(s, out_dir, name))
     started = time.perf_counter()
     error = None
@@ -114,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
             for i in range(n):
                 runs.append(run_one(draw_schedule(rng, i, steps), out_dir, f"soak{i}"))
     finally:
-        left = shutdown_ray()
+        shutdown_ray()
     totals = {k: sum(r[k] for r in runs) for k in ("violations", "lost", "duplicated", "restarts",
                                                    "reward_failures")}
     totals.update(hangs=sum(r["hang"] for r in runs), unexpected_outcomes=sum(not r["outcome_ok"] for r in runs))
@@ -124,9 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
                 [[i, r["fault"], r["num_generators"], r["max_age"], r["val_period"], r["wall_s"], r["outcome_ok"],
                   r["violations"], r["lost"], r["duplicated"], r["restarts"]] for i, r in enumerate(runs)],
                 title="soak: one row per schedule")
-    print_table(["target", "value", "met"], [[t["target"], t["value"], t["met"]] for t in targets], title="targets")
-    if left:
-        print(f"warning: Ray processes still running after shutdown: {left}", file=sys.stderr)
+    print_targets(targets)
     result = {"benchmark": "soak", "machine": info, "params": {"quick": args.quick, "schedules": n,
               "steps": steps, "seed": args.seed}, "runs": runs, "totals": totals, "targets": targets}
     path = write_result("soak", result, args.out)

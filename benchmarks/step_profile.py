@@ -19,8 +19,8 @@ does (a fresh process, a local Ray), once async (max_age 1) and once sync
                (scheduler, model forward, sampler, output processing, request
                set-up), and the cost of one event-log write
 
-    .venv/bin/python benchmarks/step_profile.py              # 80 steps each, about 2 minutes
-    .venv/bin/python benchmarks/step_profile.py --steps 20   # quicker, noisier
+    .venv/bin/python -m benchmarks.step_profile              # 80 steps each, about 2 minutes
+    .venv/bin/python -m benchmarks.step_profile --steps 20   # quicker, noisier
 """
 from __future__ import annotations
 
@@ -28,17 +28,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, machine_info, print_table, read_jsonl, sample_load, write_result  # noqa: E402
+from benchmarks.harness import ROOT, machine_info, print_table, read_jsonl, sample_load, write_result
+from benchmarks.workloads import RECIPES, build_model, run_recipe
 
-RECIPE = ROOT / "examples" / "tiny_grpo.yaml"
+RECIPE = RECIPES["grpo"]   # as workloads.run_recipe runs it
 # The GRPO step graph with one generator, in order, with the node each one waits for last.
 CHAIN = ("sample", "train", "validation_gate", "refit", "validate", "resume", "collect")
 WARMUP_STEPS = 3
@@ -47,25 +45,6 @@ WARMUP_STEPS = 3
 def median(values) -> float | None:
     values = list(values)
     return round(statistics.median(values), 6) if values else None
-
-
-def build_model(out_dir: Path) -> Path:
-    """The recipe's tiny model, built fresh (a clean checkout has no models/tiny until `make train`)."""
-    from pipeline.inputs.tiny import build_tiny_model
-    return build_tiny_model(out_dir / "model")
-
-
-def run_recipe(out_dir: Path, name: str, max_age: int, steps: int, seed: int, extra: list[str]) -> dict:
-    """One `python -m pipeline train` process; returns its run directory and launch time."""
-    cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(RECIPE), f"model.path={out_dir / 'model'}",
-           f"run.output_dir={out_dir}", f"run.name={name}", f"run.steps={steps}", f"run.seed={seed}",
-           f"schedule.max_age={max_age}", "run.checkpoint_every=0", "validation.period=0", "validation.at_end=false",
-           "metrics.progress=false", *extra]
-    launched = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {"run_dir": out_dir / name, "launched": launched, "exit_s": time.time() - launched}
 
 
 def step_chain(events: list[dict], steps: range) -> dict:

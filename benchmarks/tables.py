@@ -14,8 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "results.md"
+from benchmarks.harness import RESULTS
 
 
 def md(headers: list[str], rows: list[list], text_cols: int = 2) -> str:

@@ -10,24 +10,22 @@ training reward over the first and the last ten steps.
 Targets, per recipe: on every seed the final greedy validation beats the
 warm-up's, and the training reward of the last ten steps beats the first ten's.
 
-    .venv/bin/python benchmarks/tool_seeds.py                                  # 3 recipes x 3 seeds: ~20 min
-    .venv/bin/python benchmarks/tool_seeds.py --recipes tiny_tool_grpo --seeds 0 1 2
+    .venv/bin/python -m benchmarks.tool_seeds                                  # 3 recipes x 3 seeds: ~20 min
+    .venv/bin/python -m benchmarks.tool_seeds --recipes tiny_tool_grpo --seeds 0 1 2
 """
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, print_table, shutdown_ray, start_ray, write_result  # noqa: E402
+from benchmarks.harness import ROOT, machine_info, print_table, print_targets, read_jsonl, shutdown_ray
+from benchmarks.harness import start_ray, write_result
+from benchmarks.workloads import run_train
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("tiny_tool_grpo", "tiny_tool_ppo", "tiny_game_grpo")
 DATA = {"pipeline.envs.calculator:CalculatorEnv": "tool", "pipeline.envs.digit_game:DigitGuessEnv": "game"}
 
@@ -43,18 +41,15 @@ def warmed_up(env_class: str, base: Path, tmp: Path) -> Path:
 
 
 def run_once(recipe: str, seed: int, args, model: Path, tmp: Path) -> dict:
-    from pipeline.config import load_config
-    from pipeline.run.driver import train
+    from pipeline.io.config import load_config
     name = f"{recipe}_s{seed}"
     cfg = load_config(ROOT / "examples" / f"{recipe}.yaml", [
         f"model.path={model}", f"run.seed={seed}", f"run.steps={args.steps}", f"validation.period={args.val_period}",
         "validation.at_start=true", "validation.at_end=true", "run.checkpoint_every=0",
         f"run.output_dir={tmp / 'runs'}", f"run.name={name}", "metrics.tensorboard=false"])
     started = time.time()
-    summary = train(cfg, quiet=True)
-    if summary["error"] or not summary["accounting"]["balanced"]:
-        raise RuntimeError(f"run {name} failed: {summary['error'] or summary['accounting']}")
-    rows = [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    summary = run_train(cfg, name)
+    rows = read_jsonl(tmp / "runs" / name / "metrics.jsonl")
     steps = [r for r in rows if r["step"] >= 0]
     vals = [(r["step"], r["val_reward"]) for r in rows if "val_reward" in r]
     return {"recipe": recipe, "seed": seed, "wall_s": round(time.time() - started, 1), "val": vals,
@@ -90,9 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{recipe} seed {seed}: val {run['val_start']} -> {run['val_end']}, reward "
                       f"{run['reward_first10']:.2f} -> {run['reward_last10']:.2f} ({run['wall_s']} s)", flush=True)
     finally:
-        left = shutdown_ray()
-        if left:
-            print(f"warning: Ray processes still running after shutdown: {left}", file=sys.stderr)
+        shutdown_ray()
         shutil.rmtree(tmp, ignore_errors=True)
     targets = []
     for recipe in args.recipes:
@@ -108,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(["recipe", "seed", "val start", "val end", "reward first 10", "reward last 10"],
                 [[r["recipe"], r["seed"], r["val_start"], r["val_end"], round(r["reward_first10"], 3),
                   round(r["reward_last10"], 3)] for r in runs], title="multi-turn recipes across seeds")
-    print_table(["target", "value", "met"], [[t["target"], t["value"], t["met"]] for t in targets], title="targets")
+    print_targets(targets)
     print(f"wrote {path}")
     return result
 

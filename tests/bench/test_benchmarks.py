@@ -25,7 +25,7 @@ MACHINE_KEYS = {"platform", "python", "ray", "cpu_physical", "cpu_logical", "mem
 def run_quick(name: str, out: Path, timeout: float = 300) -> dict:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)  # the benchmarks start their own local cluster
-    proc = subprocess.run([sys.executable, f"benchmarks/{name}.py", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{name} --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "targets" in proc.stdout, "the script prints its tables"
@@ -108,11 +108,10 @@ def test_soak_quick(tmp_path):
 
 
 def test_vs_trl_figures_from_step_times():
-    """benchmarks/vs_trl.py's reading of a run, on made-up step times: start-up is
+    """benchmarks.vs_trl's reading of a run, on made-up step times: start-up is
     launch to the first step, time to 0.7 runs from the first step's start to the
     end of the first step whose 3-step mean reaches 0.7, and ratios are per seed."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import vs_trl
+    from benchmarks import vs_trl
     begin = [10.0 + 0.1 * k for k in range(8)]
     end = [b + 0.08 for b in begin]
     rewards = [0.1, 0.2, 0.6, 0.7, 0.9, 0.9, 1.0, 1.0]

@@ -20,9 +20,10 @@ MACHINE_KEYS = {"platform", "python", "ray", "cpu_physical", "cpu_logical", "mem
                 "loadavg_start", "loadavg_end", "git_commit"}
 BREAKDOWN = {"sample_s", "train_s", "validation_gate_s", "drain_s", "load_s", "validate_s", "resume_s",
              "collect_s", "other_s", "validation_s", "exposed_generation_s", "hidden_generation_s"}
-# Runs a script as __main__ with `import ray` and `import vllm` made to fail.
+# Runs a module as __main__ (as `python -m` does) with `import ray` and `import vllm` made to fail.
 POISONED = ("import runpy, sys; sys.modules['ray'] = None; sys.modules['vllm'] = None; "
-            "path = sys.argv[1]; sys.argv = sys.argv[1:]; runpy.run_path(path, run_name='__main__')")
+            "name = sys.argv[1]; sys.argv = sys.argv[1:]; "
+            "runpy.run_module(name, run_name='__main__', alter_sys=True)")
 
 
 def _env(**extra) -> dict:
@@ -36,7 +37,7 @@ def is_stat(x) -> bool:
 
 
 def test_e2e_tiny_quick(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/e2e_tiny.py", "--quick", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.e2e_tiny", "--quick", "--out", str(tmp_path)],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"e2e_tiny --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "targets" in proc.stdout and "per-step time breakdown" in proc.stdout, "the script prints its tables"
@@ -77,7 +78,7 @@ def test_e2e_tiny_quick(tmp_path):
 
 
 def _gpu_trainer(args: list[str], tmp_path: Path, timeout: float = 120, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", POISONED, "benchmarks/gpu_trainer.py", *args],
+    return subprocess.run([sys.executable, "-c", POISONED, "benchmarks.gpu_trainer", *args],
                           cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -113,7 +114,7 @@ def test_gpu_trainer_cpu_smoke_runs_without_ray_or_vllm(tmp_path):
 
 
 def _gpu_weight_paths(args: list[str], timeout: float = 60, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", POISONED, "benchmarks/gpu_weight_paths.py", *args],
+    return subprocess.run([sys.executable, "-c", POISONED, "benchmarks.gpu_weight_paths", *args],
                           cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -165,10 +166,10 @@ def test_gpu_weight_paths_cpu_smoke_runs_without_ray_or_vllm(tmp_path):
 
 
 def test_step_profile_reads_a_real_run(tmp_path):
-    """benchmarks/step_profile.py on a short real run: the step chain, the spans
+    """benchmarks.step_profile on a short real run: the step chain, the spans
     inside the leaves and the start-up phases all come out of the event log.
     (The sync run is the same reading of another schedule: left to the benchmark.)"""
-    proc = subprocess.run([sys.executable, "benchmarks/step_profile.py", "--steps", "6", "--modes", "async",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--steps", "6", "--modes", "async",
                            "--out", str(tmp_path)],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"step_profile failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

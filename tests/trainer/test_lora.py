@@ -229,9 +229,9 @@ def test_export_refuses_what_is_not_a_checkpoint(tmp_path):
 
 
 def test_the_trainer_memory_benchmark_runs_quick(tmp_path):
-    """benchmarks/lora_trainer.py --quick: both modes of the tiny model, and what LoRA keeps small."""
+    """benchmarks.lora_trainer --quick: both modes of the tiny model, and what LoRA keeps small."""
     import os
-    proc = subprocess.run([sys.executable, "benchmarks/lora_trainer.py", "--quick", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lora_trainer", "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "lora_trainer.json").read_text())

@@ -364,7 +364,7 @@ def test_the_fast_load_matches_transformers_with_tied_embeddings(tmp_path):
 
 
 def test_the_refit_benchmark_runs_quick(tmp_path):
-    """benchmarks/refit.py --quick: every path ran, on the plan, and the JSON has its shape."""
+    """benchmarks.refit --quick: every path ran, on the plan, and the JSON has its shape."""
     from test_benchmarks import is_stat, run_quick
     result = run_quick("refit", tmp_path, timeout=600)
     figures = result["figures"]

@@ -1,9 +1,14 @@
-"""Shared helpers for the benchmarks: machine info, statistics over repeats,
-CPU accounting of this process tree, tables and the JSON result file.
+"""What every benchmark shares to run and to record: a local Ray started and
+stopped, machine info (platform, versions, cores, memory, commit, a dirty
+tree, load average), statistics over repeats, CPU accounting of this process
+tree, tables, and the JSON result file in benchmarks/results.
 
 Benchmarks measure; they do not assert. Ratios are taken within one repeat
 (the compared variants run back to back), so a slow moment of the shared
 machine moves both sides of a ratio together.
+
+Nothing here imports Ray, torch or vLLM at import time: the GPU benchmarks
+must start without Ray or vLLM.
 """
 from __future__ import annotations
 
@@ -21,10 +26,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# The repository root must be importable when a script runs as `python benchmarks/x.py`.
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
+# --- reading runs and summarising repeats ---------------------------------------------------
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -49,6 +52,17 @@ def stats(values: list[float]) -> dict:
             "values": [round(v, 6) for v in vals]}
 
 
+def median_with_never(values: list[int | None]) -> float | None:
+    """The median, a seed that never got there (None) counting as infinitely many
+    steps; None when the median itself is never."""
+    if not values:
+        return None
+    mid = statistics.median(float("inf") if v is None else v for v in values)
+    return None if mid == float("inf") else mid
+
+
+# --- machine info ------------------------------------------------------------------------------
+
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -56,13 +70,18 @@ def _git(*args: str) -> str:
         return ""
 
 
-def machine_info() -> dict:
-    import ray
+def machine_info(ray: bool = True) -> dict:
+    """The machine and the checkout a result was taken on. ray=False: Ray is not
+    imported (its version is None), for the benchmarks that must run without it."""
+    version = None
+    if ray:
+        import ray as ray_module
+        version = ray_module.__version__
     mem = psutil.virtual_memory()
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "ray": ray.__version__,
+        "ray": version,
         "cpu_physical": psutil.cpu_count(logical=False),
         "cpu_logical": psutil.cpu_count(logical=True),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -72,6 +91,47 @@ def machine_info() -> dict:
         "git_dirty": bool(_git("status", "--porcelain")),
     }
 
+
+def gpu_machine_info(cuda: bool) -> dict:
+    """machine_info without Ray, plus torch, DeepSpeed and transformers and, with
+    cuda, the GPU (the GPU benchmarks)."""
+    import deepspeed
+    import torch
+    import transformers
+    info = {**machine_info(ray=False),
+            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "device": "cpu"}
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        info.update(device="cuda", gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    gpu_capability=f"{props.major}.{props.minor}", gpu_count=torch.cuda.device_count(),
+                    cudnn=torch.backends.cudnn.version())
+    return info
+
+
+def require_gpu(no_gpu: str, cpu_smoke: bool) -> None:
+    """A GPU benchmark's start: exit 1 with `no_gpu` and how to go on where no CUDA
+    GPU is visible; under --cpu-smoke, the CPU even where a GPU is visible."""
+    if not cpu_smoke:
+        import torch
+        if not torch.cuda.is_available():
+            print(f"{no_gpu} (torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+                  f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). "
+                  "Run it on a machine with an NVIDIA GPU, or use --cpu-smoke to check the code path only.",
+                  file=sys.stderr)
+            raise SystemExit(1)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""   # the CPU even where a GPU is visible (the engine asks torch)
+        os.environ["DS_ACCELERATOR"] = "cpu"   # read when deepspeed picks its accelerator
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def sample_load(info: dict) -> None:
+    """Note the 1-minute load average now (called once per measured block)."""
+    info.setdefault("loadavg_1min_samples", []).append(round(os.getloadavg()[0], 2))
+
+
+# --- CPU accounting ----------------------------------------------------------------------------
 
 def tree_cpu() -> dict:
     """{(pid, start time): user + system CPU seconds} of this process and every
@@ -111,6 +171,8 @@ class CpuWindow:
         self.started = len(set(after) - set(self.before))
 
 
+# --- a local Ray -------------------------------------------------------------------------------
+
 def start_ray(num_cpus: int = 8) -> None:
     import ray
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -121,13 +183,19 @@ def start_ray(num_cpus: int = 8) -> None:
 
 def shutdown_ray(wait_s: float = 20.0) -> list[int]:
     """ray.shutdown(), then wait for every process this cluster started to exit, so
-    that the script leaves nothing behind; returns the pids still alive (none, normally)."""
+    that the script leaves nothing behind (called in a finally: an error included);
+    returns the pids still alive (none, normally), named in a warning on stderr."""
     import ray
     procs = psutil.Process().children(recursive=True)
     ray.shutdown()
     _, alive = psutil.wait_procs(procs, timeout=wait_s)
-    return [p.pid for p in alive]
+    left = [p.pid for p in alive]
+    if left:
+        print(f"warning: Ray processes still running after shutdown: {left}", file=sys.stderr)
+    return left
 
+
+# --- tables and the result file ----------------------------------------------------------------
 
 def print_table(headers: list[str], rows: list[list], title: str = "") -> None:
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
@@ -140,18 +208,21 @@ def print_table(headers: list[str], rows: list[list], title: str = "") -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def print_targets(targets: list[dict], title: str = "targets") -> None:
+    """The targets table: each target's text, its value, and whether it was met."""
+    print_table(["target", "value", "met"], [[t["target"], t["value"], t["met"]] for t in targets], title=title)
+
+
 def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.3f}" if abs(x) >= 0.01 or x == 0 else f"{x:.2e}"
     return str(x)
 
 
-def sample_load(info: dict) -> None:
-    """Note the 1-minute load average now (called once per measured block)."""
-    info.setdefault("loadavg_1min_samples", []).append(round(os.getloadavg()[0], 2))
-
-
 def write_result(name: str, result: dict, out_dir: Path | None = None) -> Path:
+    """result as out_dir/name.json (default benchmarks/results), written whole or
+    not at all; result["machine"] gets the load average at the end and a summary
+    of the samples taken during."""
     out_dir = Path(out_dir) if out_dir is not None else RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     info = result["machine"]
