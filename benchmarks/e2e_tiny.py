@@ -160,7 +160,7 @@ def analyse_run(run_dir: Path, threshold: float, window: int) -> dict:
 
 def run_once(model: Path, out_dir: Path, name: str, max_age: int, steps: int, seed: int,
              dag_mode: str, extra: list[str]) -> Path:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     cfg = load_config(RECIPE, [
         f"model.path={model}", f"data.train={ROOT / 'data' / 'tiny_train.jsonl'}",
         f"data.val={ROOT / 'data' / 'tiny_val.jsonl'}", f"schedule.max_age={max_age}",
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     if steps < args.window:
         ap.error(f"--steps {steps} must be at least --window {args.window}")
 
-    from pipeline.io.tiny import build_tiny_model, model_digest
+    from pipeline.inputs.tiny import build_tiny_model, model_digest
 
     info = machine_info()
     dag_mode = args.dag_mode or default_dag_mode()

@@ -3,7 +3,7 @@ copy layout of the collective weight sync, checked bit for bit and timed.
 
 A Llama of a few hundred million parameters is built from a config (random
 weights, saved to a temporary directory, as benchmarks.gpu_trainer does)
-and loaded in pipeline.engines.deepspeed_policy.DeepSpeedPolicyEngine, bf16,
+and loaded in pipeline.trainer.deepspeed_policy.DeepSpeedPolicyEngine, bf16,
 world size 1, at each ZeRO stage asked for (default 0 and 3); it takes one
 GRPO step first, so the weights read are ones the optimizer wrote.
 

@@ -96,7 +96,7 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         "max_slope_kb_per_step": max(v["slope_kb_per_step"] for v in per_role.values()),
         "weight_copy_mb": round(copy_mb, 3), "store_peak_mb": round(max(store, default=0.0), 3),
         "store_bound_mb": round(bound, 3),
-        "heap_trims": trims,  # pipeline/run/resources.py HeapCap: the first one per trainer sets its floor
+        "heap_trims": trims,  # pipeline/core/memory.py HeapCap: the first one per trainer sets its floor
         "store_peak_copies": round(max(store, default=0.0) / copy_mb, 3) if copy_mb else None,
         "store_spilled_mb": max((r.get("store_spilled_mb", 0.0) for r in records), default=0.0),
         "step_time_first10_s": round(first, 4), "step_time_last10_s": round(last, 4),

@@ -134,7 +134,7 @@ def measure_sim(w: Workers, mode: str, lat: dict, steps: int, warm: int, max_age
     from pipeline.core.events import EventLog, merge_events
     from pipeline.run.runner import GraphRunner
     from pipeline.tools.check import check_events
-    from pipeline.tools.check import load_events
+    from pipeline.core.events import load_events
     cfg = load_config(None, [f"sim.generate_s={lat['G']}", f"sim.train_s={lat['T']}",
                              f"sim.refit_s={lat['R']}", "sim.validate_s=0", "sim.jitter=0",
                              f"schedule.max_age={max_age}", "validation.period=0", f"run.steps={steps}",

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-rank", type=int, default=8, help="adapter rank of the lora_* paths")
     ap.add_argument("--out", type=Path, help="directory for refit.json (default benchmarks/results)")
     args = ap.parse_args(argv)
-    from pipeline.engines import weight_sync as ws
+    from pipeline.weights import collective as ws
     sizes = args.sizes.split(",") if args.sizes else (["tiny"] if args.quick else list(MODEL_SIZES))
     generators = [int(g) for g in (args.generators or ("1" if args.quick else "1,2")).split(",")]
     bucket_bytes = int(args.bucket_mb * 2**20) if args.bucket_mb else ws.BUCKET_BYTES

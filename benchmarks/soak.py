@@ -64,7 +64,7 @@ def run_one(s: dict, out_dir: str, name: str) -> dict:
     from pipeline.config import load_config
     from pipeline.run.driver import train
     from pipeline.tools.check import check_events
-    from pipeline.tools.check import load_events
+    from pipeline.core.events import load_events
     cfg = load_config(None, overrides(s, out_dir, name))
     started = time.perf_counter()
     error = None

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from benchmarks.harness import RESULTS
 
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "results.md"
+
 
 def md(headers: list[str], rows: list[list], text_cols: int = 2) -> str:
     align = ["---" if i < text_cols else "---:" for i in range(len(headers))]

@@ -41,7 +41,7 @@ def warmed_up(env_class: str, base: Path, tmp: Path) -> Path:
 
 
 def run_once(recipe: str, seed: int, args, model: Path, tmp: Path) -> dict:
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     name = f"{recipe}_s{seed}"
     cfg = load_config(ROOT / "examples" / f"{recipe}.yaml", [
         f"model.path={model}", f"run.seed={seed}", f"run.steps={args.steps}", f"validation.period={args.val_period}",

@@ -29,8 +29,8 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Only pipeline.io.rewards is taken from dagrl. It is not standard-library only:
-# pipeline.engines.interface (which defines Prompt) imports pyarrow, which datasets
+# Only pipeline.inputs.rewards is taken from dagrl. It is not standard-library only:
+# pipeline.core.types (which defines Prompt) imports pyarrow, which datasets
 # installs here anyway. dagrl's runtime stack must stay out of this process.
 DAGRL_RUNTIME = {"torch", "vllm", "ray", "deepspeed", "transformers"}
 

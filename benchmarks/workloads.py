@@ -28,7 +28,7 @@ MODES = {0: "sync", 1: "async"}           # schedule.max_age -> name
 # the training reward reaches 0.7, and the first greedy validation >= 0.9.
 REWARD_BAR, WINDOW, VAL_BAR = 0.7, 3, 0.9
 # hidden, layers, heads, head_dim, intermediate of the models refit and lora_trainer build
-# (pipeline.io.tiny.build_tiny_model's arguments; vocabulary: the tiny tokenizer's 384)
+# (pipeline.inputs.tiny.build_tiny_model's arguments; vocabulary: the tiny tokenizer's 384)
 MODEL_SIZES = {
     "tiny": (64, 2, 4, 32, 128),
     "1M": (128, 4, 4, 32, 512),
@@ -40,7 +40,7 @@ MODEL_SIZES = {
 
 def build_sized_model(out_dir: Path, size: str) -> Path:
     """The Llama of MODEL_SIZES[size] (random weights, the tiny tokenizer), in out_dir/size."""
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.inputs.tiny import build_tiny_model
     hidden, layers, heads, head_dim, inter = MODEL_SIZES[size]
     return build_tiny_model(out_dir / size, hidden=hidden, layers=layers, heads=heads, head_dim=head_dim,
                             intermediate=inter)
@@ -83,7 +83,7 @@ def learning_run(algorithm: str, max_age: int, seed: int, steps: int, val_period
                  out_dir: Path, extra: list[str], name: str = "") -> dict:
     """One full run of a tiny recipe (RECIPES) on the real CPU stack, on the tiny data,
     greedy validation every val_period steps and at the end: its learning figures."""
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     mode = MODES.get(max_age, f"async{max_age}")
     name = name or f"{algorithm}_{mode}_s{seed}"
     cfg = load_config(RECIPES[algorithm], [
@@ -106,13 +106,13 @@ class SimRun(NamedTuple):
 def sim_run(overrides: list[str], pool, runner, out_dir: Path, name: str, check: bool = False) -> SimRun:
     """One run of the config `overrides` give (no recipe) on a started pool and step
     runner, as the sweeps over simulated workers run them; its directory is removed."""
-    from pipeline.io.config import load_config
+    from pipeline.config import load_config
     cfg = load_config(None, [*overrides, f"run.output_dir={out_dir}", f"run.name={name}"])
     summary = run_train(cfg, name, pool, runner)
     violations = None
     if check:
         from pipeline.tools.check import check_events
-        from pipeline.tools.check import load_events
+        from pipeline.core.events import load_events
         violations = check_events(load_events(out_dir / name))
     steps = [r for r in read_jsonl(out_dir / name / "metrics.jsonl") if r["step"] >= 0]
     shutil.rmtree(out_dir / name, ignore_errors=True)
@@ -123,7 +123,7 @@ def sim_run(overrides: list[str], pool, runner, out_dir: Path, name: str, check:
 
 def build_model(out_dir: Path) -> Path:
     """The recipe's tiny model, built fresh (a clean checkout has no models/tiny until `make train`)."""
-    from pipeline.io.tiny import build_tiny_model
+    from pipeline.inputs.tiny import build_tiny_model
     return build_tiny_model(out_dir / "model")
 
 
@@ -179,5 +179,5 @@ def build_rows(size: dict, vary: float, seed: int) -> list[dict]:
 def to_table(rows: list[dict]):
     import pyarrow as pa
 
-    from pipeline.engines.interface import TRAJECTORY_SCHEMA
+    from pipeline.core.types import TRAJECTORY_SCHEMA
     return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)

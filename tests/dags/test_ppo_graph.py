@@ -115,7 +115,8 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.run.driver import train_on  # noqa: E402
 from pipeline.run.pool import start_workers, stop_workers  # noqa: E402
 from pipeline.run.runner import GraphRunner  # noqa: E402
-from pipeline.tools.check import check_events, load_events  # noqa: E402
+from pipeline.core.events import load_events  # noqa: E402
+from pipeline.tools.check import check_events  # noqa: E402
 
 pytestmark = pytest.mark.sim
 
