@@ -26,6 +26,10 @@ def test_recipe_and_overrides(tmp_path):
     ("grpo.val_period=2", "val_period -> validation.period"),
     ("reward.max_failures=2", "max_failures -> fault.max_reward_failures"),
     ("fault.deadline_s=2", "unknown key 'fault.deadline_s': 'fault.deadline_s' is now 'run.deadline_s'"),
+    ("training.num_workers=2", "unknown key 'training.num_workers': 'training.num_workers' is now "
+                               "'training.ranks'"),
+    ("ppo.critic_num_workers=2", "'ppo.critic_num_workers' is now 'ppo.critic_ranks'"),
+    ("env.num_workers=2", "'env.num_workers' is now 'env.actors'"),
     ("generation.refit_mode=fast", "generation.refit_mode: 'fast' is not allowed; choose one of 'drain', "
                                    "'inflight'"),
     ("generation.inflight_kv=drop", "generation.inflight_kv: 'drop' is not allowed"),

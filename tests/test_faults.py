@@ -89,14 +89,14 @@ def test_restarts_exhausted_stops_naming_the_worker(tmp_path, ray_session):
 def test_trainer_death_is_an_error_and_resume_completes(tmp_path, ray_session, ranks, dead):
     # With two ranks only rank 1 dies: rank 0 lives on, and must not hold the run up.
     cfg = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, sim__fault="train_exit",
-                     sim__fault_after=5, sim__fault_worker=ranks - 1, training__num_workers=ranks)
+                     sim__fault_after=5, sim__fault_worker=ranks - 1, training__ranks=ranks)
     started = time.monotonic()
     with pytest.raises(PipelineError, match=rf"worker {dead} died.*--resume"):
         train(cfg, quiet=True)
     assert time.monotonic() - started < 60
     run_dir = tmp_path / "t"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
-    fixed = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, training__num_workers=ranks)
+    fixed = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, training__ranks=ranks)
     summary = train(fixed, quiet=True, restore_from=str(run_dir))
     assert summary["error"] is None and summary["start_step"] == 4 and summary["steps"] == 8
     assert check_events(load_events(run_dir)) == []
@@ -175,7 +175,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, ray_session, capsys):
     skipped steps are warned of, told in the events and metrics, and the second stops the run."""
     import json
     cfg = sim_config(tmp_path, "nf", run__steps=8, sim__fault="train_nonfinite", sim__fault_after=2,
-                     fault__max_nonfinite_steps=2, training__num_workers=2, metrics__progress="false")
+                     fault__max_nonfinite_steps=2, training__ranks=2, metrics__progress="false")
     with pytest.raises(PipelineError, match=r"node 'train' .* the policy skipped 2 optimizer steps in a row "
                                             r"for a non-finite loss or gradient norm \(step 3: loss nan and "
                                             r"gradient norm nan\), fault.max_nonfinite_steps is 2"):

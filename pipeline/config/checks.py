@@ -55,7 +55,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
             raise fail("env.observation_format", f"{env.observation_format!r} is not a format with one "
                        f"{{observation}} field: {type(exc).__name__}: {exc}") from None
     else:
-        for key, value, default in (("env.max_turns", env.max_turns, 1), ("env.num_workers", env.num_workers, 0),
+        for key, value, default in (("env.max_turns", env.max_turns, 1), ("env.actors", env.actors, 0),
                                     ("env.args", env.args, {})):
             if value != default:
                 raise fail(key, f"{value!r} needs an environment; set env.class (module:Class)")

@@ -23,6 +23,9 @@ MOVED = {
     "grpo.clip_eps": "policy_loss.clip_eps", "grpo.kl_coef": "policy_loss.kl_coef",
     "grpo.is_clip": "policy_loss.is_clip", "reward.max_failures": "fault.max_reward_failures",
     "fault.deadline_s": "run.deadline_s", "ppo.critic_zero_stage": "training.zero_stage",
+    # Three meanings of num_workers, each named for what it counts.
+    "training.num_workers": "training.ranks", "ppo.critic_num_workers": "ppo.critic_ranks",
+    "env.num_workers": "env.actors",
 }
 
 

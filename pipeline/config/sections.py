@@ -108,8 +108,8 @@ class TrainingConfig:
     micro_batch_size: int = _key(8, "rows per forward/backward; one optimizer step per batch", ge=1)
     grad_accum: int = _key(1, "DeepSpeed's nominal accumulation (train_batch_size = micro x accum)", ge=1)
     lr: float = _key(1e-4, "policy learning rate (AdamW)", gt=0)
-    num_workers: int = _key(1, "data-parallel policy ranks, one DeepSpeed engine (and trainer actor) each; "
-                            "whole prompt groups are sharded across them", ge=1)
+    ranks: int = _key(1, "data-parallel policy ranks, one DeepSpeed engine (and trainer actor) each; "
+                      "whole prompt groups are sharded across them", ge=1)
     lora: LoraConfig = LoraConfig()
 
 
@@ -123,7 +123,7 @@ class PpoConfig:
     critic_model: str = _key("", "critic backbone directory; empty = model.path")
     critic_lr: float = _key(1e-4, "critic learning rate (AdamW)", gt=0)
     whiten_advantages: bool = _key(True, "scale advantages to unit variance per batch")
-    critic_num_workers: int = _key(1, "data-parallel critic ranks, one DeepSpeed engine each", ge=1)
+    critic_ranks: int = _key(1, "data-parallel critic ranks, one DeepSpeed engine each", ge=1)
 
 
 @dataclass(frozen=True)
@@ -218,10 +218,10 @@ class EnvConfig:
                                  gt=0)
     observation_format: str = _key("{observation}", "how an observation is appended to the context (its tokens "
                                    "are masked out of the loss)")
-    num_workers: int = _key(0, "Ray actors per generator that run the environments, one step at a time each; "
-                            "0: threads in the generator's process", ge=0)
+    actors: int = _key(0, "Ray actors per generator that run the environments, one step at a time each; "
+                       "0: threads in the generator's process", ge=0)
     worker_cpus: float = _key(0.0, "logical CPUs each environment worker asks Ray for", ge=0)
-    threads: int = _key(64, "env.num_workers 0: environment calls that run at once in a generator", ge=1)
+    threads: int = _key(64, "env.actors 0: environment calls that run at once in a generator", ge=1)
 
 
 # Config fields whose recipe key is a Python keyword.
@@ -258,6 +258,6 @@ class Config:
         return keys(dataclasses.asdict(self))
 
     @property
-    def critic_ranks(self) -> int:
-        """Critic actors the run starts: ppo.critic_num_workers under PPO, none under GRPO."""
-        return self.ppo.critic_num_workers if self.algorithm == "ppo" else 0
+    def critic_actors(self) -> int:
+        """Critic actors the run starts: ppo.critic_ranks under PPO, none under GRPO."""
+        return self.ppo.critic_ranks if self.algorithm == "ppo" else 0
