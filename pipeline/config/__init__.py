@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from pipeline.config.load import MOVED, load_config
 from pipeline.config.sections import (
-    YAML_NAMES, Config, ConfigError, DataConfig, EnvConfig, FaultConfig, GenerationConfig, LoraConfig,
-    MetricsConfig, ModelConfig, PolicyLossConfig, PpoConfig, ResourcesConfig, RoleResources, RunConfig,
+    YAML_NAMES, Config, ConfigError, DataConfig, EnvConfig, FaultConfig, GenerationConfig, InjectConfig,
+    LoraConfig, MetricsConfig, ModelConfig, PolicyLossConfig, PpoConfig, ResourcesConfig, RoleResources, RunConfig,
     ScheduleConfig, SimConfig, TrainingConfig, ValidationConfig,
 )
 
 __all__ = [
     "MOVED", "YAML_NAMES", "Config", "ConfigError", "DataConfig", "EnvConfig", "FaultConfig", "GenerationConfig",
-    "LoraConfig", "MetricsConfig", "ModelConfig", "PolicyLossConfig", "PpoConfig", "ResourcesConfig",
+    "InjectConfig", "LoraConfig", "MetricsConfig", "ModelConfig", "PolicyLossConfig", "PpoConfig", "ResourcesConfig",
     "RoleResources", "RunConfig", "ScheduleConfig", "SimConfig", "TrainingConfig", "ValidationConfig",
     "load_config",
 ]

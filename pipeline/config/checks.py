@@ -1,7 +1,7 @@
 """Rules between keys, checked once every key has its value."""
 from __future__ import annotations
 
-from pipeline.config.sections import Config, ConfigError
+from pipeline.config.sections import Config, ConfigError, InjectConfig
 
 
 def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
@@ -30,6 +30,10 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
             # The trainer divides its logits by the sampling temperature to match vLLM's logprobs.
             raise fail("generation.temperature", "0 (greedy) cannot be trained on; the trainer's logprobs "
                        "are taken at the sampling temperature, so it must be > 0")
+    if cfg.inject != InjectConfig() and cfg.backend != "sim":
+        changed = next(k for k, v in vars(cfg.inject).items() if v != getattr(InjectConfig(), k))
+        raise fail(f"inject.{changed}", "fault injection drives the simulated workers of the recovery tests; it "
+                   "needs backend 'sim'")
     g = cfg.generation
     if g.weight_sync == "collective" and cfg.backend != "real":
         raise fail("generation.weight_sync", "'collective' broadcasts tensors between the DeepSpeed trainer and "

@@ -26,6 +26,9 @@ MOVED = {
     # Three meanings of num_workers, each named for what it counts.
     "training.num_workers": "training.ranks", "ppo.critic_num_workers": "ppo.critic_ranks",
     "env.num_workers": "env.actors",
+    # The simulator's fault switches: test-only, out of the user's sim section.
+    "sim.fault": "inject.fault", "sim.fault_after": "inject.after", "sim.fault_worker": "inject.worker",
+    "sim.fault_incarnations": "inject.incarnations",
 }
 
 
@@ -227,9 +230,10 @@ def _infer_backend(tree: dict) -> str:
     run trains nothing, so a model's recipe must never fall to it by default."""
     model = tree.get("model")
     named = isinstance(model, dict) and bool(model.get("path"))
-    if named and "sim" in tree:
-        err = ConfigError("backend: not set, but the recipe sets both model.path (a real run) and the sim section "
-                          "(simulated workers); set backend: real or backend: sim")
+    simulated = next((section for section in ("sim", "inject") if section in tree), None)
+    if named and simulated:
+        err = ConfigError(f"backend: not set, but the recipe sets both model.path (a real run) and the {simulated} "
+                          "section (simulated workers); set backend: real or backend: sim")
         err.key = "backend"
         raise err
     return "real" if named else "sim"

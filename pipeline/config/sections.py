@@ -193,17 +193,6 @@ class SimConfig:
     validate_s: float = _key(0.02, "one validation's time", ge=0)
     jitter: float = _key(0.0, "relative spread of every latency", ge=0, le=1)
     num_val_prompts: int = _key(8, "validation prompts", ge=1)
-    # Fault injection, for the tests and the soak: *_exit ends the worker's process
-    # as a crash or an OOM kill would; *_hang waits until the run's deadlines catch it.
-    fault: Literal["", "train_raise", "train_hang", "train_exit", "generate_raise", "generate_hang",
-                   "generate_exit", "reward_raise", "train_nonfinite"] = _key(
-        "", "inject this fault after fault_after good calls (train_nonfinite: every later step's loss is NaN, "
-        "on every rank)")
-    fault_after: int = _key(0, "good calls before the fault (reward_raise: every N-th sample raises)", ge=0)
-    fault_worker: int = _key(0, "generator index that generate_* faults hit, trainer rank that train_* faults hit",
-                             ge=0)
-    fault_incarnations: int = _key(1, "a replaced generator faults again only while its restart count is below "
-                                   "this", ge=1)
 
 
 @dataclass(frozen=True)
@@ -222,6 +211,22 @@ class EnvConfig:
                        "0: threads in the generator's process", ge=0)
     worker_cpus: float = _key(0.0, "logical CPUs each environment worker asks Ray for", ge=0)
     threads: int = _key(64, "env.actors 0: environment calls that run at once in a generator", ge=1)
+
+
+@dataclass(frozen=True)
+class InjectConfig:
+    """Fault injection for the recovery tests and the soak, on the simulated
+    workers (backend sim) only; no user's setting, so the README's table leaves
+    it out. *_exit ends the worker's process as a crash or an OOM kill would;
+    *_hang waits until the run's deadlines catch it."""
+    fault: Literal["", "train_raise", "train_hang", "train_exit", "generate_raise", "generate_hang",
+                   "generate_exit", "reward_raise", "train_nonfinite"] = _key(
+        "", "inject this fault after `after` good calls (train_nonfinite: every later step's loss is NaN, "
+        "on every rank)")
+    after: int = _key(0, "good calls before the fault (reward_raise: every N-th sample raises)", ge=0)
+    worker: int = _key(0, "generator index that generate_* faults hit, trainer rank that train_* faults hit", ge=0)
+    incarnations: int = _key(1, "a replaced generator faults again only while its restart count is below this",
+                             ge=1)
 
 
 # Config fields whose recipe key is a Python keyword.
@@ -248,6 +253,8 @@ class Config:
     resources: ResourcesConfig = ResourcesConfig()
     metrics: MetricsConfig = MetricsConfig()
     env: EnvConfig = EnvConfig()
+    # Last, and out of the README's table (metadata "test_only"): the recovery tests' switches.
+    inject: InjectConfig = field(default=InjectConfig(), metadata={"test_only": True})
 
     def to_dict(self) -> dict:
         """The recipe's keys and values (what load_config reads back)."""
