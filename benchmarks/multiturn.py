@@ -35,7 +35,7 @@ refits as fast in steps as draining (the tiny GRPO recipe, 3 seeds).
 
 Grid: tool latency fixed or lognormal (tail 10), x turns 1, 2, 4, random;
 with --pool-workers N one more cell, lognormal / random turns with the
-environments in a pool of N Ray actors per generator (env.num_workers N, each
+environments in a pool of N Ray actors per generator (env.actors N, each
 taking one call at a time), run beside the same cell with env.threads N (the
 same bound on calls at once, in the generator's threads): the pair shows what
 the actor hop costs, apart from the bound. For each cell, sync and async run
@@ -59,7 +59,7 @@ lognormal with p99 / p50 4 (median 8 tokens, 50 ms; the longest of a batch
 near 32, 0.2 s), tool latency median 0.1 s (fixed: every call; lognormal:
 p99 1 s, mean 0.16 s), every model turn followed by one tool call (the last
 one scores the episode), sim.train_s 0.15, refit 0.01 s, no jitter, 14 steps
-per run (9 measured), 3 repeats, runs with env.num_workers 0 (the
+per run (9 measured), 3 repeats, runs with env.actors 0 (the
 environments in the generator's threads, env.threads 64).
 
 Target (the issue): async >= 1.6x sync's generated tokens/s at equal workers,
@@ -121,7 +121,7 @@ def cell_overrides(args, cell: dict) -> list[str]:
     env_args = (f"{{turns: {cell['turns']}, max_turns: {MAX_TURNS}, latency_s: {args.latency_s}, "
                 f"latency: {cell['latency']}, tail_ratio: {args.tool_tail}, observation_tokens: 8}}")
     kind, _, n = cell["env"].partition("=")
-    pool = [f"env.num_workers={n}"] if kind == "pool" else [f"env.threads={n}"] if n else []
+    pool = [f"env.actors={n}"] if kind == "pool" else [f"env.threads={n}"] if n else []
     return [f"env.class={SIM_ENV}", f"env.args={env_args}", f"env.max_turns={MAX_TURNS}", *pool]
 
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="tool latency kinds (full fixed lognormal, quick lognormal)")
     ap.add_argument("--turns", nargs="+", help="model turns per episode: numbers up to 4, or random (full 1 2 4 "
                     "random, quick 2)")
-    ap.add_argument("--pool-workers", type=int, help="add the pool cell: env.num_workers N against env.threads N "
+    ap.add_argument("--pool-workers", type=int, help="add the pool cell: env.actors N against env.threads N "
                     "(full 0: left out, quick 0)")
     ap.add_argument("--repeats", type=int, help="repeats of the sweep (full 3, quick 1)")
     ap.add_argument("--steps", type=int, help="steady steps measured per run (full 9, quick 2)")

@@ -48,11 +48,11 @@ def overrides(s: dict, out_dir: str, name: str) -> list[str]:
         exhausted = fault.endswith("exhausted")
         # Past the limit every incarnation dies on its first batches, so the limit is reached.
         after = min(s["fault_after"], 1) if exhausted else s["fault_after"]
-        pairs += ["sim.fault=generate_exit", f"sim.fault_after={after}",
-                  f"sim.fault_worker={s['fault_worker']}", f"sim.fault_incarnations={9 if exhausted else 1}",
+        pairs += ["inject.fault=generate_exit", f"inject.after={after}",
+                  f"inject.worker={s['fault_worker']}", f"inject.incarnations={9 if exhausted else 1}",
                   f"fault.max_restarts={1 if exhausted else 2}"]
     elif fault.startswith("reward_raise"):
-        pairs += ["sim.fault=reward_raise", f"sim.fault_after={5 + s['fault_after']}",
+        pairs += ["inject.fault=reward_raise", f"inject.after={5 + s['fault_after']}",
                   f"fault.max_reward_failures={0 if fault.endswith('exhausted') else 10_000}"]
     return pairs
 

@@ -50,7 +50,7 @@ def batch_shards(response_lengths: list[int], group_size: int, world_size: int,
     groups = rows // group_size
     if groups < world_size:
         raise ValueError(f"a batch of {groups} prompt groups cannot feed {world_size} data-parallel ranks: "
-                         "every rank needs at least one group (schedule.prompts_per_step >= training.num_workers)")
+                         "every rank needs at least one group (schedule.prompts_per_step >= training.ranks)")
     bounds, start = [], 0
     for rank in range(world_size):
         stop = start + (groups // world_size + (rank < groups % world_size)) * group_size

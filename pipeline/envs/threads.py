@@ -1,4 +1,4 @@
-"""env.num_workers 0: the threads that run environment calls in a generator's process.
+"""env.actors 0: the threads that run environment calls in a generator's process.
 
 Not a concurrent.futures.ThreadPoolExecutor: the interpreter joins that pool's
 threads at exit, so one call that never returns (a stuck tool; its sample

@@ -1,4 +1,4 @@
-"""env.num_workers > 0: environments in a pool of Ray actors beside a generator.
+"""env.actors > 0: environments in a pool of Ray actors beside a generator.
 
 For environments too slow or too heavy for the generator's process (a sandbox,
 a code executor). Each worker holds the environments of the samples assigned
@@ -51,7 +51,7 @@ class EnvWorkers:
     def __init__(self, env_cfg, owner: str):
         self.cfg, self.owner = env_cfg, owner
         self._remote = ray.remote(EnvWorker)
-        self._actors = [self._start() for _ in range(env_cfg.num_workers)]
+        self._actors = [self._start() for _ in range(env_cfg.actors)]
         self._members: list[set[str]] = [set() for _ in self._actors]
         self._next = 0
         self.replaced = 0

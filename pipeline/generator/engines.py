@@ -17,9 +17,9 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
     seed = cfg.run.seed * 1000 + index + 100 * incarnation
     if cfg.backend == "sim":
         from pipeline.sim.engines import SimGenerationEngine
-        faulty = index == cfg.sim.fault_worker and incarnation < cfg.sim.fault_incarnations
+        faulty = index == cfg.inject.worker and incarnation < cfg.inject.incarnations
         return SimGenerationEngine(cfg.sim, seed=seed, max_new_tokens=cfg.generation.max_new_tokens,
-                                   faulty=faulty)
+                                   inject=cfg.inject, faulty=faulty)
     with span("import vllm"):
         from pipeline.generator.vllm_engine import VllmGenerationEngine
     g = cfg.generation
@@ -49,7 +49,7 @@ def vllm_llm_kwargs(cfg: Config) -> dict:
 def reward_function(cfg: Config) -> Callable[[Prompt, str], float]:
     if cfg.backend == "sim":
         from pipeline.sim.engines import faulty_sim_reward, sim_reward
-        return faulty_sim_reward(cfg.sim) if cfg.sim.fault == "reward_raise" else sim_reward
+        return faulty_sim_reward(cfg.inject) if cfg.inject.fault == "reward_raise" else sim_reward
     from pipeline.inputs.rewards import load_reward
     return load_reward(cfg.data.reward)
 

@@ -8,7 +8,7 @@ engine then, whatever the other samples of its batch are doing. So a slow
 tool holds up its own sample, never the engine.
 
 Environment steps run off the loop's thread: in this process on daemon threads
-(env.num_workers 0, pipeline/envs/threads.py), or in a pool of Ray actors
+(env.actors 0, pipeline/envs/threads.py), or in a pool of Ray actors
 (pipeline/envs/workers.py), each taking one step at a time. A step that raises,
 returns something malformed or outlives env.step_timeout_s ends its sample with
 a recorded failure (the row's reward_error), not the run; the controller counts
@@ -82,7 +82,7 @@ class Episodes:
         self._threads = None if workers else DaemonThreads(env_cfg.threads, "env")
         self._live: dict[str, Episode] = {}
         self._requests: dict[str, str] = {}  # engine request key -> sample key
-        self._queues: dict[int, deque[str]] = {}  # env.num_workers > 0: each worker's samples waiting for it
+        self._queues: dict[int, deque[str]] = {}  # env.actors > 0: each worker's samples waiting for it
         self._running: dict[int, str] = {}         # ... and the one whose call it runs
         self._calls = 0
 

@@ -77,7 +77,7 @@ class GeneratorWorker(Actor):
             self.log.emit("refit_end", step=version - 1, version=self.version)
         env = cfg.env if cfg.env.class_ else None
         workers = None
-        if env is not None and env.num_workers:
+        if env is not None and env.actors:
             from pipeline.envs.workers import EnvWorkers
             workers = EnvWorkers(env, self.log.worker)
             workers.wait_ready(cfg.run.startup_deadline_s)

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import ray
 
-from pipeline.config import Config
+from pipeline.config import MOVED, Config
 from pipeline.run.pool import Workers
 from pipeline.run.runner import PipelineError, task_error
 
 # Keys that fix the shape of the launch schedule and the buffer: a resumed run must keep them.
 FROZEN_KEYS = ("algorithm", "backend", "schedule.max_age", "schedule.prompts_per_step", "schedule.group_size",
-               "generation.num_generators", "training.num_workers", "ppo.critic_num_workers",
+               "generation.num_generators", "training.ranks", "ppo.critic_ranks",
                # ... and the trainer state's shape: a LoRA checkpoint holds the adapter alone.
                "training.lora.rank", "training.lora.target_modules")
 
@@ -99,8 +99,11 @@ def read_meta(ckpt: Path, cfg: Config) -> int:
     # The config first: a changed algorithm also changes which parts a checkpoint needs.
     now, defaults = cfg.to_dict(), Config().to_dict()
     for key in FROZEN_KEYS:
-        # A key newer than the checkpoint had its default then (training.num_workers: 1 rank).
+        # A key newer than the checkpoint had its default then (training.ranks: 1 rank), or
+        # an earlier name (training.num_workers: config.MOVED).
         a, b = _get(saved, key), _get(now, key)
+        for old in (old for old, new in MOVED.items() if new == key):
+            a = _get(saved, old) if a is None else a
         a = _get(defaults, key) if a is None else a
         if a != b:
             raise CheckpointError(f"cannot resume {ckpt}: {key} was {a!r} in the run, the config says {b!r}")

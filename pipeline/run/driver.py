@@ -54,7 +54,7 @@ def validation_due(step: int, cfg: Config) -> bool:
 
 
 def graph_actor_count(cfg: Config) -> int:
-    return 1 + cfg.training.num_workers + cfg.generation.num_generators + cfg.critic_ranks
+    return 1 + cfg.training.ranks + cfg.generation.num_generators + cfg.critic_actors
 
 
 def resolve_dag_mode(cfg: Config, cores: float) -> str:
@@ -269,8 +269,8 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
     execution = None
     try:
         if own_workers:
-            workers = start_workers(cfg.generation.num_generators, trainers=cfg.training.num_workers,
-                                    critics=cfg.critic_ranks,
+            workers = start_workers(cfg.generation.num_generators, trainers=cfg.training.ranks,
+                                    critics=cfg.critic_actors,
                                     placement=placement)
         workers = begin_run(workers, cfg, run_dir, t0, start, ckpt, log,
                             list(fitted["train"].prompts) if fitted else None)

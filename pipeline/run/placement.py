@@ -44,8 +44,8 @@ class Bundle:
 
 def _counts(cfg: Config) -> dict[str, int]:
     """Actors per role, in bundle order."""
-    return {"controller": 1, "trainer": cfg.training.num_workers,
-            "critic": cfg.critic_ranks,
+    return {"controller": 1, "trainer": cfg.training.ranks,
+            "critic": cfg.critic_actors,
             "generator": cfg.generation.num_generators}
 
 

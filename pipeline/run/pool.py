@@ -101,11 +101,11 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
     """Set up every worker for this run; a pool may hold more generators than it uses.
     `train_prompts`: the controller's prompts, as preflight fitted them (None: it reads data.train)."""
     used = workers.first(cfg.generation.num_generators)
-    critics = cfg.critic_ranks
-    if (len(used.trainers), len(used.critics)) != (cfg.training.num_workers, critics):
+    critics = cfg.critic_actors
+    if (len(used.trainers), len(used.critics)) != (cfg.training.ranks, critics):
         raise ValueError(f"the pool has {len(used.trainers)} trainer and {len(used.critics)} critic ranks; the "
-                         f"recipe asks {cfg.training.num_workers} (training.num_workers) and {critics} "
-                         "(ppo.critic_num_workers with algorithm ppo)")
+                         f"recipe asks {cfg.training.ranks} (training.ranks) and {critics} "
+                         "(ppo.critic_ranks with algorithm ppo)")
     restore = (lambda part: str(ckpt / part)) if ckpt is not None else (lambda part: None)
     setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, restore("controller"),
                                               train_prompts),

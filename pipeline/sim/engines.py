@@ -1,6 +1,7 @@
 """Simulated leaves: the timing and events of real workers without a model.
 
-Latencies come from `sim` in the config, fixed or jittered from a seed. The
+Latencies come from `sim` in the config, fixed or jittered from a seed; the
+faults of the recovery tests from `inject`. The
 "weights" are just the update count, so a refit is observable: completions
 carry the version they were generated with and the reward rises with it.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipeline.core.types import Completion, Prompt, greedy_all, sample_all
-from pipeline.config import SimConfig
+from pipeline.config import InjectConfig, SimConfig
 
 
 class _Latency:
@@ -33,15 +34,15 @@ class _Latency:
 
 
 class SimFault(RuntimeError):
-    """A fault injected by `sim.fault`."""
+    """A fault injected by `inject.fault`."""
 
 
-def _maybe_fault(cfg: SimConfig, kind: str, calls: int) -> None:
-    if calls < cfg.fault_after or cfg.fault not in (f"{kind}_raise", f"{kind}_hang", f"{kind}_exit"):
+def _maybe_fault(inject: InjectConfig, kind: str, calls: int) -> None:
+    if calls < inject.after or inject.fault not in (f"{kind}_raise", f"{kind}_hang", f"{kind}_exit"):
         return
-    if cfg.fault.endswith("_raise"):
-        raise SimFault(f"injected fault: {cfg.fault} after {cfg.fault_after} calls")
-    if cfg.fault.endswith("_exit"):
+    if inject.fault.endswith("_raise"):
+        raise SimFault(f"injected fault: {inject.fault} after {inject.after} calls")
+    if inject.fault.endswith("_exit"):
         os._exit(17)  # the process dies as a crash or an OOM kill would: no cleanup, no reply
     time.sleep(3600)  # a stuck leaf: only the run's deadlines can end this
 
@@ -64,15 +65,17 @@ class SimGenerationEngine:
     max_new_tokens while only validation requests run. Response lengths are
     max_new_tokens or lognormal (sim.response_len), drawn from the request's seed."""
 
-    def __init__(self, cfg: SimConfig, *, seed: int, max_new_tokens: int, faulty: bool = True):
-        # A generator that sim.fault does not target (another index, or a restart
-        # past sim.fault_incarnations) runs clean.
-        self.cfg = cfg if faulty else SimConfig(**{**cfg.__dict__, "fault": ""})
+    def __init__(self, cfg: SimConfig, *, seed: int, max_new_tokens: int, inject: InjectConfig = InjectConfig(),
+                 faulty: bool = True):
+        self.cfg = cfg
+        # A generator that inject.fault does not target (another index, or a restart
+        # past inject.incarnations) runs clean.
+        self.inject = inject if faulty else InjectConfig()
         self.latency = _Latency(cfg, seed)
         self.max_new_tokens = max_new_tokens
         self.weights_version = 0
         self.version = 0
-        self.calls = 0     # submissions of rollouts (requests added between two steps): sim.fault_after counts these
+        self.calls = 0     # submissions of rollouts (requests added between two steps): inject.after counts these
         self._stepped = True
         self._running: dict[str, _SimRequest] = {}
 
@@ -110,8 +113,8 @@ class SimGenerationEngine:
     def step(self) -> list[tuple[str, Completion]]:
         self._stepped = True
         if self.calls:
-            # After fault_after good submissions: a fault mid-rollout, as a real engine would fail.
-            _maybe_fault(self.cfg, "generate", self.calls - 1)
+            # After inject.after good submissions: a fault mid-rollout, as a real engine would fail.
+            _maybe_fault(self.inject, "generate", self.calls - 1)
         only_validation = all(r.greedy for r in self._running.values())
         self.latency.spend((self.cfg.validate_s if only_validation else self.cfg.generate_s) / self.max_new_tokens)
         done = []
@@ -142,21 +145,22 @@ class SimGenerationEngine:
 
 
 class SimTrainingEngine:
-    def __init__(self, cfg: SimConfig, *, seed: int, faulty: bool = True):
+    def __init__(self, cfg: SimConfig, *, seed: int, inject: InjectConfig = InjectConfig(), faulty: bool = True):
         self.latency = _Latency(cfg, seed)
-        # A rank that sim.fault does not target (another rank) runs clean; a non-finite
+        self.cfg = cfg
+        # A rank that inject.fault does not target (another rank) runs clean; a non-finite
         # loss hits every rank, as the real ranks agree on each skip.
-        self.cfg = cfg if faulty or cfg.fault == "train_nonfinite" else SimConfig(**{**cfg.__dict__, "fault": ""})
+        self.inject = inject if faulty or inject.fault == "train_nonfinite" else InjectConfig()
         self.updates = 0
 
     def train_step(self, table: pa.Table, advantages: pa.Table, shard=None) -> dict[str, float]:
         """`shard` (data-parallel ranks) changes nothing here: each rank's stand-in
         counts the same updates."""
-        _maybe_fault(self.cfg, "train", self.updates)
+        _maybe_fault(self.inject, "train", self.updates)
         # The real engine refuses a misaligned table; so must the stand-in.
         _check_token_column(table, advantages, "advantages")
         self.latency.spend(self.cfg.train_s)
-        if self.cfg.fault == "train_nonfinite" and self.updates >= self.cfg.fault_after:
+        if self.inject.fault == "train_nonfinite" and self.updates >= self.inject.after:
             # What the real engines report when they skip a step: the weights stay as they are.
             return {"loss": float("nan"), "grad_norm": float("nan"), "nonfinite_skipped": 1.0,
                     "rows": float(table.num_rows)}
@@ -183,10 +187,10 @@ def sim_reward(prompt: Prompt, completion_text: str) -> float:
     return version / (version + 10)
 
 
-def faulty_sim_reward(cfg: SimConfig):
-    """sim_reward that raises on every `fault_after`-th sample (sim.fault: reward_raise)."""
+def faulty_sim_reward(inject: InjectConfig):
+    """sim_reward that raises on every `inject.after`-th sample (inject.fault: reward_raise)."""
     calls = 0
-    every = max(cfg.fault_after, 1)
+    every = max(inject.after, 1)
 
     def reward(prompt: Prompt, completion_text: str) -> float:
         nonlocal calls

@@ -1,6 +1,7 @@
-"""The README's configuration table, read off the dataclasses in
+"""docs/configuration.md's table of every key, read off the dataclasses in
 pipeline/config/ so that the documentation cannot drift from the loader
-(tests/config/test_config.py compares the README's copy with it)."""
+(tests/config/test_config.py compares the page's copy with it). The test-only
+`inject` section (fault injection for the recovery tests) is left out."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,8 @@ def reference_table() -> str:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             typ, dotted = hints[f.name], prefix + YAML_NAMES.get(f.name, f.name)
+            if f.metadata.get("test_only"):
+                continue
             if dataclasses.is_dataclass(typ):
                 walk(typ, dotted + ".")
                 continue

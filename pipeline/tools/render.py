@@ -266,8 +266,8 @@ def viz_workers(num_generators: int, algorithm: str = "grpo", trainers: int = 1,
 
 
 def graph_for_config(cfg, prologue: bool = False) -> StepGraph:
-    workers = viz_workers(cfg.generation.num_generators, cfg.algorithm, cfg.training.num_workers,
-                          cfg.ppo.critic_num_workers)
+    workers = viz_workers(cfg.generation.num_generators, cfg.algorithm, cfg.training.ranks,
+                          cfg.ppo.critic_ranks)
     if prologue:
         return build_prologue_graph(workers)
     return build_step_graph(workers, TRAIN_SUBGRAPHS[cfg.algorithm])
@@ -283,7 +283,7 @@ def viz_main(config_path: str | Path | None, overrides: list[str] = (), out_path
         print(f"error: {exc}", file=sys.stderr)
         return 2
     graph = graph_for_config(cfg, prologue)
-    gens, ranks = cfg.generation.num_generators, cfg.training.num_workers
+    gens, ranks = cfg.generation.num_generators, cfg.training.ranks
     title = (f"{cfg.run.name}: {'prologue' if prologue else 'step graph'}, "
              f"{gens} generator{'s' if gens != 1 else ''}, "
              + (f"{ranks} trainer ranks, " if ranks > 1 else "") + f"max_age {cfg.schedule.max_age}")

@@ -1,7 +1,7 @@
 """The PPO critic actor: values -> GAE advantages, then the value update.
 
 Three nodes per step (dags/step_graph.py ppo_train_subgraph), on each of the
-critic's data-parallel ranks (ppo.critic_num_workers):
+critic's data-parallel ranks (ppo.critic_ranks):
 
     critic_values  critic_values(Batch) -> Values   this rank's shard's values under
                    the weights that trained up to the previous step
@@ -45,7 +45,7 @@ class CriticWorker(Actor):
         if old is not None and hasattr(old, "close"):
             old.close()  # a pooled actor: free the last run's optimizer state first
         self.cfg = cfg
-        self.world_size = cfg.ppo.critic_num_workers
+        self.world_size = cfg.ppo.critic_ranks
         self.log = reopen_log(self, run_dir, rank_name("critic", self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         spans.take()

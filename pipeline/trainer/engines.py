@@ -12,7 +12,8 @@ def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngi
     """Rank `rank` of the policy's data-parallel group (`rendezvous`: where the ranks meet)."""
     if cfg.backend == "sim":
         from pipeline.sim.engines import SimTrainingEngine
-        return SimTrainingEngine(cfg.sim, seed=cfg.run.seed * 1000 + 999, faulty=rank == cfg.sim.fault_worker)
+        return SimTrainingEngine(cfg.sim, seed=cfg.run.seed * 1000 + 999, inject=cfg.inject,
+                                 faulty=rank == cfg.inject.worker)
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     t, g = cfg.training, cfg.policy_loss
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level

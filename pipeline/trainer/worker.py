@@ -34,7 +34,7 @@ class TrainerWorker(Actor):
         one_thread()
         spans.take()
         self.cfg = cfg
-        self.world_size = cfg.training.num_workers
+        self.world_size = cfg.training.ranks
         self.log = reopen_log(self, run_dir, rank_name("trainer", self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         self.engine = training_engine(cfg, self.rank, rendezvous)

@@ -28,6 +28,15 @@ def test_recipe_and_overrides(tmp_path):
     ("grpo.val_period=2", "val_period -> validation.period"),
     ("reward.max_failures=2", "max_failures -> fault.max_reward_failures"),
     ("fault.deadline_s=2", "unknown key 'fault.deadline_s': 'fault.deadline_s' is now 'run.deadline_s'"),
+    ("training.num_workers=2", "unknown key 'training.num_workers': 'training.num_workers' is now "
+                               "'training.ranks'"),
+    ("ppo.critic_num_workers=2", "'ppo.critic_num_workers' is now 'ppo.critic_ranks'"),
+    ("env.num_workers=2", "'env.num_workers' is now 'env.actors'"),
+    ("sim.fault=train_exit", "unknown key 'sim.fault': 'sim.fault' is now 'inject.fault'"),
+    ("sim.fault_after=2", "'sim.fault_after' is now 'inject.after'"),
+    ("sim.fault_worker=1", "'sim.fault_worker' is now 'inject.worker'"),
+    ("sim.fault_incarnations=2", "'sim.fault_incarnations' is now 'inject.incarnations'"),
+    ("inject.fault=oom", "inject.fault: 'oom' is not allowed; choose one of '', 'train_raise'"),
     ("generation.refit_mode=fast", "generation.refit_mode: 'fast' is not allowed; choose one of 'drain', "
                                    "'inflight'"),
     ("generation.inflight_kv=drop", "generation.inflight_kv: 'drop' is not allowed"),
@@ -122,6 +131,24 @@ def test_the_configuration_page_lists_every_key_as_the_config_defines_it():
     listed = {line.split("`")[1] for line in copy.splitlines()[2:]}
     assert "schedule.max_age" in listed and "policy_loss.clip_eps" in listed and len(listed) == copy.count("\n") - 2
 
+
+
+def test_fault_injection_is_a_section_of_its_own_for_the_simulated_workers_only(tmp_path):
+    cfg = load_config("examples/sim_grpo.yaml", ["inject.fault=generate_exit", "inject.after=3", "inject.worker=1"])
+    assert (cfg.inject.fault, cfg.inject.after, cfg.inject.worker, cfg.inject.incarnations) == ("generate_exit", 3,
+                                                                                               1, 1)
+    assert load_config(None).inject == type(cfg.inject)()  # off by default
+    with pytest.raises(ConfigError, match=r"^override 'inject.worker=1': inject.worker: fault injection drives the "
+                                          r"simulated workers .*; it needs backend 'sim'$"):
+        load_config("examples/tiny_grpo.yaml", ["inject.worker=1"])
+    # A model and fault injection, no backend: neither guess is safe, as with a sim section.
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  path: /models/m\ninject:\n  fault: train_exit\n")
+    with pytest.raises(ConfigError, match=r"backend: not set, but the recipe sets both model.path \(a real run\) "
+                                          r"and the inject section"):
+        load_config(recipe)
+    # Test-only switches: the README's table of a user's keys leaves them out.
+    assert "`inject." not in reference_table() and "fault_after" not in reference_table()
 
 # -- backend: inferred when the recipe does not set it -------------------------
 

@@ -50,14 +50,14 @@ def _cfg(model, tmp_path, ranks: int, micro: int, zero: int):
     return load_config(None, [
         "backend=real", f"model.path={model}", "data.train=data/tiny_train.jsonl",
         "data.reward=pipeline.inputs.rewards:tiny_reward", f"run.output_dir={tmp_path}", "schedule.group_size=2",
-        f"training.num_workers={ranks}", f"training.micro_batch_size={micro}", f"training.zero_stage={zero}",
+        f"training.ranks={ranks}", f"training.micro_batch_size={micro}", f"training.zero_stage={zero}",
         "training.lr=1e-3"])
 
 
 def _step(cfg, table, tmp_path) -> tuple[dict, list[dict]]:
-    """One train step on `cfg.training.num_workers` trainer actors: rank 0's
+    """One train step on `cfg.training.ranks` trainer actors: rank 0's
     weights after it, and every rank's metrics."""
-    ranks = cfg.training.num_workers
+    ranks = cfg.training.ranks
     actors = [ray.remote(TrainerWorker).options(num_cpus=0.5).remote(r) for r in range(ranks)]
     try:
         meet = ray.get(actors[0].rendezvous.remote(ranks, 60.0))
@@ -111,7 +111,7 @@ def test_a_dead_rank_is_a_named_error_not_a_hang(tmp_path, ray_session, tiny_mod
 
     cfg = load_config("examples/tiny_grpo.yaml", [
         f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=dead", "run.steps=40",
-        "run.dag_mode=classic", "run.deadline_s=30", "training.num_workers=2", "metrics.tensorboard=false"])
+        "run.dag_mode=classic", "run.deadline_s=30", "training.ranks=2", "metrics.tensorboard=false"])
     events = tmp_path / "dead" / "events" / "trainer1.jsonl"
     killed: list[int] = []
     done = threading.Event()
@@ -165,7 +165,7 @@ def test_two_zero3_ranks_resume_from_a_checkpoint(tmp_path, ray_session, tiny_mo
         return load_config("examples/tiny_grpo.yaml", [
             f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=z3", f"run.steps={steps}",
             "run.checkpoint_every=2", "run.dag_mode=classic", "run.deadline_s=60", "run.startup_deadline_s=120",
-            "training.num_workers=2", "training.zero_stage=3", "metrics.tensorboard=false"])
+            "training.ranks=2", "training.zero_stage=3", "metrics.tensorboard=false"])
 
     assert train(cfg(2), quiet=True)["error"] is None
     summary = train(cfg(4), quiet=True, restore_from=str(tmp_path / "z3"))

@@ -170,7 +170,7 @@ def test_run_writes_its_files_and_counts_every_batch(tmp_path, sim_pool):
 
 @pytest.mark.parametrize("fault,node", [("train_raise", "train"), ("generate_raise", "refit")])
 def test_worker_exception_names_node_worker_and_step(tmp_path, ray_session, fault, node):
-    cfg = sim_config(tmp_path, f"fault_{fault}", run__steps=6, sim__fault=fault, sim__fault_after=2,
+    cfg = sim_config(tmp_path, f"fault_{fault}", run__steps=6, inject__fault=fault, inject__after=2,
                      sim__generate_s=0.0, sim__train_s=0.0)
     with pytest.raises(PipelineError) as err:
         train(cfg, quiet=True)
@@ -183,7 +183,7 @@ def test_worker_exception_names_node_worker_and_step(tmp_path, ray_session, faul
 @pytest.mark.parametrize("mode", ["classic", "compiled"])
 def test_stuck_worker_becomes_an_error_within_the_deadline(tmp_path, ray_session, mode):
     cfg = sim_config(tmp_path, f"hang_{mode}", run__steps=6, run__deadline_s=3, run__dag_mode=mode,
-                     sim__fault="train_hang", sim__fault_after=1, sim__generate_s=0.0, sim__train_s=0.0)
+                     inject__fault="train_hang", inject__after=1, sim__generate_s=0.0, sim__train_s=0.0)
     with pytest.raises(PipelineError, match=r"step 1: node train on worker trainer did not finish within 3 s"):
         train(cfg, quiet=True)
     summary = json.loads((tmp_path / f"hang_{mode}" / "summary.json").read_text())

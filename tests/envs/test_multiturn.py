@@ -159,7 +159,7 @@ def test_a_malformed_step_result_is_a_failure_naming_the_shape(tmp_path):
 
 def test_the_pool_replaces_a_stuck_worker_and_replays_the_others(tmp_path, ray_session):
     from pipeline.envs.workers import EnvWorkers
-    cfg = env_config("{turns: 2, latency_s: 0.0, fail: hang, fail_every: 3}", "env.num_workers=2",
+    cfg = env_config("{turns: 2, latency_s: 0.0, fail: hang, fail_every: 3}", "env.actors=2",
                      "env.step_timeout_s=1")
     workers = EnvWorkers(cfg.env, "gen0")
     workers.wait_ready(60)
@@ -209,7 +209,7 @@ def sim_run(tmp_path, name, *overrides):
 
 def test_ppo_inflight_with_a_pool_runs_clean_and_conserves_batches(tmp_path, ray_session):
     summary, events = sim_run(tmp_path, "ppo", "algorithm=ppo", "generation.refit_mode=inflight", "run.steps=5",
-                              "schedule.max_age=2", "env.num_workers=2", "validation.period=2",
+                              "schedule.max_age=2", "env.actors=2", "validation.period=2",
                               "env.args={turns: random, max_turns: 3, latency_s: 0.02, latency: lognormal}")
     acc = summary["accounting"]
     assert acc["balanced"] and acc["trained"] == acc["launched"] == 5 and acc["reward_failures"] == 0

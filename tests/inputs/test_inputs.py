@@ -412,7 +412,7 @@ def test_a_recipe_bigger_than_the_cluster_is_refused_before_anything_starts(tmp_
     exit 1, no run directory, no actor."""
     runs = tmp_path / "runs"
     proc = subprocess.run([sys.executable, "-m", "pipeline", "train", "--config", "examples/sim_grpo.yaml",
-                           f"run.output_dir={runs}", "training.num_workers=2", "resources.trainer.num_gpus=1",
+                           f"run.output_dir={runs}", "training.ranks=2", "resources.trainer.num_gpus=1",
                            "resources.generator.num_gpus=0.5"],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})

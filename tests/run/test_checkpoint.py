@@ -208,6 +208,17 @@ def test_read_meta_accepts_changes_that_do_not_touch_the_schedule(tmp_path):
     assert read_meta(ckpt, changed) == 4
 
 
+def test_read_meta_reads_a_key_under_the_name_it_had_when_the_checkpoint_was_written(tmp_path):
+    """A checkpoint from before training.num_workers became training.ranks keeps its ranks."""
+    tree = config(tmp_path, "training.ranks=2", "generation.num_generators=2").to_dict()
+    tree["training"]["num_workers"] = tree["training"].pop("ranks")
+    ckpt = complete(tmp_path, 4)
+    (ckpt / "meta.json").write_text(json.dumps({"steps_done": 4, "version": 4, "config": tree}))
+    assert read_meta(ckpt, config(tmp_path, "training.ranks=2", "generation.num_generators=2")) == 4
+    with pytest.raises(CheckpointError, match=r"training.ranks was 2 in the run, the config says 1$"):
+        read_meta(ckpt, config(tmp_path, "generation.num_generators=2"))
+
+
 def test_read_meta_refuses_a_checkpoint_at_or_past_the_last_step(tmp_path):
     ckpt = complete(tmp_path, 10, config(tmp_path))
     with pytest.raises(CheckpointError, match=r"it is at step 10 and run.steps is 10; raise run.steps"):

@@ -37,8 +37,8 @@ VAL_REWARD_MIN = 0.9
 def test_async_rl_learns_the_tiny_task(tmp_path, ray_session, tiny_model, recipe, ranks, refit_mode):
     cfg = load_config(f"examples/{recipe}.yaml", [
         f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=e2e", "run.steps=40",
-        "run.checkpoint_every=20", "run.dag_mode=classic", f"training.num_workers={ranks}",
-        f"ppo.critic_num_workers={ranks}", f"generation.refit_mode={refit_mode}"])
+        "run.checkpoint_every=20", "run.dag_mode=classic", f"training.ranks={ranks}",
+        f"ppo.critic_ranks={ranks}", f"generation.refit_mode={refit_mode}"])
     summary = train(cfg, quiet=True)
     run_dir = tmp_path / "e2e"
     violations = check_events(load_events(run_dir))

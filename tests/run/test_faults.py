@@ -39,8 +39,8 @@ def test_generator_dies_mid_rollout_and_is_replaced(tmp_path_factory, ray_sessio
     tmp_path = tmp_path_factory.mktemp("gen_exit")
     steps = 8
     cfg = sim_config(tmp_path, "g", run__steps=steps, schedule__max_age=max_age, validation__period=val_period,
-                     generation__num_generators=2, sim__fault="generate_exit", sim__fault_after=fault_after,
-                     sim__fault_worker=worker, sim__generate_s=0.03, sim__train_s=0.01, sim__jitter=0.5)
+                     generation__num_generators=2, inject__fault="generate_exit", inject__after=fault_after,
+                     inject__worker=worker, sim__generate_s=0.03, sim__train_s=0.01, sim__jitter=0.5)
     summary = train(cfg, quiet=True)
     events = load_events(tmp_path / "g")
     violations = check_events(events)
@@ -61,8 +61,8 @@ def test_generator_dies_mid_rollout_and_is_replaced(tmp_path_factory, ray_sessio
 
 def test_a_restart_is_told_on_the_console(tmp_path, ray_session, capsys):
     """Which worker died at which step, restart k of n, which batches were relaunched."""
-    cfg = sim_config(tmp_path, "say", run__steps=4, generation__num_generators=2, sim__fault="generate_exit",
-                     sim__fault_after=1, sim__fault_worker=1, sim__generate_s=0.03, metrics__progress="false")
+    cfg = sim_config(tmp_path, "say", run__steps=4, generation__num_generators=2, inject__fault="generate_exit",
+                     inject__after=1, inject__worker=1, sim__generate_s=0.03, metrics__progress="false")
     train(cfg)
     out = capsys.readouterr().out
     relaunched = sorted({e["batch"] for e in load_events(tmp_path / "say") if e["ev"] == "relaunch"})
@@ -74,8 +74,8 @@ def test_a_restart_is_told_on_the_console(tmp_path, ray_session, capsys):
 
 
 def test_restarts_exhausted_stops_naming_the_worker(tmp_path, ray_session):
-    cfg = sim_config(tmp_path, "x", run__steps=8, generation__num_generators=2, sim__fault="generate_exit",
-                     sim__fault_after=1, sim__fault_worker=1, sim__fault_incarnations=9, fault__max_restarts=1)
+    cfg = sim_config(tmp_path, "x", run__steps=8, generation__num_generators=2, inject__fault="generate_exit",
+                     inject__after=1, inject__worker=1, inject__incarnations=9, fault__max_restarts=1)
     with pytest.raises(PipelineError, match=r"worker gen1r1 died.*fault.max_restarts is 1"):
         train(cfg, quiet=True)
     events = load_events(tmp_path / "x")
@@ -90,15 +90,15 @@ def test_restarts_exhausted_stops_naming_the_worker(tmp_path, ray_session):
 @pytest.mark.parametrize("ranks,dead", [(1, "trainer"), (2, "trainer1")])
 def test_trainer_death_is_an_error_and_resume_completes(tmp_path, ray_session, ranks, dead):
     # With two ranks only rank 1 dies: rank 0 lives on, and must not hold the run up.
-    cfg = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, sim__fault="train_exit",
-                     sim__fault_after=5, sim__fault_worker=ranks - 1, training__num_workers=ranks)
+    cfg = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, inject__fault="train_exit",
+                     inject__after=5, inject__worker=ranks - 1, training__ranks=ranks)
     started = time.monotonic()
     with pytest.raises(PipelineError, match=rf"worker {dead} died.*--resume"):
         train(cfg, quiet=True)
     assert time.monotonic() - started < 60
     run_dir = tmp_path / "t"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
-    fixed = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, training__num_workers=ranks)
+    fixed = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, training__ranks=ranks)
     summary = train(fixed, quiet=True, restore_from=str(run_dir))
     assert summary["error"] is None and summary["start_step"] == 4 and summary["steps"] == 8
     assert check_events(load_events(run_dir)) == []
@@ -110,7 +110,7 @@ def test_trainer_death_is_an_error_and_resume_completes(tmp_path, ray_session, r
 
 
 def test_reward_failures_are_counted_then_stop_the_run(tmp_path, ray_session):
-    cfg = sim_config(tmp_path, "r", run__steps=4, sim__fault="reward_raise", sim__fault_after=7,
+    cfg = sim_config(tmp_path, "r", run__steps=4, inject__fault="reward_raise", inject__after=7,
                      fault__max_reward_failures=100)
     summary = train(cfg, quiet=True)
     events = load_events(tmp_path / "r")
@@ -122,7 +122,7 @@ def test_reward_failures_are_counted_then_stop_the_run(tmp_path, ray_session):
     metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert sum(m.get("reward_failures", 0) for m in metrics if m["step"] >= 0) == len(failed)
 
-    strict = sim_config(tmp_path, "s", run__steps=4, sim__fault="reward_raise", sim__fault_after=7,
+    strict = sim_config(tmp_path, "s", run__steps=4, inject__fault="reward_raise", inject__after=7,
                         fault__max_reward_failures=2)
     with pytest.raises(PipelineError, match=r"reward function failed on \d+ samples, more than "
                                              r"fault.max_reward_failures \(2\)"):
@@ -164,8 +164,8 @@ def test_controller_death_is_an_error_not_a_hang(tmp_path, ray_session):
 def test_compiled_mode_names_the_dead_generator_instead_of_hanging(tmp_path, ray_session):
     """Compiled graphs do not replace a generator (their channels bind the dead actor);
     the run must still stop at once, naming it and the way on."""
-    cfg = sim_config(tmp_path, "cg", run__dag_mode="compiled", run__steps=10, sim__fault="generate_exit",
-                     sim__fault_after=4)
+    cfg = sim_config(tmp_path, "cg", run__dag_mode="compiled", run__steps=10, inject__fault="generate_exit",
+                     inject__after=4)
     started = time.monotonic()
     with pytest.raises(PipelineError, match=r"worker gen0 died.*need run.dag_mode classic.*--resume"):
         train(cfg, quiet=True)
@@ -173,11 +173,11 @@ def test_compiled_mode_names_the_dead_generator_instead_of_hanging(tmp_path, ray
 
 
 def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, ray_session, capsys):
-    """Every step's loss NaN from step 2 on (sim.fault train_nonfinite, on both ranks): two
+    """Every step's loss NaN from step 2 on (inject.fault train_nonfinite, on both ranks): two
     skipped steps are warned of, told in the events and metrics, and the second stops the run."""
     import json
-    cfg = sim_config(tmp_path, "nf", run__steps=8, sim__fault="train_nonfinite", sim__fault_after=2,
-                     fault__max_nonfinite_steps=2, training__num_workers=2, metrics__progress="false")
+    cfg = sim_config(tmp_path, "nf", run__steps=8, inject__fault="train_nonfinite", inject__after=2,
+                     fault__max_nonfinite_steps=2, training__ranks=2, metrics__progress="false")
     with pytest.raises(PipelineError, match=r"node 'train' .* the policy skipped 2 optimizer steps in a row "
                                             r"for a non-finite loss or gradient norm \(step 3: loss nan and "
                                             r"gradient norm nan\), fault.max_nonfinite_steps is 2"):
@@ -197,7 +197,7 @@ def test_the_command_line_exits_non_zero_when_nonfinite_steps_stop_the_run(tmp_p
     from tests.support._procs import run_driver
     log = tmp_path / "cli.log"
     status = run_driver(["--config", "examples/sim_grpo.yaml", f"run.output_dir={tmp_path}", "run.name=cli",
-                         "run.steps=4", "validation.period=0", "sim.fault=train_nonfinite", "sim.fault_after=1",
+                         "run.steps=4", "validation.period=0", "inject.fault=train_nonfinite", "inject.after=1",
                          "fault.max_nonfinite_steps=1", "metrics.tensorboard=false", "metrics.progress=false"],
                         log, timeout_s=300)
     out = log.read_text()

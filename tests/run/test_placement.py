@@ -35,7 +35,7 @@ def node(cpus: float = 8, gpus: float = 0, node_id: str = "n1", alive: bool = Tr
     return {"NodeID": node_id * 8, "Alive": alive, "NodeManagerAddress": "10.0.0.1", "Resources": res}
 
 
-GPU_RECIPE = ("training.num_workers=2", "generation.num_generators=2", "resources.trainer.num_gpus=1",
+GPU_RECIPE = ("training.ranks=2", "generation.num_generators=2", "resources.trainer.num_gpus=1",
               "resources.generator.num_gpus=1")
 
 
@@ -62,7 +62,7 @@ def test_defaults_are_todays_laptop_run():
 
 
 def test_bundle_order_ppo_and_tensor_parallel():
-    cfg = cfg_of("algorithm=ppo", "training.num_workers=2", "ppo.critic_num_workers=2", "generation.num_generators=2",
+    cfg = cfg_of("algorithm=ppo", "training.ranks=2", "ppo.critic_ranks=2", "generation.num_generators=2",
                  "generation.tensor_parallel_size=2", "resources.generator.num_gpus=1",
                  "resources.generator.node_resource=gen_node", "resources.trainer.num_gpus=1")
     got = [(b.name, b.resources) for b in bundles(cfg)]
@@ -75,7 +75,7 @@ def test_bundle_order_ppo_and_tensor_parallel():
 
 
 def test_grpo_has_no_critic_bundles_and_an_empty_role_gets_a_token():
-    cfg = cfg_of("ppo.critic_num_workers=3", "resources.controller.num_cpus=0")
+    cfg = cfg_of("ppo.critic_ranks=3", "resources.controller.num_cpus=0")
     specs = bundles(cfg)
     assert [b.role for b in specs] == ["controller", "trainer", "generator"]
     assert specs[0].resources == {"CPU": 0.001}  # Ray refuses an all-zero bundle
@@ -114,7 +114,7 @@ def refusal(cfg, nodes) -> str:
 
 
 def test_refuses_more_gpus_than_the_cluster_has():
-    cfg = cfg_of("training.num_workers=4", "generation.num_generators=4", "resources.trainer.num_gpus=1",
+    cfg = cfg_of("training.ranks=4", "generation.num_generators=4", "resources.trainer.num_gpus=1",
                  "resources.generator.num_gpus=1")
     assert refusal(cfg, [node(gpus=4)]) == ("the recipe asks 8 GPUs (trainer 4 x 1, generator 4 x 1) "
                                             "but the cluster has 4")
@@ -214,7 +214,7 @@ def _ray_checks() -> dict:
     ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False)
     try:
         out: dict = {"node": ray.get_runtime_context().get_node_id()}
-        too_big = cfg_of("training.num_workers=4", "generation.num_generators=4", "resources.trainer.num_gpus=1",
+        too_big = cfg_of("training.ranks=4", "generation.num_generators=4", "resources.trainer.num_gpus=1",
                          "resources.generator.num_gpus=1")
         try:
             place(too_big, timeout_s=60)

@@ -136,7 +136,7 @@ def kill_and_resume(tmp_path, monkeypatch, pool) -> tuple:
     # Which words depend on whether the ping that follows the failed train call has
     # answered yet; either way it is the trainer's death (tests/run/test_faults.py checks the wording).
     with pytest.raises(PipelineError, match=r"worker trainer died|node train: its worker died"):
-        train(in_process_config(tmp_path, "k", "sim.fault=train_exit", f"sim.fault_after={KILLED_AT}"), quiet=True)
+        train(in_process_config(tmp_path, "k", "inject.fault=train_exit", f"inject.after={KILLED_AT}"), quiet=True)
     first = recorder.take()
     run_dir = tmp_path / "k"
     assert checkpoint.latest(run_dir).name == f"step_{RESUMED_AT}"

@@ -42,7 +42,7 @@ def main(model: str, out_dir: str, steps: int) -> dict:
         report["nodes"] = {"head": cluster.head_node.node_id, "second": worker.node_id}
         cfg = load_config("examples/tiny_grpo.yaml", [
             f"model.path={model}", f"run.output_dir={out_dir}", "run.name=two_nodes", f"run.steps={steps}",
-            "run.dag_mode=classic", f"run.ray_address={cluster.address}", "training.num_workers=2",
+            "run.dag_mode=classic", f"run.ray_address={cluster.address}", "training.ranks=2",
             "resources.trainer.node_resource=dagrl_trainer", "resources.generator.node_resource=dagrl_generator",
             "metrics.tensorboard=false"])
         pids |= cluster_pids(cluster)

@@ -75,7 +75,7 @@ def test_nodes_name_their_worker_and_edges_their_token():
 def test_data_parallel_ranks_fan_out_and_join():
     """Two policy and two critic ranks (PPO): every rank's node takes the batch
     (the critics') or the advantages (the policy's), and train_done joins them all."""
-    cfg = load_config(REPO / "examples/sim_ppo.yaml", ["training.num_workers=2", "ppo.critic_num_workers=2"])
+    cfg = load_config(REPO / "examples/sim_ppo.yaml", ["training.ranks=2", "ppo.critic_ranks=2"])
     nodes, edges = describe(graph_for_config(cfg))
     by_name = {n.name: n for n in nodes}
     name_of = {n.id: n.name for n in nodes}

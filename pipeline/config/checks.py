@@ -1,0 +1,79 @@
+"""Rules between keys, checked once every key has its value."""
+from __future__ import annotations
+
+from pipeline.config.sections import Config, ConfigError, InjectConfig
+
+
+def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
+    """Rules between keys. Errors carry `.key` like _build's, for load_config to place."""
+    def fail(key: str, message: str) -> ConfigError:
+        err = ConfigError(f"{key}: {message}")
+        err.key = key
+        return err
+
+    v = cfg.validation
+    validates = v.period > 0 or v.at_start or v.at_end
+    env = cfg.env
+    if cfg.backend == "real":
+        needed = [("model.path", cfg.model.path), ("data.train", cfg.data.train)]
+        if not env.class_:  # an environment scores its own samples
+            needed.append(("data.reward", cfg.data.reward))
+        for key, value in needed:
+            if not value:
+                raise fail(key, "not set; it is required when backend is 'real'" + (
+                    " (backend is not set: model.path makes it real; set backend: sim for simulated workers)"
+                    if inferred else ""))
+        if validates and not cfg.data.val:
+            raise fail("data.val", "not set, but validation is scheduled (validation.period / at_start / "
+                       "at_end); give validation data or turn validation off")
+        if cfg.generation.temperature == 0:
+            # The trainer divides its logits by the sampling temperature to match vLLM's logprobs.
+            raise fail("generation.temperature", "0 (greedy) cannot be trained on; the trainer's logprobs "
+                       "are taken at the sampling temperature, so it must be > 0")
+    if cfg.inject != InjectConfig() and cfg.backend != "sim":
+        changed = next(k for k, v in vars(cfg.inject).items() if v != getattr(InjectConfig(), k))
+        raise fail(f"inject.{changed}", "fault injection drives the simulated workers of the recovery tests; it "
+                   "needs backend 'sim'")
+    g = cfg.generation
+    if g.weight_sync == "collective" and cfg.backend != "real":
+        raise fail("generation.weight_sync", "'collective' broadcasts tensors between the DeepSpeed trainer and "
+                   "the vLLM engines; it needs backend 'real'")
+    if g.tensor_parallel_size > 1 and cfg.resources.generator.num_gpus == 0:
+        raise fail("generation.tensor_parallel_size", f"{g.tensor_parallel_size} needs GPUs "
+                   "(resources.generator.num_gpus > 0): on CPU each vLLM engine runs in its generator's process")
+    if cfg.algorithm == "grpo" and cfg.schedule.group_size < 2:
+        raise fail("schedule.group_size", f"{cfg.schedule.group_size} gives every sample a zero advantage (GRPO "
+                   "compares the samples of one prompt); it must be >= 2 with algorithm 'grpo'")
+    if env.class_:
+        from pipeline.envs.interface import EnvError, load_env_class
+        try:
+            load_env_class(env.class_, env.args)
+        except EnvError as exc:
+            raise fail("env.class", str(exc).removeprefix("env.class ")) from None
+        if cfg.data.reward:
+            raise fail("data.reward", f"{cfg.data.reward!r} is set, but env.class {env.class_!r} gives the rewards "
+                       "(step's reward); leave data.reward empty")
+        try:
+            env.observation_format.format(observation="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise fail("env.observation_format", f"{env.observation_format!r} is not a format with one "
+                       f"{{observation}} field: {type(exc).__name__}: {exc}") from None
+    else:
+        for key, value, default in (("env.max_turns", env.max_turns, 1), ("env.actors", env.actors, 0),
+                                    ("env.args", env.args, {})):
+            if value != default:
+                raise fail(key, f"{value!r} needs an environment; set env.class (module:Class)")
+    lora = cfg.training.lora
+    if lora.rank and cfg.backend != "real":
+        raise fail("training.lora.rank", f"{lora.rank} puts peft adapters on a model; it needs backend 'real'")
+    r = cfg.resources
+    if lora.rank and g.weight_sync == "collective" and r.trainer.num_gpus > 0 and r.generator.num_gpus > 0:
+        # The nccl path receives inside vLLM's worker straight into its weights by name; adapters are no weights there.
+        raise fail("training.lora.rank", "adapters over a GPU collective sync (nccl) are not built; use "
+                   "generation.weight_sync object_store (an adapter is megabytes), or gloo ranks on CPU")
+    name = cfg.run.name
+    # The run directory is output_dir/name: '..' would move the parent directory aside.
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise fail("run.name", f"{name!r} must be a non-empty name without '/' or '\\', "
+                   "other than '.' and '..'")
+    return cfg

@@ -1,0 +1,270 @@
+"""The recipe's sections: one frozen dataclass each, and Config that holds them.
+
+A key's default, bounds and one-line help live on its field (`_key`); the
+loader (load.py) checks values against them and the README's table
+(pipeline/tools/config_table.py) is read off them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; the message names the key."""
+
+
+def _key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+         le: float | None = None, shown: str | None = None) -> Any:
+    """A config key: its default, bounds and the one line the README's table shows
+    (`shown`: the table's default, for a key whose recipe default load_config infers)."""
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "help": help, "shown": shown})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = _key("run", "run directory name under output_dir")
+    seed: int = _key(0, "seeds the prompt order, every sample and the trainer")
+    steps: int = _key(20, "training steps", ge=1)
+    output_dir: str = _key("runs", "where run directories go")
+    dag_mode: Literal["auto", "compiled", "classic"] = _key(
+        "auto", "compiled Ray graphs or classic; auto: compiled only where each graph actor owns a spare core")
+    deadline_s: float = _key(60.0, "longest wait for any node, rollout or recovery; a dead worker is noticed "
+                             "within it", gt=0)
+    startup_deadline_s: float = _key(600.0, "longest wait for workers to start", gt=0)
+    ray_address: str = _key("", "Ray cluster to join (else RAY_ADDRESS, else a local Ray)")
+    num_cpus: int = _key(0, "logical CPUs for a local Ray; 0 = enough for the actors", ge=0)
+    checkpoint_every: int = _key(0, "checkpoint every N steps (and after the last); 0 = only after the last",
+                                 ge=0)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """What the launch schedule needs: how stale a batch may be and how big a step is."""
+    max_age: int = _key(1, "most steps a batch's weights may lag the trainer's; 0 = synchronous", ge=0)
+    prompts_per_step: int = _key(8, "prompts in one step's batch", ge=1)
+    group_size: int = _key(4, "samples per prompt (GRPO compares them)", ge=1)
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    period: int = _key(0, "validate after every period-th step; 0 = never", ge=0)
+    at_start: bool = _key(False, "validate the initial weights")
+    at_end: bool = _key(False, "validate after the last step")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The clipped policy loss, for GRPO and PPO alike."""
+    clip_eps: float = _key(0.2, "clip range of the probability ratio", gt=0, le=1)
+    kl_coef: float = _key(0.0, "weight of the KL to the initial policy; 0 = none", ge=0)
+    is_clip: float = _key(2.0, "cap of the token-level importance weight for stale samples", gt=0)
+    decoupled: bool = _key(True, "decoupled PPO (AReaL): clip the ratio to the policy before this step's update "
+                           "and weight by its ratio to the behaviour policy; false: clip the ratio to the "
+                           "behaviour policy itself (classic PPO)")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    num_generators: int = _key(1, "vLLM engines, one actor each", ge=1)
+    max_new_tokens: int = _key(16, "longest completion", ge=1)
+    temperature: float = _key(1.0, "sampling temperature (the trainer scores at the same)", ge=0)
+    top_p: float = _key(1.0, "nucleus sampling mass", gt=0, le=1)
+    tensor_parallel_size: int = _key(1, "GPUs per vLLM engine (tensor parallel), each in a bundle of its "
+                                     "generator; 1 on CPU", ge=1)
+    weight_sync: Literal["object_store", "collective"] = _key(
+        "object_store", "how a refit moves weights: the object store, or a broadcast from trainer rank 0 to the "
+        "engines over a process group (gloo on CPU, through a /dev/shm arena when all share one node; NCCL on GPU)")
+    sync_bucket_mb: float = _key(16.0, "collective weight sync: size of one broadcast bucket (through /dev/shm: "
+                                 "of one signalled chunk) in MiB", gt=0)
+    refit_mode: Literal["drain", "inflight"] = _key(
+        "drain", "drain: a refit waits for the engine's rollouts to finish; inflight: it loads the weights between "
+        "two decoding steps and the rollouts go on with them (a sample then holds tokens of several versions)")
+    inflight_kv: Literal["keep", "recompute"] = _key(
+        "recompute", "inflight refits: keep the KV cache of the requests in flight (cheap; their next tokens attend "
+        "to keys of the old weights) or recompute it with the new weights")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the policy (peft): only they are trained and synced;
+    the base weights stay frozen in the trainer and in vLLM. The critic stays full."""
+    rank: int = _key(0, "adapter rank; 0 = full fine-tuning (vLLM serves ranks up to 512)", ge=0, le=512)
+    alpha: float = _key(16.0, "adapter scale numerator (the update is alpha / rank * B A)", gt=0)
+    dropout: float = _key(0.0, "dropout on the adapters' input in the trainer's forward (the generator "
+                          "samples without it)", ge=0, le=0.9)
+    target_modules: tuple[str, ...] = _key(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"),
+        "linear layers (by name suffix) that get adapters; lm_head included: behind a frozen final norm, "
+        "the output layer bounds how far the logits can move")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The DeepSpeed engines: the policy's, and PPO's critic's."""
+    zero_stage: int = _key(0, "DeepSpeed ZeRO stage", ge=0, le=3)
+    dtype: Literal["fp32", "bf16"] = _key("fp32", "training dtype")
+    micro_batch_size: int = _key(8, "rows per forward/backward; one optimizer step per batch", ge=1)
+    grad_accum: int = _key(1, "DeepSpeed's nominal accumulation (train_batch_size = micro x accum)", ge=1)
+    lr: float = _key(1e-4, "policy learning rate (AdamW)", gt=0)
+    ranks: int = _key(1, "data-parallel policy ranks, one DeepSpeed engine (and trainer actor) each; "
+                      "whole prompt groups are sharded across them", ge=1)
+    lora: LoraConfig = LoraConfig()
+
+
+@dataclass(frozen=True)
+class PpoConfig:
+    """PPO's critic and advantages; the policy loss is policy_loss's, as for GRPO."""
+    gamma: float = _key(1.0, "discount", ge=0, le=1)
+    lam: float = _key(0.95, "GAE lambda; 1 = Monte-Carlo returns", ge=0, le=1)
+    value_clip: float = _key(0.2, "clip range of the value loss", gt=0)
+    critic_warmup: int = _key(0, "first steps that train only the critic", ge=0)
+    critic_model: str = _key("", "critic backbone directory; empty = model.path")
+    critic_lr: float = _key(1e-4, "critic learning rate (AdamW)", gt=0)
+    whiten_advantages: bool = _key(True, "scale advantages to unit variance per batch")
+    critic_ranks: int = _key(1, "data-parallel critic ranks, one DeepSpeed engine each", ge=1)
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    max_restarts: int = _key(2, "restarts per generator before the run stops", ge=0)
+    max_reward_failures: int = _key(0, "samples whose reward may raise before the run stops", ge=0)
+    max_nonfinite_steps: int = _key(3, "optimizer steps in a row skipped for a non-finite loss or gradient norm "
+                                    "that stop the run", ge=1)
+
+
+@dataclass(frozen=True)
+class RoleResources:
+    """What one actor of a role asks Ray for: its bundle in the run's placement group."""
+    num_cpus: float = _key(0.5, "logical CPUs of one actor of this role", ge=0)
+    num_gpus: float = _key(0.0, "GPUs of one actor of this role (a generator: of each of its "
+                           "tensor_parallel_size bundles)", ge=0)
+    node_resource: str = _key("", "a custom resource the role's bundles ask a token amount of: pins the role "
+                              "to the nodes started with it (ray start --resources)")
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    """The placement group: one bundle per actor (a generator: one per tensor-parallel rank)."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _key(
+        "PACK", "Ray placement strategy of the run's bundles")
+    trainer: RoleResources = RoleResources()
+    generator: RoleResources = RoleResources()
+    critic: RoleResources = RoleResources()
+    controller: RoleResources = RoleResources()
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    tensorboard: bool = _key(True, "write TensorBoard event files in the run directory")
+    wandb: bool = _key(False, "log to Weights & Biases (pip install dagrl[wandb])")
+    wandb_project: str = _key("dagrl", "W&B project")
+    progress: bool = _key(True, "show a progress bar")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = _key("", "HF model directory (save_pretrained); required with backend real")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = _key("", "training prompts, JSONL or Parquet; required with backend real")
+    val: str = _key("", "validation prompts; required when validation is scheduled")
+    reward: str = _key("", "reward function as module:function; required with backend real")
+    filter_overlong: bool = _key(True, "leave out (and count, on the console and in summary.json) prompts whose "
+                                 "tokens + generation.max_new_tokens exceed the model's context; false: refuse "
+                                 "the run, naming the file and line")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated workers (backend sim): latencies in seconds, each drawn from
+    uniform(t * (1 - jitter), t * (1 + jitter)) with the run's seed."""
+    generate_s: float = _key(0.05, "time to decode max_new_tokens tokens (one engine step: generate_s / "
+                             "max_new_tokens, whatever the number of sequences)", ge=0)
+    response_len: Literal["fixed", "lognormal"] = _key(
+        "fixed", "response lengths: all max_new_tokens, or lognormal with median max_new_tokens / tail_ratio "
+        "(capped at max_new_tokens)")
+    tail_ratio: float = _key(4.0, "lognormal lengths: p99 / p50", gt=1)
+    train_s: float = _key(0.05, "one train step's time", ge=0)
+    refit_s: float = _key(0.01, "one weight load's time", ge=0)
+    validate_s: float = _key(0.02, "one validation's time", ge=0)
+    jitter: float = _key(0.0, "relative spread of every latency", ge=0, le=1)
+    num_val_prompts: int = _key(8, "validation prompts", ge=1)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn environments (pipeline/envs/interface.py): without a class, a
+    sample is one completion scored by data.reward."""
+    class_: str = _key("", "environment as module:Class (one instance per sample, Class(**env.args)); empty: "
+                       "single-turn, scored by data.reward")
+    args: dict = field(default_factory=dict, metadata={"help": "keyword arguments of the environment class"})
+    max_turns: int = _key(1, "model turns per sample at most (each of up to generation.max_new_tokens)", ge=1)
+    step_timeout_s: float = _key(30.0, "longest environment reset or step; a slower one ends its sample as failed",
+                                 gt=0)
+    observation_format: str = _key("{observation}", "how an observation is appended to the context (its tokens "
+                                   "are masked out of the loss)")
+    actors: int = _key(0, "Ray actors per generator that run the environments, one step at a time each; "
+                       "0: threads in the generator's process", ge=0)
+    worker_cpus: float = _key(0.0, "logical CPUs each environment worker asks Ray for", ge=0)
+    threads: int = _key(64, "env.actors 0: environment calls that run at once in a generator", ge=1)
+
+
+@dataclass(frozen=True)
+class InjectConfig:
+    """Fault injection for the recovery tests and the soak, on the simulated
+    workers (backend sim) only; no user's setting, so the README's table leaves
+    it out. *_exit ends the worker's process as a crash or an OOM kill would;
+    *_hang waits until the run's deadlines catch it."""
+    fault: Literal["", "train_raise", "train_hang", "train_exit", "generate_raise", "generate_hang",
+                   "generate_exit", "reward_raise", "train_nonfinite"] = _key(
+        "", "inject this fault after `after` good calls (train_nonfinite: every later step's loss is NaN, "
+        "on every rank)")
+    after: int = _key(0, "good calls before the fault (reward_raise: every N-th sample raises)", ge=0)
+    worker: int = _key(0, "generator index that generate_* faults hit, trainer rank that train_* faults hit", ge=0)
+    incarnations: int = _key(1, "a replaced generator faults again only while its restart count is below this",
+                             ge=1)
+
+
+# Config fields whose recipe key is a Python keyword.
+YAML_NAMES = {"class_": "class"}
+FIELD_NAMES = {v: k for k, v in YAML_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = RunConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    validation: ValidationConfig = ValidationConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    algorithm: Literal["grpo", "ppo"] = _key("grpo", "grpo, or ppo with a critic")
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+    ppo: PpoConfig = PpoConfig()
+    training: TrainingConfig = TrainingConfig()
+    backend: Literal["sim", "real"] = _key("sim", "real: vLLM and DeepSpeed; sim: simulated workers, no model; "
+                                           "not set: real when model.path is set, else sim", shown="inferred")
+    generation: GenerationConfig = GenerationConfig()
+    sim: SimConfig = SimConfig()
+    fault: FaultConfig = FaultConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    env: EnvConfig = EnvConfig()
+    # Last, and out of the README's table (metadata "test_only"): the recovery tests' switches.
+    inject: InjectConfig = field(default=InjectConfig(), metadata={"test_only": True})
+
+    def to_dict(self) -> dict:
+        """The recipe's keys and values (what load_config reads back)."""
+        def keys(tree: dict) -> dict:
+            # Lists, not tuples: the dict is written as YAML and JSON and compared with what they read back.
+            return {YAML_NAMES.get(k, k): keys(v) if isinstance(v, dict) and k != "args"
+                    else list(v) if isinstance(v, tuple) else v for k, v in tree.items()}
+        return keys(dataclasses.asdict(self))
+
+    @property
+    def critic_actors(self) -> int:
+        """Critic actors the run starts: ppo.critic_ranks under PPO, none under GRPO."""
+        return self.ppo.critic_ranks if self.algorithm == "ppo" else 0
