@@ -10,7 +10,9 @@ role's RSS and the object store's use (pipeline/run/resources.py); from them:
   store_peak_mb       the object store's peak after warm-up, beside the bound
                       (max_age + 3) x one weight copy (the largest weights_put)
   step_time           medians of the first and last 10 % of steps, and their ratio
-  heap_trims          how often each trainer handed freed heap back (HeapCap)
+  heap_trims          how often each trainer handed freed heap back (HeapCap, every 100
+                      steps and whenever its RSS is over its slack)
+  heap_floor_slope    the slope of the RSS right after each of those trims, in KB/step
   violations          check-events on the run's log (invariant 7 included)
 
 Targets (issue "Long runs"): no role grows by more than 1 KB a step after
@@ -79,10 +81,12 @@ def analyse(run_dir: Path, max_age: int) -> dict:
                           "end_mb": round(pts[-1][1], 1),
                           "slope_kb_per_step": round(slope(*map(list, zip(*pts))) * 1024, 3)}
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-    trims = {}
+    trims, floors = {}, {}
     for e in events:
         if e.get("ev") == "heap_trimmed":
             trims[e["worker"]] = trims.get(e["worker"], 0) + 1
+            if e.get("step") is not None and e["step"] >= steps[0] + WARMUP_SHARE * len(steps):
+                floors.setdefault(e["worker"], []).append((e["step"], e["floor_mb"]))
     copy_mb = max((e.get("bytes", 0) for e in events if e.get("ev") == "weights_put"), default=0) / 2**20
     store = [r["store_mb"] for r in after if "store_mb" in r]
     tenth = max(1, len(records) // 10)
@@ -96,7 +100,10 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         "max_slope_kb_per_step": max(v["slope_kb_per_step"] for v in per_role.values()),
         "weight_copy_mb": round(copy_mb, 3), "store_peak_mb": round(max(store, default=0.0), 3),
         "store_bound_mb": round(bound, 3),
-        "heap_trims": trims,  # pipeline/core/memory.py HeapCap: the first one per trainer sets its floor
+        "heap_trims": trims,
+        # The RSS right after each trim after warm-up: what a trainer holds, the allocator's cache left out.
+        "heap_floor_slope_kb_per_step": {w: round(slope(*map(list, zip(*pts))) * 1024, 3)
+                                         for w, pts in floors.items() if len(pts) > 1},  # pipeline/core/memory.py HeapCap: the first one per trainer sets its floor
         "store_peak_copies": round(max(store, default=0.0) / copy_mb, 3) if copy_mb else None,
         "store_spilled_mb": max((r.get("store_spilled_mb", 0.0) for r in records), default=0.0),
         "step_time_first10_s": round(first, 4), "step_time_last10_s": round(last, 4),

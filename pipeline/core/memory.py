@@ -47,19 +47,28 @@ class HeapCap:
     under it. Trimming every step kept the trainer at 604-614 MB but made the
     next forward pass 50 % slower (its pages faulted back in), so the slack
     leaves a step's own working set alone: half the floor (the RSS after the
-    last trim), at least `min_slack_bytes`. A leak shows as a rising floor."""
+    last trim), at least `min_slack_bytes`. Within the slack the allocator
+    may still creep for thousands of steps, so it also trims every
+    `every_steps` steps (one slower step in that many): the floor after each
+    trim is what the process really holds, and a leak shows as a rising floor.
+    """
 
-    def __init__(self, min_slack_bytes: int = 256 * MB) -> None:
+    def __init__(self, min_slack_bytes: int = 256 * MB, every_steps: int = 100) -> None:
         self.min_slack_bytes = min_slack_bytes
+        self.every_steps = every_steps
         self.floor: int | None = None
+        self._checks = 0
 
     def check(self) -> tuple[int, int] | None:
         """(RSS before, after) if it trimmed; the first call always does, to set the floor."""
         trim = _malloc_trim()
         if trim is None:
             return None
+        self._checks += 1
         before = process_rss()
-        if self.floor is not None and before <= self.floor + max(self.min_slack_bytes, self.floor // 2):
+        due = self.every_steps and (self._checks - 1) % self.every_steps == 0
+        if self.floor is not None and not due and before <= self.floor + max(self.min_slack_bytes,
+                                                                              self.floor // 2):
             return None
         trim(0)
         self.floor = process_rss()

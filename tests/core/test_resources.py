@@ -35,3 +35,9 @@ def test_heap_cap_leaves_memory_in_use_alone():
     cap.check()
     assert used - process_rss() < 8 * MB
     del blocks
+
+
+@glibc
+def test_heap_cap_trims_every_so_many_steps_within_its_slack():
+    cap = HeapCap(min_slack_bytes=1 << 40, every_steps=3)  # a slack never reached: only the period trims
+    assert [cap.check() is not None for _ in range(7)] == [True, False, False, True, False, False, True]
