@@ -152,7 +152,7 @@ class BadStep:
 
 
 def test_a_malformed_step_result_is_a_failure_naming_the_shape(tmp_path):
-    cfg = load_config(None, ["env.class=tests.test_multiturn:BadStep", "env.max_turns=2"])
+    cfg = load_config(None, ["env.class=tests.envs.test_multiturn:BadStep", "env.max_turns=2"])
     completions, _ = roll(tmp_path, cfg, prompts=1)
     assert all("must return (observation, reward, done, info)" in c.error for c in completions)
 
@@ -171,7 +171,7 @@ def test_the_pool_replaces_a_stuck_worker_and_replays_the_others(tmp_path, ray_s
 
 
 def test_a_bad_env_class_is_a_config_error_naming_it():
-    with pytest.raises(ConfigError, match=r"env\.class: 'pipeline\.envs\.sim:Nope'.*no attribute 'Nope'"):
+    with pytest.raises(ConfigError, match=r"env\.class: 'pipeline\.sim\.env:Nope'.*no attribute 'Nope'"):
         load_config(None, ["env.class=pipeline.sim.env:Nope"])
     with pytest.raises(ConfigError, match=r"env\.class: 'no_such_module:Env'.*cannot import"):
         load_config(None, ["env.class=no_such_module:Env"])

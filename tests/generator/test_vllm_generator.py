@@ -394,7 +394,7 @@ def roll_episodes(engine, tmp_path, *overrides):
     from pipeline.generator.engine_loop import EngineLoop
     from pipeline.config import load_config
     from pipeline.core.events import EventLog
-    cfg = load_config(None, ["env.class=tests.test_vllm_generator:EchoTool", "env.max_turns=3", *overrides])
+    cfg = load_config(None, ["env.class=tests.generator.test_vllm_generator:EchoTool", "env.max_turns=3", *overrides])
     out, finished = {}, threading.Event()
     loop = EngineLoop(engine, EventLog(tmp_path, "gen0", time.time()),
                       lambda batch, completions, spans: (out.update(c=completions), finished.set()),
