@@ -17,8 +17,8 @@ GRPO step first, so the weights read are ones the optimizer wrote.
            and dtypes, and be the module's own tensors (not copies).
   buckets  pipeline/weights/collective.py's layout on the device: the live
            tensors (under ZeRO-3: inside the gather) packed into two bucket
-           buffers at weight_sync._layout's offsets and unpacked as
-           weight_sync.receive does (a view of the bucket, or a tensor that spans
+           buffers at collective._layout's offsets and unpacked as
+           collective.receive does (a view of the bucket, or a tensor that spans
            buckets put together in one of its own), for buckets of 1 MiB, 64 MiB
            and one larger than the model: bit-equality of every tensor, and the
            pack+unpack bytes/s against one device-to-device copy of the same bytes.
@@ -119,7 +119,7 @@ class Timer:
 # --- the bucketed layout ---------------------------------------------------------------------
 
 class Buckets:
-    """weight_sync.send's and receive's bucket loops, in one process on the
+    """collective.send's and receive's bucket loops, in one process on the
     tensors' device: the layout and the buffers once, then any number of passes."""
 
     def __init__(self, items: list, bucket_bytes: int):
@@ -237,7 +237,7 @@ def stage_paths(model_dir: Path, stage: int, bucket_sizes: list[int], size: dict
                 "over_raw_d2h_unpinned": stats(unpinned), "over_raw_d2h_pinned": stats(pin) if cuda else None}
             items = [(name, t.detach()) for name, t in module_state.items()]
             # Under ZeRO-3 the full tensors exist only inside this gather: sent from here,
-            # as weight_sync.send's docstring asks.
+            # as collective.send's docstring asks.
             larger = total + ALIGN * (len(items) + 1)
             buckets = bucket_paths(items, [*bucket_sizes, larger], size, timer)
             buckets[str(larger)]["larger_than_model"] = True
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     bucket_sizes = args.bucket_bytes or BUCKETS[mode]
     from pipeline.weights.collective import ALIGN
     if min(bucket_sizes) < ALIGN:
-        raise SystemExit(f"gpu_weight_paths: --bucket-bytes must be at least weight_sync.ALIGN ({ALIGN})")
+        raise SystemExit(f"gpu_weight_paths: --bucket-bytes must be at least packing.ALIGN ({ALIGN})")
     import torch
     torch.set_num_threads(1)   # the host side of these copies is one thread; a shared box stays usable
     cuda = not args.cpu_smoke

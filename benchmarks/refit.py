@@ -10,7 +10,7 @@ real vLLM engine (CPU) in every generator process, by three paths:
   collective           weight_sync as a run on one node uses it: the trainer copies its
                        live parameters into a /dev/shm arena that every generator maps,
                        signalling each chunk over gloo; each generator loads the chunks
-                       from the arena as they are signalled (weight_arena.py)
+                       from the arena as they are signalled (pipeline/weights/arena.py)
   collective_socket    weight_sync as across nodes: the trainer broadcasts the bytes
                        over gloo's sockets in buckets, loaded as they arrive
   lora_object_store    training.lora (rank --lora-rank, every linear layer and lm_head):

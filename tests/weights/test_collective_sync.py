@@ -65,7 +65,7 @@ def _trainer(out, addrs, world, model_dir, rounds, store_file, die_at=None, buck
     if no_room:
         def full(nbytes, directory=None):
             raise OSError(errno.ENOSPC, "No space left on device")
-        ws.weight_arena.Arena.create = full
+        ws.arena.Arena.create = full
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=0, world_size=1)
     host, port = ws.sync_address("127.0.0.1")
     for _ in range(world - 1):
