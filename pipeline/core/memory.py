@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
+from pipeline.core import spans
+
 MB = 2 ** 20
 
 
@@ -73,3 +75,10 @@ class HeapCap:
         trim(0)
         self.floor = process_rss()
         return before, self.floor
+
+    def check_logged(self, log, step: int) -> None:
+        """check(), and a heap_trimmed event (the RSS before, the floor after) when it trimmed."""
+        with spans.span("heap_cap"):
+            trimmed = self.check()
+        if trimmed:
+            log.emit("heap_trimmed", step=step, rss_mb=round(trimmed[0] / MB, 1), floor_mb=round(trimmed[1] / MB, 1))

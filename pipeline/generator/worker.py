@@ -25,7 +25,7 @@ from pipeline.weights import packing
 from pipeline.generator.engines import generation_engine, reward_function, val_prompts
 from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
 from pipeline.config import Config
-from pipeline.core import spans
+from pipeline.core import memory, spans
 
 
 def generator_name(index: int, incarnation: int = 0) -> str:
@@ -58,6 +58,7 @@ class GeneratorWorker(Actor):
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, generator_name(self.index, incarnation), t0)
         self.log.merge(after)
+        self.heap = memory.HeapCap()
         self.log.emit("worker_start", **whereabouts(), incarnation=incarnation, generator=self.index)
         self.engine = generation_engine(cfg, self.index, incarnation)
         self.reward_fn = None if cfg.env.class_ else reward_function(cfg)  # an environment scores itself
@@ -129,6 +130,8 @@ class GeneratorWorker(Actor):
             # The engine has its own copy now; a view kept of the store's buffer would pin it there.
             del fetched, stored, load
             self.log.emit("weights_dropped", step=gate.step, version=train.version)
+        # A refit frees a weight copy, as a train step frees its activations.
+        self.heap.check_logged(self.log, gate.step)
         self.version, self._loaded_step = train.version, gate.step
         return Refitted(self.log.worker, gate.step, self.version, gate.validate,
                         refit_s=time.perf_counter() - started)

@@ -102,11 +102,7 @@ class CriticWorker(Actor):
         with self._lock:
             metrics = self.engine.train_step(table, targets, self._shard(table))
         self.skipped.check(adv.step, None, metrics)
-        with spans.span("heap_cap"):
-            trimmed = self.heap.check()  # the step's activations (pipeline/core/memory.py)
-        if trimmed:
-            self.log.emit("heap_trimmed", step=adv.step, rss_mb=round(trimmed[0] / memory.MB, 1),
-                          floor_mb=round(trimmed[1] / memory.MB, 1))
+        self.heap.check_logged(self.log, adv.step)
         return CriticOut(adv.step, tuple(sorted({**dict(adv.metrics), **metrics}.items())))
 
     def save_state(self, path: str) -> None:

@@ -99,11 +99,7 @@ class TrainerWorker(Actor):
         self.log.emit("train_end", step=batch.step, version=self.version)
         # Kept alive until the next step's refits are done (see Controller.sample).
         self._hold(self.version, weights_ref)
-        with spans.span("heap_cap"):
-            trimmed = self.heap.check()
-        if trimmed:
-            self.log.emit("heap_trimmed", step=batch.step, rss_mb=round(trimmed[0] / memory.MB, 1),
-                          floor_mb=round(trimmed[1] / memory.MB, 1))
+        self.heap.check_logged(self.log, batch.step)
         failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
         metrics = {**metrics, "reward_failures": float(failed),
                    "reward_mean": _mean(table.column("reward").to_pylist()),

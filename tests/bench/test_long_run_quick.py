@@ -28,3 +28,5 @@ def test_a_short_real_run_keeps_weight_copies_and_memory_bounded(tmp_path):
     assert {"driver", "controller", "trainer", "gen0"} <= set(result["roles"])
     peaks = json.loads((tmp_path / "grpo_object_store" / "summary.json").read_text())["resources_peak"]
     assert peaks["rss_mb/trainer"] > 100 and peaks["store_mb"] >= copy
+    # The heap cap runs in the trainer and the generator; its first check sets each one's floor.
+    assert {"trainer", "gen0"} <= set(result["heap_trims"]), result["heap_trims"]

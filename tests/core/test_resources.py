@@ -41,3 +41,21 @@ def test_heap_cap_leaves_memory_in_use_alone():
 def test_heap_cap_trims_every_so_many_steps_within_its_slack():
     cap = HeapCap(min_slack_bytes=1 << 40, every_steps=3)  # a slack never reached: only the period trims
     assert [cap.check() is not None for _ in range(7)] == [True, False, False, True, False, False, True]
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def emit(self, ev, **fields):
+        self.events.append((ev, fields))
+
+
+@glibc
+def test_heap_cap_logs_each_trim_with_its_step_and_floor():
+    cap, log = HeapCap(min_slack_bytes=1 << 40, every_steps=2), Recorder()
+    for step in range(3):
+        cap.check_logged(log, step)
+    assert [(ev, f["step"]) for ev, f in log.events] == [("heap_trimmed", 0), ("heap_trimmed", 2)]
+    assert all(f["floor_mb"] > 0 and f["rss_mb"] >= f["floor_mb"] - 1 for _, f in log.events), log.events
+
