@@ -198,7 +198,7 @@ def stage_paths(model_dir: Path, stage: int, bucket_sizes: list[int], size: dict
                 cuda: bool, timer: Timer) -> dict:
     import torch
 
-    from pipeline.algos.grpo import grpo_advantages
+    from pipeline.algos.advantages import grpo_advantages
     from pipeline.trainer.deepspeed_base import full_params
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     from pipeline.weights.collective import ALIGN

@@ -37,7 +37,7 @@ def one(model_dir: str, rank: int, steps: int) -> dict:
     import torch
     torch.set_num_threads(1)
 
-    from pipeline.algos.grpo import grpo_advantages
+    from pipeline.algos.advantages import grpo_advantages
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     from pipeline.core.types import TRAJECTORY_SCHEMA
     from pipeline.config import LoraConfig

@@ -41,9 +41,21 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
     if g.tensor_parallel_size > 1 and cfg.resources.generator.num_gpus == 0:
         raise fail("generation.tensor_parallel_size", f"{g.tensor_parallel_size} needs GPUs "
                    "(resources.generator.num_gpus > 0): on CPU each vLLM engine runs in its generator's process")
-    if cfg.algorithm == "grpo" and cfg.schedule.group_size < 2:
-        raise fail("schedule.group_size", f"{cfg.schedule.group_size} gives every sample a zero advantage (GRPO "
-                   "compares the samples of one prompt); it must be >= 2 with algorithm 'grpo'")
+    if cfg.algorithm in ("grpo", "dr_grpo", "rloo") and cfg.schedule.group_size < 2:
+        raise fail("schedule.group_size", f"{cfg.schedule.group_size} gives every sample a zero advantage "
+                   f"({cfg.algorithm} compares the samples of one prompt); it must be >= 2 with algorithm "
+                   f"{cfg.algorithm!r}")
+    loss = cfg.policy_loss
+    if loss.dual_clip and loss.dual_clip <= 1:
+        raise fail("policy_loss.dual_clip", f"{loss.dual_clip} must be > 1 (the cap is dual_clip x |A|, above the "
+                   "clipped term), or 0 for none")
+    if loss.dual_clip and loss.mode == "cispo":
+        raise fail("policy_loss.dual_clip", "cispo clips the IS weight, not the loss; dual_clip needs mode clip "
+                   "or gspo")
+    t = cfg.training
+    if t.lr_schedule != "constant" and t.lr_warmup_steps >= cfg.run.steps:
+        raise fail("training.lr_warmup_steps", f"{t.lr_warmup_steps} leaves no step of the {t.lr_schedule} "
+                   f"schedule in a run of {cfg.run.steps} (run.steps)")
     if env.class_:
         from pipeline.envs.interface import EnvError, load_env_class
         try:

@@ -63,6 +63,21 @@ class PolicyLossConfig:
     decoupled: bool = _key(True, "decoupled PPO (AReaL): clip the ratio to the policy before this step's update "
                            "and weight by its ratio to the behaviour policy; false: clip the ratio to the "
                            "behaviour policy itself (classic PPO)")
+    mode: Literal["clip", "gspo", "cispo"] = _key(
+        "clip", "clip: PPO's token ratio; gspo: the sequence's length-normalised ratio, clipped per sequence; "
+        "cispo: a clipped, stop-gradient IS weight on every token's log-prob")
+    clip_eps_high: float = _key(0.0, "upper clip range (DAPO's clip-higher: ratio up to 1 + this); 0 = clip_eps",
+                                ge=0)
+    dual_clip: float = _key(0.0, "dual-clip bound c > 1: a negative advantage's loss is capped at c x |A|; 0 = off",
+                            ge=0)
+    is_level: Literal["token", "sequence"] = _key(
+        "token", "staleness IS weight per token, or per sequence (geometric mean of its token ratios)")
+    is_mode: Literal["truncate", "mask"] = _key(
+        "truncate", "an IS weight above is_clip is capped at it (truncate) or its tokens leave the loss (mask)")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = _key(
+        "token-mean", "how token losses become the batch's (verl's loss_agg_mode); seq-mean-token-sum-norm divides "
+        "by sequences x the longest response (Dr. GRPO)")
+    entropy_coef: float = _key(0.0, "weight of the entropy bonus (subtracted from the loss); 0 = none", ge=0)
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,11 @@ class TrainingConfig:
     micro_batch_size: int = _key(8, "rows per forward/backward; one optimizer step per batch", ge=1)
     grad_accum: int = _key(1, "DeepSpeed's nominal accumulation (train_batch_size = micro x accum)", ge=1)
     lr: float = _key(1e-4, "policy learning rate (AdamW)", gt=0)
+    weight_decay: float = _key(0.0, "AdamW's decoupled weight decay (policy and critic)", ge=0)
+    grad_clip: float = _key(1.0, "largest global gradient norm of an update; 0 = no clipping", ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = _key(
+        "constant", "learning rate after the warm-up: constant, or linear / cosine down to 0 at run.steps")
+    lr_warmup_steps: int = _key(0, "updates whose rate ramps linearly up to lr (and critic_lr)", ge=0)
     ranks: int = _key(1, "data-parallel policy ranks, one DeepSpeed engine (and trainer actor) each; "
                       "whole prompt groups are sharded across them", ge=1)
     lora: LoraConfig = LoraConfig()
@@ -241,7 +261,9 @@ class Config:
     validation: ValidationConfig = ValidationConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
-    algorithm: Literal["grpo", "ppo"] = _key("grpo", "grpo, or ppo with a critic")
+    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = _key(
+        "grpo", "the advantage estimator (pipeline/algos/advantages.py): grpo, dr_grpo (no std division), rloo "
+        "(leave-one-out), reinforce_pp (batch-normalised), or ppo (GAE with a critic)")
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     ppo: PpoConfig = PpoConfig()
     training: TrainingConfig = TrainingConfig()
@@ -263,6 +285,12 @@ class Config:
             return {YAML_NAMES.get(k, k): keys(v) if isinstance(v, dict) and k != "args"
                     else list(v) if isinstance(v, tuple) else v for k, v in tree.items()}
         return keys(dataclasses.asdict(self))
+
+    @property
+    def train_graph(self) -> str:
+        """The training sub-graph (dags/): ppo's with the critic, else grpo's, which
+        every critic-free estimator shares."""
+        return "ppo" if self.algorithm == "ppo" else "grpo"
 
     @property
     def critic_actors(self) -> int:

@@ -38,6 +38,7 @@ class Shard:
     world_size: int
     batch_tokens: int       # response tokens of the whole batch
     micro_batches: int      # the most any rank needs; every rank runs as many, so their collectives pair up
+    batch_seqs: int         # rows of the whole batch with a trained token (the seq-mean losses' divisor)
 
 
 def batch_shards(response_lengths: list[int], group_size: int, world_size: int,
@@ -57,8 +58,8 @@ def batch_shards(response_lengths: list[int], group_size: int, world_size: int,
         bounds.append((start, stop))
         start = stop
     micro = max(-(-(stop - start) // micro_batch_size) for start, stop in bounds)
-    tokens = sum(response_lengths)
-    return tuple(Shard(start, stop, rank, world_size, tokens, micro) for rank, (start, stop) in enumerate(bounds))
+    tokens, seqs = sum(response_lengths), sum(n > 0 for n in response_lengths)
+    return tuple(Shard(start, stop, rank, world_size, tokens, micro, seqs) for rank, (start, stop) in enumerate(bounds))
 
 
 

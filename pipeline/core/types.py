@@ -155,7 +155,7 @@ class TrainingEngine(Protocol):
     def train_step(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
         """One policy update on a table with TRAJECTORY_SCHEMA; `advantages`, row i
         for row i, has an `advantages` column of one float per response token
-        (pipeline/algos/grpo.py, ppo.py). Returns metrics."""
+        (pipeline/algos/advantages.py, ppo.py). Returns metrics."""
 
     def export_weights(self) -> Any:
         """The current weights, by HF parameter name, ready for load_weights."""

@@ -130,7 +130,7 @@ class Execution:
 
     def _build(self, new_step_runner: bool = True) -> None:
         actors = actor_names(self.workers, self.incarnations)
-        graph = build_step_graph(self.workers, TRAIN_SUBGRAPHS[self.cfg.algorithm],
+        graph = build_step_graph(self.workers, TRAIN_SUBGRAPHS[self.cfg.train_graph],
                                  collective=self.cfg.generation.weight_sync == "collective")
         # The node whose TrainOut the ordering sub-graph takes: train (GRPO) or train_done (PPO).
         self.trained_node = graph.node_names[graph.node_names.index("validation_gate") - 1]

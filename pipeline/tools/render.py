@@ -266,11 +266,11 @@ def viz_workers(num_generators: int, algorithm: str = "grpo", trainers: int = 1,
 
 
 def graph_for_config(cfg, prologue: bool = False) -> StepGraph:
-    workers = viz_workers(cfg.generation.num_generators, cfg.algorithm, cfg.training.ranks,
+    workers = viz_workers(cfg.generation.num_generators, cfg.train_graph, cfg.training.ranks,
                           cfg.ppo.critic_ranks)
     if prologue:
         return build_prologue_graph(workers)
-    return build_step_graph(workers, TRAIN_SUBGRAPHS[cfg.algorithm])
+    return build_step_graph(workers, TRAIN_SUBGRAPHS[cfg.train_graph])
 
 
 def viz_main(config_path: str | Path | None, overrides: list[str] = (), out_paths: list[str] = (),

@@ -24,6 +24,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.trainer import finite
+from pipeline.trainer.optim import Optimizer, set_lr
 from pipeline.core.data_parallel import Rendezvous, Shard, free_port
 from pipeline.inputs.models import check_model_files
 from pipeline.core.spans import span
@@ -145,7 +146,7 @@ def start_deepspeed(num_threads: int | None, rank: int = 0, rendezvous: Rendezvo
     return _init_distributed(cuda, rank, rendezvous)
 
 
-def ds_config(*, micro_batch_size: int, grad_accum: int, lr: float, weight_decay: float,
+def ds_config(*, micro_batch_size: int, grad_accum: int, lr: float, optimizer: Optimizer,
               zero_stage: int, dtype: str) -> dict:
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
@@ -154,12 +155,12 @@ def ds_config(*, micro_batch_size: int, grad_accum: int, lr: float, weight_decay
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": optimizer.grad_clip,
         # torch_adam: deepspeed's default FusedAdam / CPUAdam are C++ ops compiled
         # on first use; torch's AdamW needs no build.
         "optimizer": {"type": "AdamW", "params": {
             "lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
-            "weight_decay": weight_decay, "torch_adam": True}},
+            "weight_decay": optimizer.weight_decay, "torch_adam": True}},
         "zero_optimization": {"stage": zero_stage},
         "bf16": {"enabled": dtype == "bf16"},
         "steps_per_print": 2**31 - 1,
@@ -256,10 +257,11 @@ class DeepSpeedEngine(abc.ABC):
     """
 
     def __init__(self, model_path: str, *, zero_stage: int, dtype: str, micro_batch_size: int,
-                 grad_accum: int, lr: float, seed: int, weight_decay: float, num_threads: int | None,
+                 grad_accum: int, lr: float, seed: int, optimizer: Optimizer, num_threads: int | None,
                  rank: int = 0, rendezvous: Rendezvous | None = None):
         self.ds_config = ds_config(micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=lr,
-                                   weight_decay=weight_decay, zero_stage=zero_stage, dtype=dtype)
+                                   optimizer=optimizer, zero_stage=zero_stage, dtype=dtype)
+        self.lr, self.optimizer = lr, optimizer
         self.model_path = check_model_files(model_path, own_tokenizer=False)
         self.zero_stage, self.dtype, self.micro_batch_size = zero_stage, dtype, micro_batch_size
         self.deepspeed = start_deepspeed(num_threads, rank, rendezvous)
@@ -275,8 +277,9 @@ class DeepSpeedEngine(abc.ABC):
         """The module to train, in eval mode (no dropout), fp32 before deepspeed casts it."""
 
     @abc.abstractmethod
-    def _loss(self, batch: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
-        """A collated micro-batch's loss, divided by `num_tokens`, and its metrics:
+    def _loss(self, batch: dict, shard: Shard) -> tuple[torch.Tensor, dict[str, float]]:
+        """A collated micro-batch's share of the batch's loss (divided by the
+        batch's counts in `shard`: batch_tokens, batch_seqs), and its metrics:
         token means over the micro-batch plus `tokens`, its count."""
 
     @property
@@ -313,7 +316,7 @@ class DeepSpeedEngine(abc.ABC):
         tokens = sum(sum(r["loss_mask"]) for r in rows)
         chunks: list[range | None] = list(self._chunks(len(rows)))
         if shard is None:
-            shard = Shard(0, len(rows), 0, 1, tokens, len(chunks))
+            shard = Shard(0, len(rows), 0, 1, tokens, len(chunks), sum(1 in r["loss_mask"] for r in rows))
         if shard.world_size != self.world_size or len(chunks) > shard.micro_batches:
             raise ValueError(f"shard {shard} does not fit this engine (world size {self.world_size}, "
                              f"{len(chunks)} micro-batches of {self.micro_batch_size})")
@@ -330,7 +333,7 @@ class DeepSpeedEngine(abc.ABC):
                 batch = collate([rows[i] for i in idx] if idx is not None else rows[:1], self.device, token_keys)
             # Dividing every micro-batch by the batch's token count makes their sum
             # the batch's token mean, whatever the split (a short last chunk too).
-            loss, m = self._loss(batch, n)
+            loss, m = self._loss(batch, shard)
             if idx is None:
                 loss, m = loss * 0.0, {}
             with span("train.backward"):
@@ -341,6 +344,7 @@ class DeepSpeedEngine(abc.ABC):
                 if key != "tokens":
                     sums[key] = sums.get(key, 0.0) + value * m["tokens"]
         with span("train.optimizer"):
+            lr = set_lr(finite.torch_optimizer(self.engine), self.lr, self.optimizer, self.steps)
             grad_norm, skipped = step_with_grad_norm(self.engine, self.zero_stage, math.isfinite(loss_sum),
                                                      self.world_size)
         keys = sorted(sums)
@@ -350,7 +354,7 @@ class DeepSpeedEngine(abc.ABC):
             torch.distributed.all_reduce(summed)
             totals = summed.tolist()
         return {"loss": totals[0], "grad_norm": grad_norm, "tokens": totals[1],
-                "micro_batches": float(len(chunks)), "nonfinite_skipped": float(skipped),
+                "micro_batches": float(len(chunks)), "nonfinite_skipped": float(skipped), "lr": lr,
                 **{key: s / n for key, s in zip(keys, totals[2:])}}
 
     # Whether only the trainable parameters are synced and saved (LoRA: the

@@ -13,6 +13,7 @@ import torch
 from pipeline.algos.ppo import value_loss
 from pipeline.core.data_parallel import Rendezvous, Shard
 from pipeline.trainer.deepspeed_base import DeepSpeedEngine, collate
+from pipeline.trainer.optim import Optimizer
 
 
 class ValueModel(torch.nn.Module):
@@ -50,11 +51,11 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
 
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
-                 value_clip: float = 0.2, seed: int = 0, weight_decay: float = 0.0,
+                 value_clip: float = 0.2, seed: int = 0, optimizer: Optimizer = Optimizer(),
                  num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None):
         self.value_clip = value_clip
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
-                         grad_accum=grad_accum, lr=lr, seed=seed, weight_decay=weight_decay,
+                         grad_accum=grad_accum, lr=lr, seed=seed, optimizer=optimizer,
                          num_threads=num_threads, rank=rank, rendezvous=rendezvous)
 
     def _build_model(self) -> torch.nn.Module:
@@ -88,10 +89,10 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
                 self.engine(batch["ids"], batch["attn"], batch["start"])
         return out
 
-    def _loss(self, batch: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, batch: dict, shard: Shard) -> tuple[torch.Tensor, dict[str, float]]:
         v = self.engine(batch["ids"], batch["attn"], batch["start"])
         return value_loss(v, batch["old"], batch["returns"], batch["train_mask"], clip=self.value_clip,
-                          num_tokens=num_tokens)
+                          num_tokens=max(shard.batch_tokens, 1))
 
     def train_step(self, table: pa.Table, targets: pa.Table, shard: Shard | None = None) -> dict[str, float]:
         """One clipped value-loss step (pipeline.algos.ppo.value_loss) towards the

@@ -18,6 +18,7 @@ from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.weights import lora as adapters
 from pipeline.core.data_parallel import Rendezvous, Shard
 from pipeline.trainer.deepspeed_base import DeepSpeedEngine, full_params
+from pipeline.trainer.optim import Optimizer
 from pipeline.inputs.models import TOKENIZER_FILES
 from pipeline.core.spans import span
 
@@ -35,17 +36,20 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
                  clip_eps: float = 0.2, kl_coef: float = 0.0, is_clip: float = 2.0, decoupled: bool = True,
-                 lora=None, seed: int = 0, temperature: float = 1.0,
-                 weight_decay: float = 0.0, num_threads: int | None = 1, rank: int = 0,
+                 loss_options: dict | None = None, lora=None, seed: int = 0, temperature: float = 1.0,
+                 optimizer: Optimizer = Optimizer(), num_threads: int | None = 1, rank: int = 0,
                  rendezvous: Rendezvous | None = None):
         self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
         self.decoupled = decoupled
+        # The rest of clipped_policy_loss's keywords (mode, clip_eps_high, aggregation, ...).
+        self.loss_options = dict(loss_options or {})
+        self.entropy_coef = float(self.loss_options.get("entropy_coef", 0.0))
         self.lora = lora
         self.trainable_only = lora is not None
         # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
         self.temperature = temperature
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
-                         grad_accum=grad_accum, lr=lr, seed=seed, weight_decay=weight_decay,
+                         grad_accum=grad_accum, lr=lr, seed=seed, optimizer=optimizer,
                          num_threads=num_threads, rank=rank, rendezvous=rendezvous)
         if self.ref is not None:
             self.ref.to(self.device)
@@ -71,19 +75,27 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
             self.ref = copy.deepcopy(model).to(compute_dtype).requires_grad_(False)
         return model
 
-    def token_logprobs(self, model, batch: dict) -> torch.Tensor:
+    def token_logprobs(self, model, batch: dict, entropy: bool = False):
         """`model`'s logprob of each token in a collated batch's response window
-        (pipeline.trainer.deepspeed_base.collate), at the sampling temperature."""
+        (pipeline.trainer.deepspeed_base.collate), at the sampling temperature;
+        with `entropy`, (logprobs, each position's entropy), the entropy with a
+        gradient only when the loss has an entropy bonus."""
         ids, start = batch["ids"], batch["start"]
         out = model(input_ids=ids, attention_mask=batch["attn"], use_cache=False,
                     logits_to_keep=ids.shape[1] - start)
         logits = out.logits[:, :-1].float() / self.temperature
         targets = ids[:, start + 1:]
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        if not entropy:
+            return lp
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
+            ent = -(logp.exp() * logp).sum(dim=-1)
+        return lp, ent
 
-    def _loss(self, batch: dict, num_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, batch: dict, shard: Shard) -> tuple[torch.Tensor, dict[str, float]]:
         with span("train.forward"):
-            lp = self.token_logprobs(self.engine, batch)
+            lp, ent = self.token_logprobs(self.engine, batch, entropy=True)
         ref = None
         if self.ref is not None:
             with torch.no_grad():
@@ -96,14 +108,15 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         proximal = lp.detach() if self.decoupled else batch["gen"]
         return clipped_policy_loss(lp, proximal, batch["gen"], batch["adv"], batch["train_mask"],
                                    clip_eps=self.clip_eps, kl_coef=self.kl_coef, ref_logprobs=ref,
-                                   is_clip=self.is_clip, num_tokens=num_tokens)
+                                   is_clip=self.is_clip, num_tokens=max(shard.batch_tokens, 1),
+                                   num_seqs=max(shard.batch_seqs, 1), entropy=ent, **self.loss_options)
 
     def train_step(self, table: pa.Table, advantages: pa.Table, shard: Shard | None = None) -> dict[str, float]:
         """One policy update on the table: clipped ratio plus the truncated IS
         correction (pipeline.algos.policy_loss.clipped_policy_loss).
 
         `advantages` is aligned row by row with `table`; its `advantages`
-        column holds one float per response token (pipeline.algos.grpo or the
+        column holds one float per response token (pipeline.algos.advantages or the
         critic's pipeline.algos.ppo table).
 
         Metrics: loss (token mean over the table), grad_norm (before clipping),

@@ -16,13 +16,27 @@ def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngi
                                  faulty=rank == cfg.inject.worker)
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     t, g = cfg.training, cfg.policy_loss
+    loss_options = dict(mode=g.mode, clip_eps_high=g.clip_eps_high or None, dual_clip=g.dual_clip,
+                        is_level=g.is_level, is_mode=g.is_mode, aggregation=g.aggregation,
+                        entropy_coef=g.entropy_coef,
+                        # The longest response a sample can have: Dr. GRPO's constant normaliser.
+                        horizon=cfg.generation.max_new_tokens * cfg.env.max_turns)
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
         return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=t.dtype,
                                      micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
                                      lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
-                                     decoupled=g.decoupled, lora=t.lora if t.lora.rank else None,
+                                     decoupled=g.decoupled, loss_options=loss_options,
+                                     lora=t.lora if t.lora.rank else None, optimizer=optimizer(cfg),
                                      seed=cfg.run.seed, temperature=cfg.generation.temperature,
                                      rank=rank, rendezvous=rendezvous)
+
+
+def optimizer(cfg: Config):
+    """training's optimiser controls, for the policy and the critic alike."""
+    from pipeline.trainer.optim import Optimizer
+    t = cfg.training
+    return Optimizer(weight_decay=t.weight_decay, grad_clip=t.grad_clip, schedule=t.lr_schedule,
+                     warmup_steps=t.lr_warmup_steps, total_steps=cfg.run.steps)
 
 
 def critic_engine(cfg: Config, rank: int = 0, rendezvous=None):
@@ -37,4 +51,4 @@ def critic_engine(cfg: Config, rank: int = 0, rendezvous=None):
         return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=t.zero_stage,
                                      dtype=t.dtype, micro_batch_size=t.micro_batch_size,
                                      grad_accum=t.grad_accum, lr=p.critic_lr, value_clip=p.value_clip,
-                                     seed=cfg.run.seed, rank=rank, rendezvous=rendezvous)
+                                     optimizer=optimizer(cfg), seed=cfg.run.seed, rank=rank, rendezvous=rendezvous)

@@ -36,7 +36,7 @@ def gradients_finite(engine, zero_stage: int, local_norm: float | None) -> bool:
     return not engine.optimizer.has_overflow(partition_gradients=True)
 
 
-def _torch_optimizer(engine) -> torch.optim.Optimizer:
+def torch_optimizer(engine) -> torch.optim.Optimizer:
     """The torch optimizer under DeepSpeed's wrappers (ZeRO, bf16), which alone writes
     the master weights and Adam's moments and step."""
     opt = engine.optimizer
@@ -55,7 +55,7 @@ def step(engine, skip: bool) -> bool:
     model, on every ZeRO stage and dtype alike) but the torch optimizer does
     nothing. Returns whether no update was applied (skipped here, or dropped by
     DeepSpeed's own overflow check); such a step is not counted in global_steps."""
-    inner = _torch_optimizer(engine)
+    inner = torch_optimizer(engine)
     steps, samples = engine.global_steps, engine.global_samples
     if skip:
         inner.step = _no_update  # an instance attribute shadows the method for this one step

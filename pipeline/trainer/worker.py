@@ -1,7 +1,7 @@
 """The trainer actor: the policy update (`train`) and the weights it exports.
 
 The work is done by the training engine (pipeline/trainer/); this actor
-computes GRPO's advantages (pipeline/algos/grpo.py), checks versions, logs,
+computes the outcome advantages of GRPO and its variants (pipeline/algos/advantages.py), checks versions, logs,
 and puts the new weights in the object store for the generators' refits.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ class TrainerWorker(Actor):
         self._hold(self.version, weights_ref)
         self.heap.check_logged(self.log, batch.step)
         failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
-        metrics = {**metrics, "reward_failures": float(failed),
+        metrics = {**metrics, **self._batch_shape(table), "reward_failures": float(failed),
                    "reward_mean": _mean(table.column("reward").to_pylist()),
                    "reward_std": _std(table.column("reward").to_pylist()),
                    "age_mean": _mean([batch.step - v for v in batch.versions]),
@@ -111,6 +111,22 @@ class TrainerWorker(Actor):
                    "model_tokens": float(sum(trained_tokens(table)))}
         return TrainOut(batch.step, self.version, (weights_ref,) if weights_ref else (),
                         tuple(sorted(metrics.items())))
+
+    def _batch_shape(self, table: pa.Table) -> dict[str, float]:
+        """What peers log of a batch: response lengths, the share cut at
+        generation.max_new_tokens (single-turn; a response whose end-of-text
+        token fell on the limit counts too), and the share of groups whose
+        rewards are all equal, which a critic-free estimator cannot learn from."""
+        lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+        rewards = table.column("reward").to_pylist()
+        g = self.cfg.schedule.group_size
+        groups = [rewards[i:i + g] for i in range(0, len(rewards), g)]
+        shape = {"response_len_mean": _mean(lengths), "response_len_max": float(max(lengths, default=0)),
+                 "flat_group_share": _mean([float(max(x) == min(x)) for x in groups])}
+        if self.cfg.env.max_turns == 1:
+            limit = self.cfg.generation.max_new_tokens
+            shape["response_clip_share"] = _mean([float(n >= limit) for n in lengths])
+        return shape
 
     def _put(self, version: int, exported: dict) -> ray.ObjectRef:
         """One version of the weights into the object store, logged for the bound on copies (invariant 7)."""
@@ -166,13 +182,13 @@ class TrainerWorker(Actor):
         return {**self.engine.train_step(table, advantages, shard), "shard_rows": float(shard.stop - shard.start)}
 
     def _advantages(self, table: pa.Table, advantages: Advantages | None) -> pa.Table:
-        """The critic's table (PPO), else the group advantages of the table's rewards."""
+        """The critic's table (PPO), else the algorithm's outcome advantages of the table's rewards."""
         if advantages is not None:
             return ray.get(advantages.table_ref[0])
         # Here, not at the top: the driver imports this module and need not import torch.
-        from pipeline.algos.grpo import grpo_advantages
+        from pipeline.algos.advantages import grpo_advantages
         with spans.span("train.advantages"):
-            return grpo_advantages(table, self.cfg.schedule.group_size)
+            return grpo_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm)
 
     def save(self, path: str) -> None:
         """Every rank: rank 0 writes the HF checkpoint, the others join its gather."""

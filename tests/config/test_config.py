@@ -57,6 +57,11 @@ def test_recipe_and_overrides(tmp_path):
     ("run.name=' '", "run.name: ' ' must be a non-empty name"),
     ("training.lr=.inf", "training.lr: expected a finite number, got inf"),
     ("run.deadline_s=.nan", "run.deadline_s: expected a finite number, got nan"),
+    ("algorithm=gae", "algorithm: 'gae' is not allowed; choose one of 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp', "
+                      "'ppo'"),
+    ("policy_loss.dual_clip=0.5", "policy_loss.dual_clip: 0.5 must be > 1"),
+    ("policy_loss.aggregation=seq-mean", "policy_loss.aggregation: 'seq-mean' is not allowed"),
+    ("training.lr_schedule=step", "training.lr_schedule: 'step' is not allowed"),
 ])
 def test_bad_override_names_the_key(override, needle):
     with pytest.raises(ConfigError) as err:
@@ -64,6 +69,23 @@ def test_bad_override_names_the_key(override, needle):
     assert needle in str(err.value)
     if "=" in override:  # the override is blamed, not the recipe it changes
         assert str(err.value).startswith(f"override {override!r}: ")
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["algorithm=rloo", "schedule.group_size=1"], "schedule.group_size: 1 gives every sample a zero advantage "
+                                                  "(rloo compares the samples of one prompt)"),
+    (["policy_loss.mode=cispo", "policy_loss.dual_clip=3"], "policy_loss.dual_clip: cispo clips the IS weight"),
+    (["training.lr_schedule=cosine", "training.lr_warmup_steps=10", "run.steps=10"],
+     "training.lr_warmup_steps: 10 leaves no step of the cosine schedule in a run of 10"),
+])
+def test_rules_between_the_algorithm_keys(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_config("examples/sim_grpo.yaml", overrides)
+
+
+def test_reinforce_pp_needs_no_groups():
+    assert load_config("examples/sim_grpo.yaml", ["algorithm=reinforce_pp", "schedule.group_size=1"]).train_graph \
+        == "grpo"
 
 
 def test_the_override_that_set_a_key_is_blamed(tmp_path):

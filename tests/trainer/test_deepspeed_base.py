@@ -12,6 +12,7 @@ from tests.support.training_helpers import make_table
 from pipeline.trainer.deepspeed_base import collate, ds_config, token_column, trajectory_rows
 from pipeline.trainer.deepspeed_critic import DeepSpeedCriticEngine
 from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
+from pipeline.trainer.optim import Optimizer
 from pipeline.core.types import TRAJECTORY_SCHEMA
 from pipeline.inputs.models import ModelError
 
@@ -72,7 +73,7 @@ def test_collate_lays_every_row_out_in_one_response_window():
 
 
 def test_ds_config_refuses_unknown_dtype_and_stage():
-    args = dict(micro_batch_size=4, grad_accum=2, lr=1e-3, weight_decay=0.0)
+    args = dict(micro_batch_size=4, grad_accum=2, lr=1e-3, optimizer=Optimizer())
     assert ds_config(**args, zero_stage=3, dtype="bf16")["train_micro_batch_size_per_gpu"] == 4
     with pytest.raises(ValueError, match="dtype must be 'fp32' or 'bf16'"):
         ds_config(**args, zero_stage=0, dtype="fp16")

@@ -22,7 +22,7 @@ from tests.support.training_helpers import (  # noqa: F401  (model_dir is a fixt
     weights,
 )
 
-from pipeline.algos.grpo import grpo_advantages
+from pipeline.algos.advantages import grpo_advantages
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA
 from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 
@@ -267,3 +267,48 @@ def test_tokens_outside_the_loss_mask_are_not_trained(model_dir):
                            pa.array([[1]] * table.num_rows, pa.list_(pa.int8())))
     with pytest.raises(ValueError, match="loss_mask must hold a 0 or 1 for each of its"):
         make_engine(model_dir).train_step(bad, pa.table({"advantages": advantages}))
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_sequence_aggregations_are_the_batchs_whatever_the_micro_batches(model_dir, aggregation):
+    # 4 + 2 rows versus all 6 at once: each micro-batch divides by the whole batch's sequence count.
+    table = make_table()
+    options = {"aggregation": aggregation, "horizon": 8}
+    split = make_engine(model_dir, micro_batch_size=4, loss_options=options)
+    whole = make_engine(model_dir, micro_batch_size=8, loss_options=options)
+    ms, mw = grpo_step(split, table), grpo_step(whole, table)
+    assert ms["loss"] == pytest.approx(mw["loss"], abs=1e-7)
+    assert ms["grad_norm"] == pytest.approx(mw["grad_norm"], rel=1e-5)
+    token_mean = grpo_step(make_engine(model_dir, micro_batch_size=8), table)
+    assert mw["grad_norm"] != pytest.approx(token_mean["grad_norm"], rel=1e-3)  # the option took effect
+    split.close(), whole.close()
+
+
+def test_entropy_is_reported_and_its_bonus_trains(model_dir):
+    table = make_table()
+    plain = make_engine(model_dir)
+    bonus = make_engine(model_dir, loss_options={"entropy_coef": 0.5})
+    mp, mb = grpo_step(plain, table), grpo_step(bonus, table)
+    # The tiny model starts near uniform over its vocabulary: entropy close to ln(vocab).
+    assert 0 < mp["entropy"] <= math.log(plain.engine.module.config.vocab_size) + 1e-4
+    assert mb["entropy"] == pytest.approx(mp["entropy"], rel=1e-6)
+    assert mb["loss"] == pytest.approx(mp["loss"] - 0.5 * mp["entropy"], abs=1e-5)
+    assert max_diff(weights(plain), weights(bonus)) > 0
+    plain.close(), bonus.close()
+
+
+def test_lr_warmup_and_schedule_follow_the_step_and_survive_a_resume(model_dir, tmp_path):
+    from pipeline.trainer.optim import Optimizer
+    opt = Optimizer(schedule="linear", warmup_steps=2, total_steps=6, grad_clip=0.5, weight_decay=0.1)
+    table = make_table()
+    ma, mb, wa, wb, a, b = continue_after_resume(lambda: make_engine(model_dir, optimizer=opt),
+                                                 lambda e: grpo_step(e, table), tmp_path)
+    assert mb["lr"] == ma["lr"] and max_diff(wa, wb) == 0.0
+    assert a.ds_config["gradient_clipping"] == 0.5
+    assert a.ds_config["optimizer"]["params"]["weight_decay"] == 0.1
+    # Updates 0 and 1 warm up (1/3, 2/3 of 1e-3); update 2, the one after the resume, is the
+    # first at the full rate; then linear decay to 0 at update 6: 1 - (s - 2) / 4 for s = 3, 4, 5.
+    assert ma["lr"] == pytest.approx(1e-3)
+    lrs = [grpo_step(a, table)["lr"] for _ in range(3)]
+    assert lrs == pytest.approx([0.75e-3, 0.5e-3, 0.25e-3])
+    a.close(), b.close()

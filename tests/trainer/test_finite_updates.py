@@ -115,7 +115,7 @@ def exact_weights(engine) -> dict[str, torch.Tensor]:
 
 def optimizer_state(engine) -> list[torch.Tensor]:
     """Everything the torch optimizer owns: its master weights and each one's moments and step."""
-    inner = finite._torch_optimizer(engine.engine)
+    inner = finite.torch_optimizer(engine.engine)
     out = []
     for group in inner.param_groups:
         for p in group["params"]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tests.support.training_helpers import continue_after_resume, make_table, max_diff, sequence_logprobs, weights
 
-from pipeline.algos.grpo import grpo_advantages
+from pipeline.algos.advantages import grpo_advantages
 from pipeline.weights import lora
 from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 from pipeline.core.types import Prompt, sample_seeds

@@ -1,5 +1,5 @@
 """The trainer actor's train node on the simulated engine: it computes GRPO's
-group advantages from the table (pipeline/algos/grpo.py) and hands them to the
+group advantages from the table (pipeline/algos/advantages.py) and hands them to the
 engine, refuses a table that is not in prompt groups, and reports the rewards.
 """
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Hand-computed checks of pipeline/algos/grpo.py: group advantages and the
-advantages table the trainer actor builds from a trajectory table.
+"""Hand-computed checks of pipeline/algos/advantages.py: the outcome estimators
+(grpo, dr_grpo, rloo, reinforce_pp) and the advantages table the trainer actor
+builds from a trajectory table.
 
 Every expected number below is derived in the comments, not by calling the
 code under test.
@@ -11,7 +12,8 @@ import pytest
 import torch
 from tests.support.training_helpers import make_table
 
-from pipeline.algos.grpo import GRPO_ADVANTAGE_SCHEMA, group_advantages, grpo_advantages
+from pipeline.algos.advantages import (GRPO_ADVANTAGE_SCHEMA, flat_groups, group_advantages, grpo_advantages,
+                                      outcome_advantages)
 from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.core.types import TRAJECTORY_SCHEMA
 
@@ -59,6 +61,59 @@ def test_equal_reward_group_gives_zero_loss_and_gradient():
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(lp.grad, torch.zeros(4, 2))
+
+
+# ------------------------------------------------------- the other estimators
+
+def test_dr_grpo_centres_without_dividing_by_the_std():
+    # Group [1, 0, 0, 0]: mean 0.25 -> [0.75, -0.25, -0.25, -0.25]; group [3, 1]: mean 2 -> [1, -1].
+    adv = outcome_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 3.0, 1.0, 2.0, 2.0]), 2, "dr_grpo")
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.0, 0.0, 1.0, -1.0, 0.0, 0.0]))
+    adv4 = outcome_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "dr_grpo")
+    torch.testing.assert_close(adv4, torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_rloo_baseline_is_the_mean_of_the_other_samples():
+    # [1, 0, 0, 0]: sample 0's baseline is mean(0, 0, 0) = 0 -> 1; sample 1's is
+    # mean(1, 0, 0) = 1/3 -> -1/3 (and so on); [2, 4, 9] -> 2 - 6.5, 4 - 5.5, 9 - 3.
+    adv = outcome_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "rloo")
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
+    adv3 = outcome_advantages(torch.tensor([2.0, 4.0, 9.0]), 3, "rloo")
+    torch.testing.assert_close(adv3, torch.tensor([-4.5, -1.5, 6.0]))
+    with pytest.raises(ValueError, match="rloo needs groups of at least 2"):
+        outcome_advantages(torch.tensor([1.0, 0.0]), 1, "rloo")
+
+
+def test_reinforce_pp_normalises_over_the_whole_batch_not_the_group():
+    # Rewards [1, 1, 0, 0] in groups of 2: both groups are flat (a group baseline
+    # gives zeros), but the batch mean 0.5 and population std 0.5 give [1, 1, -1, -1].
+    adv = outcome_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), 2, "reinforce_pp", eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([1.0, 1.0, -1.0, -1.0]))
+    # Group size 1 is allowed: the baseline is the batch's.
+    adv1 = outcome_advantages(torch.tensor([3.0, 1.0]), 1, "reinforce_pp", eps=0.0)
+    torch.testing.assert_close(adv1, torch.tensor([1.0, -1.0]))
+    # A batch whose rewards are all equal carries no signal: exact zeros.
+    assert torch.equal(outcome_advantages(torch.full((4,), 0.7), 2, "reinforce_pp"), torch.zeros(4))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_a_flat_group_gets_exact_zeros_under_every_group_estimator(estimator):
+    # 0.1 three times: the mean is 0.1 only up to round-off; the zeros must be exact.
+    adv = outcome_advantages(torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.0]), 3, estimator)
+    assert torch.equal(adv[:3], torch.zeros(3)) and adv[3] > 0 > adv[4]
+
+
+def test_flat_groups_are_counted_and_unknown_estimators_refused():
+    assert flat_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), 2) == 2
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'"):
+        outcome_advantages(torch.zeros(4), 2, "gae")
+
+
+def test_advantages_table_uses_the_estimator_it_is_given():
+    # Group [1, 0]: rloo gives 1 - 0 = 1 and 0 - 1 = -1 on every token of each row.
+    table = make_table(groups=1, responses=[[5, 6], [7]], rewards=[1.0, 0.0])
+    got = grpo_advantages(table, 2, "rloo").column("advantages").to_pylist()
+    assert got == [[1.0, 1.0], [-1.0]]
 
 
 # ------------------------------------------------------- the advantages table

@@ -1,6 +1,15 @@
-"""GRPO's advantages: each sample's reward against the other samples of its prompt.
+"""Advantages from outcome rewards, one per sample, for the graphs without a
+critic: GRPO's and its variants (`algorithm` in the recipe).
 
-No engine state, so the math can be checked by hand (tests/algos/test_algos_grpo.py).
+  grpo          (r - group mean) / (group std + eps)
+  dr_grpo       r - group mean: no std division, which favours groups whose
+                rewards barely differ (Dr. GRPO, Liu et al. 2025)
+  rloo          r - mean of the *other* samples of the group (leave-one-out);
+                = G / (G - 1) x (r - group mean)
+  reinforce_pp  REINFORCE++ with outcome rewards: r normalised over the whole
+                batch, (r - batch mean) / (batch std + eps); no group baseline
+
+No engine state, so the math can be checked by hand (tests/algos/test_advantages.py).
 The trainer actor turns a trajectory table into an advantages table here, and
 the policy update reads it as it reads PPO's (pipeline/algos/policy_loss.py).
 """
@@ -19,6 +28,47 @@ GRPO_ADVANTAGE_SCHEMA = pa.schema([ADVANTAGE_SCHEMA.field("advantages")])
 GROUP_KEYS = ("batch_id", "prompt_id", "prompt_ids")
 
 
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+
+
+def outcome_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6) -> Tensor:
+    """One advantage per reward by `estimator` (the module's table), for
+    consecutive groups of `group_size`. A group whose rewards are all equal
+    gets exact zeros under every group estimator: it carries no signal."""
+    if estimator == "grpo":
+        return group_advantages(rewards, group_size, eps)
+    _check_shape(rewards, group_size)
+    r = rewards.float().view(-1, group_size)
+    if estimator == "reinforce_pp":
+        flat_batch = rewards.numel() < 2 or bool(r.amax() == r.amin())
+        if flat_batch:
+            return torch.zeros(rewards.numel())
+        return ((r - r.mean()) / (r.std(unbiased=False) + eps)).view(-1)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if estimator == "rloo":
+        if group_size < 2:
+            raise ValueError("rloo needs groups of at least 2 samples: a sample's baseline is the others' mean")
+        centred = centred * (group_size / (group_size - 1))
+    elif estimator != "dr_grpo":
+        raise ValueError(f"unknown advantage estimator {estimator!r}; one of {', '.join(ESTIMATORS)}")
+    flat = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+    return torch.where(flat, torch.zeros_like(centred), centred).view(-1)
+
+
+def flat_groups(rewards: Tensor, group_size: int) -> int:
+    """Groups whose rewards are all equal: no group estimator learns from them."""
+    _check_shape(rewards, group_size)
+    r = rewards.view(-1, group_size)
+    return int((r.amax(dim=1) == r.amin(dim=1)).sum())
+
+
+def _check_shape(rewards: Tensor, group_size: int) -> None:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+
+
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
     """(r - group mean) / (group std + eps) for consecutive groups of `group_size`.
 
@@ -27,10 +77,7 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     A group whose rewards are all equal carries no signal and gets exact zeros;
     computing it would give round-off / (tiny std + eps), which is not always 0.
     """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
-    if group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    _check_shape(rewards, group_size)
     r = rewards.float().view(-1, group_size)
     mean = r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, unbiased=False, keepdim=True)
@@ -40,8 +87,8 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     return adv.view(-1)
 
 
-def grpo_advantages(table: pa.Table, group_size: int) -> pa.Table:
-    """Each row's group advantage (group_advantages of the `reward` column) on
+def grpo_advantages(table: pa.Table, group_size: int, estimator: str = "grpo") -> pa.Table:
+    """Each row's advantage (outcome_advantages of the `reward` column) on
     every one of its response tokens: a GRPO_ADVANTAGE_SCHEMA table, row i for
     row i of `table`, whose rows must be consecutive groups of `group_size`
     samples of one prompt.
@@ -54,7 +101,7 @@ def grpo_advantages(table: pa.Table, group_size: int) -> pa.Table:
     _check_groups(table.select(list(GROUP_KEYS)).to_pylist(), group_size)
     if not table.num_rows:  # torch warns about the std of no samples
         return GRPO_ADVANTAGE_SCHEMA.empty_table()
-    adv = group_advantages(torch.from_numpy(rewards.to_numpy().astype(np.float32)), group_size).numpy()
+    adv = outcome_advantages(torch.from_numpy(rewards.to_numpy().astype(np.float32)), group_size, estimator).numpy()
     # Built from offsets, not per-token Python lists: a long response costs one repeat, not a list.
     lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_numpy()
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())

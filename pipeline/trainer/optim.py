@@ -1,0 +1,51 @@
+"""The optimiser controls a recipe sets (training.grad_clip, weight_decay,
+lr_schedule, lr_warmup_steps): DeepSpeed's AdamW with a learning rate that is
+a function of the optimizer step alone.
+
+The rate is set from DeepSpeed's global step before each update, not by a
+scheduler object that counts its own calls: that step is in every checkpoint,
+so a resumed run continues the schedule exactly, and a step skipped for a
+non-finite loss (pipeline/trainer/finite.py) does not advance it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0       # max global gradient norm; 0 = no clipping
+    schedule: str = "constant"   # after the warm-up: constant, linear to 0, or cosine to 0
+    warmup_steps: int = 0        # linear ramp from lr / (warmup_steps + 1) to lr
+    total_steps: int = 0         # where linear and cosine reach 0 (the run's steps)
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"lr schedule {self.schedule!r}: one of {', '.join(SCHEDULES)}")
+        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"lr schedule {self.schedule} needs total_steps ({self.total_steps}) "
+                             f"> warmup_steps ({self.warmup_steps})")
+
+
+def lr_factor(opt: Optimizer, step: int) -> float:
+    """The learning rate of update number `step` (0-based) over the base rate."""
+    if step < opt.warmup_steps:
+        return (step + 1) / (opt.warmup_steps + 1)
+    if opt.schedule == "constant":
+        return 1.0
+    done = min(1.0, (step - opt.warmup_steps) / (opt.total_steps - opt.warmup_steps))
+    if opt.schedule == "linear":
+        return 1.0 - done
+    return 0.5 * (1.0 + math.cos(math.pi * done))
+
+
+def set_lr(torch_optimizer, base_lr: float, opt: Optimizer, step: int) -> float:
+    """Set every parameter group's rate for update `step`; returns it."""
+    lr = base_lr * lr_factor(opt, step)
+    for group in torch_optimizer.param_groups:
+        group["lr"] = lr
+    return lr
