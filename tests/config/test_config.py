@@ -236,3 +236,9 @@ def test_a_simulated_run_says_so_first_and_in_its_summary(tmp_path):
     summary = json.loads((tmp_path / "runs" / "sim" / "summary.json").read_text())
     assert summary["simulated"] is True and summary["backend"] == "sim" and summary["steps"] == 2
     assert "filtered_overlong" not in summary  # the simulator's prompts are no dataset
+
+
+@pytest.mark.parametrize("recipe", sorted(str(p) for p in Path("examples").glob("*.yaml")))
+def test_every_example_recipe_loads(recipe):
+    cfg = load_config(recipe)
+    assert cfg.run.name  # each recipe names its run directory
