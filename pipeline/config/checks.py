@@ -53,6 +53,10 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         raise fail("policy_loss.dual_clip", "cispo clips the IS weight, not the loss; dual_clip needs mode clip "
                    "or gspo")
     t = cfg.training
+    if t.mini_batches * t.ranks > cfg.schedule.prompts_per_step:
+        raise fail("training.mini_batches", f"{t.mini_batches} mini-batches of whole prompt groups for "
+                   f"{t.ranks} rank(s) need schedule.prompts_per_step >= {t.mini_batches * t.ranks}, "
+                   f"got {cfg.schedule.prompts_per_step}")
     if t.lr_schedule != "constant" and t.lr_warmup_steps >= cfg.run.steps:
         raise fail("training.lr_warmup_steps", f"{t.lr_warmup_steps} leaves no step of the {t.lr_schedule} "
                    f"schedule in a run of {cfg.run.steps} (run.steps)")

@@ -127,7 +127,10 @@ class TrainingConfig:
     grad_clip: float = _key(1.0, "largest global gradient norm of an update; 0 = no clipping", ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = _key(
         "constant", "learning rate after the warm-up: constant, or linear / cosine down to 0 at run.steps")
-    lr_warmup_steps: int = _key(0, "updates whose rate ramps linearly up to lr (and critic_lr)", ge=0)
+    lr_warmup_steps: int = _key(0, "steps whose rate ramps linearly up to lr (and critic_lr)", ge=0)
+    epochs: int = _key(1, "passes of the policy over each step's batch (PPO epochs); the old logprobs are "
+                       "scored once, before the first", ge=1)
+    mini_batches: int = _key(1, "policy optimizer steps per pass, each on a run of whole prompt groups", ge=1)
     ranks: int = _key(1, "data-parallel policy ranks, one DeepSpeed engine (and trainer actor) each; "
                       "whole prompt groups are sharded across them", ge=1)
     lora: LoraConfig = LoraConfig()

@@ -344,7 +344,9 @@ class DeepSpeedEngine(abc.ABC):
                 if key != "tokens":
                     sums[key] = sums.get(key, 0.0) + value * m["tokens"]
         with span("train.optimizer"):
-            lr = set_lr(finite.torch_optimizer(self.engine), self.lr, self.optimizer, self.steps)
+            # The schedule counts training steps, however many updates each takes.
+            lr = set_lr(finite.torch_optimizer(self.engine), self.lr, self.optimizer,
+                        self.steps // self.updates_per_batch)
             grad_norm, skipped = step_with_grad_norm(self.engine, self.zero_stage, math.isfinite(loss_sum),
                                                      self.world_size)
         keys = sorted(sums)
@@ -356,6 +358,9 @@ class DeepSpeedEngine(abc.ABC):
         return {"loss": totals[0], "grad_norm": grad_norm, "tokens": totals[1],
                 "micro_batches": float(len(chunks)), "nonfinite_skipped": float(skipped), "lr": lr,
                 **{key: s / n for key, s in zip(keys, totals[2:])}}
+
+    # Optimizer steps per train_step (the policy's epochs x mini-batches).
+    updates_per_batch = 1
 
     # Whether only the trainable parameters are synced and saved (LoRA: the
     # adapters; the frozen base is rebuilt from the model directory).

@@ -16,8 +16,8 @@ import torch
 
 from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.weights import lora as adapters
-from pipeline.core.data_parallel import Rendezvous, Shard
-from pipeline.trainer.deepspeed_base import DeepSpeedEngine, full_params
+from pipeline.core.data_parallel import Rendezvous, Shard, batch_shards, trained_tokens
+from pipeline.trainer.deepspeed_base import DeepSpeedEngine, collate, full_params
 from pipeline.trainer.optim import Optimizer
 from pipeline.inputs.models import TOKENIZER_FILES
 from pipeline.core.spans import span
@@ -37,9 +37,11 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
                  clip_eps: float = 0.2, kl_coef: float = 0.0, is_clip: float = 2.0, decoupled: bool = True,
                  loss_options: dict | None = None, lora=None, seed: int = 0, temperature: float = 1.0,
-                 optimizer: Optimizer = Optimizer(), num_threads: int | None = 1, rank: int = 0,
-                 rendezvous: Rendezvous | None = None):
+                 optimizer: Optimizer = Optimizer(), epochs: int = 1, mini_batches: int = 1, group_size: int = 1,
+                 num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None):
         self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
+        self.epochs, self.mini_batches, self.group_size = epochs, mini_batches, group_size
+        self.updates_per_batch = epochs * mini_batches
         self.decoupled = decoupled
         # The rest of clipped_policy_loss's keywords (mode, clip_eps_high, aggregation, ...).
         self.loss_options = dict(loss_options or {})
@@ -103,31 +105,77 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         elif self.lora is not None and self.kl_coef > 0:
             with torch.no_grad(), self.engine.module.disable_adapter():
                 ref = self.token_logprobs(self.engine, batch)
-        # Decoupled (AReaL): the proximal policy is the one before this step's update, which
-        # with one update per batch is lp itself; classic PPO clips against the behaviour policy.
-        proximal = lp.detach() if self.decoupled else batch["gen"]
+        # Decoupled (AReaL): the proximal policy is the one before this step's first update: lp
+        # itself with one update per batch, else scored before it; classic PPO clips against
+        # the behaviour policy.
+        proximal = batch["gen"] if not self.decoupled else batch["old"] if "old" in batch else lp.detach()
         return clipped_policy_loss(lp, proximal, batch["gen"], batch["adv"], batch["train_mask"],
                                    clip_eps=self.clip_eps, kl_coef=self.kl_coef, ref_logprobs=ref,
                                    is_clip=self.is_clip, num_tokens=max(shard.batch_tokens, 1),
                                    num_seqs=max(shard.batch_seqs, 1), entropy=ent, **self.loss_options)
 
     def train_step(self, table: pa.Table, advantages: pa.Table, shard: Shard | None = None) -> dict[str, float]:
-        """One policy update on the table: clipped ratio plus the truncated IS
-        correction (pipeline.algos.policy_loss.clipped_policy_loss).
+        """The policy's updates on the table: clipped ratio plus the IS
+        correction (pipeline.algos.policy_loss.clipped_policy_loss); one, or
+        `epochs` passes over `mini_batches` mini-batches of whole prompt groups
+        (updates_per_batch optimizer steps).
 
         `advantages` is aligned row by row with `table`; its `advantages`
         column holds one float per response token (pipeline.algos.advantages or the
-        critic's pipeline.algos.ppo table).
+        critic's pipeline.algos.ppo table). `shard` is this rank's part of the
+        table for one update; several updates shard each mini-batch themselves.
 
         Metrics: loss (token mean over the table), grad_norm (before clipping),
         tokens (response tokens), clip_frac / is_weight / kl / ratio (token
         means, see clipped_policy_loss), micro_batches, step (optimizer steps
-        so far), time_s.
+        so far), time_s; with several updates, the means over them, and
+        `updates`.
         """
         t0 = time.perf_counter()
-        rows = self._rows(table, advantages, ("advantages",), shard)
-        metrics = self._update(rows, {"gen": "logprobs", "adv": "advantages"}, shard)
+        keys = {"gen": "logprobs", "adv": "advantages"}
+        if self.updates_per_batch == 1:
+            rows = self._rows(table, advantages, ("advantages",), shard)
+            metrics = self._update(rows, keys, shard)
+        else:
+            plans = [(self._rows(t, a, ("advantages",), s), s) for t, a, s in self._mini_batches(table, advantages)]
+            with span("train.old_logprobs"):
+                for rows, s in plans:
+                    self._score_old(rows, s)
+            results = [self._update(rows, {**keys, "old": "old"}, s)
+                       for _ in range(self.epochs) for rows, s in plans]
+            metrics = _over_updates(results, self.epochs)
         return {**metrics, "step": float(self.steps), "time_s": time.perf_counter() - t0}
+
+    def _mini_batches(self, table: pa.Table, advantages: pa.Table):
+        """(table, advantages, this rank's Shard) of each mini-batch: contiguous
+        runs of whole groups, as even as groups allow, each sharded over the ranks."""
+        groups = table.num_rows // self.group_size
+        if table.num_rows % self.group_size or groups < self.mini_batches * self.world_size:
+            raise ValueError(f"{table.num_rows} rows in groups of {self.group_size} cannot make "
+                             f"{self.mini_batches} mini-batches of whole groups for {self.world_size} rank(s)")
+        start = 0
+        for k in range(self.mini_batches):
+            stop = start + (groups // self.mini_batches + (k < groups % self.mini_batches)) * self.group_size
+            part, adv = table.slice(start, stop - start), advantages.slice(start, stop - start)
+            yield part, adv, batch_shards(trained_tokens(part), self.group_size, self.world_size,
+                                          self.micro_batch_size)[self.rank]
+            start = stop
+
+    @torch.no_grad()
+    def _score_old(self, rows: list[dict], shard: Shard) -> None:
+        """Each row's logprobs under the weights before the first update, as row["old"]:
+        micro-batch by micro-batch as the update will run, so that the ranks' gathers
+        (ZeRO-3) pair up."""
+        mine = self._chunks(len(rows))
+        for k in range(shard.micro_batches):
+            idx = mine[k] if k < len(mine) else None
+            chunk = [rows[i] for i in idx] if idx is not None else rows[:1]
+            batch = collate(chunk, self.device, {})
+            lp = self.token_logprobs(self.engine, batch)
+            if idx is None:
+                continue
+            for j, row in enumerate(chunk):
+                row["old"] = lp[j][batch["mask"][j]].float().tolist()
 
     def _synced(self) -> dict[str, torch.Tensor]:
         """With LoRA the adapter's tensors, under peft's saved names; else every weight."""
@@ -154,3 +202,13 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         for name in TOKENIZER_FILES:
             if (self.model_path / name).is_file():
                 shutil.copy2(self.model_path / name, out / name)
+
+
+def _over_updates(results: list[dict[str, float]], epochs: int) -> dict[str, float]:
+    """One step's metrics from its updates: their means; the batch's tokens,
+    micro-batches summed, a skip if any update skipped, the last update's rate."""
+    out = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+    out.update(micro_batches=sum(r["micro_batches"] for r in results), updates=float(len(results)),
+               nonfinite_skipped=max(r["nonfinite_skipped"] for r in results), lr=results[-1]["lr"],
+               tokens=sum(r["tokens"] for r in results) / epochs)
+    return out

@@ -27,6 +27,8 @@ def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngi
                                      lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
                                      decoupled=g.decoupled, loss_options=loss_options,
                                      lora=t.lora if t.lora.rank else None, optimizer=optimizer(cfg),
+                                     epochs=t.epochs, mini_batches=t.mini_batches,
+                                     group_size=cfg.schedule.group_size,
                                      seed=cfg.run.seed, temperature=cfg.generation.temperature,
                                      rank=rank, rendezvous=rendezvous)
 

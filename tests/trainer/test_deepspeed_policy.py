@@ -312,3 +312,40 @@ def test_lr_warmup_and_schedule_follow_the_step_and_survive_a_resume(model_dir, 
     lrs = [grpo_step(a, table)["lr"] for _ in range(3)]
     assert lrs == pytest.approx([0.75e-3, 0.5e-3, 0.25e-3])
     a.close(), b.close()
+
+
+def test_several_updates_split_whole_groups_and_take_one_optimizer_step_each(model_dir):
+    # Classic clipping reads no old logprobs, so 1 epoch of 2 mini-batches (groups {0, 1}, {2})
+    # must equal one update on rows 0-3 followed by one on rows 4-5.
+    table = make_table()
+    split = make_engine(model_dir, decoupled=False, mini_batches=2, group_size=2)
+    m = grpo_step(split, table)
+    assert split.steps == 2 and m["updates"] == 2.0
+    assert m["tokens"] == sum(len(r) for r in table.column("response_ids").to_pylist())
+    by_hand = make_engine(model_dir, decoupled=False)
+    grpo_step(by_hand, table.slice(0, 4)), grpo_step(by_hand, table.slice(4, 2))
+    assert max_diff(weights(split), weights(by_hand)) == 0.0
+    with pytest.raises(ValueError, match="cannot make 4 mini-batches of whole groups"):
+        grpo_step(make_engine(model_dir, mini_batches=4, group_size=2), table)
+    split.close(), by_hand.close()
+
+
+def test_epochs_clip_against_the_weights_before_the_first_update(model_dir):
+    # On-policy rows (gen = the engine's own logprobs): the decoupled loss's old logprobs,
+    # scored before the first update, are then the behaviour logprobs the classic loss
+    # clips against, so two epochs of each give the same weights. The second epoch's
+    # ratio has left 1: the clip has something to do.
+    probe = make_engine(model_dir)
+    table = on_policy(make_table(), sequence_logprobs(probe, make_table()))
+    runs = {}
+    for decoupled in (True, False):
+        e = make_engine(model_dir, lr=1e-2, decoupled=decoupled, epochs=2, group_size=2)
+        runs[decoupled] = (grpo_step(e, table), weights(e))
+        assert e.steps == 2
+    (m, w), (_, w_classic) = runs[True], runs[False]
+    assert max_diff(w, w_classic) < 1e-5
+    assert abs(m["ratio"] - 1.0) > 1e-4 and m["updates"] == 2.0
+    one = make_engine(model_dir, lr=1e-2)
+    grpo_step(one, table), grpo_step(one, table)  # ratio 1 each time: a different update
+    assert max_diff(w, weights(one)) > 1e-5
+    probe.close()
