@@ -52,6 +52,17 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
     if loss.dual_clip and loss.mode == "cispo":
         raise fail("policy_loss.dual_clip", "cispo clips the IS weight, not the loss; dual_clip needs mode clip "
                    "or gspo")
+    o = cfg.overlong
+    if o.buffer or o.mask_truncated:
+        key = "overlong.buffer" if o.buffer else "overlong.mask_truncated"
+        if cfg.algorithm == "ppo":
+            raise fail(key, "shapes the outcome rewards of the critic-free algorithms; with ppo the critic's "
+                       "GAE reads the environment's token rewards, which it does not change")
+        if env.class_:
+            raise fail(key, "needs single-turn samples: a multi-turn sample has a limit per turn (env.class is set)")
+        if o.buffer >= g.max_new_tokens:
+            raise fail("overlong.buffer", f"{o.buffer} must be below generation.max_new_tokens "
+                       f"({g.max_new_tokens}): the penalty starts buffer tokens before the limit")
     t = cfg.training
     if t.mini_batches * t.ranks > cfg.schedule.prompts_per_step:
         raise fail("training.mini_batches", f"{t.mini_batches} mini-batches of whole prompt groups for "

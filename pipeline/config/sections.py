@@ -81,6 +81,16 @@ class PolicyLossConfig:
 
 
 @dataclass(frozen=True)
+class OverlongConfig:
+    """DAPO's handling of responses near or at generation.max_new_tokens
+    (pipeline/algos/overlong.py); single-turn, critic-free algorithms."""
+    buffer: int = _key(0, "soft overlong penalty: the last `buffer` tokens before max_new_tokens cost up to "
+                       "`penalty` of reward, linearly; 0 = off", ge=0)
+    penalty: float = _key(1.0, "the reward a response of max_new_tokens tokens loses", ge=0)
+    mask_truncated: bool = _key(False, "leave responses cut at max_new_tokens out of the loss")
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     num_generators: int = _key(1, "vLLM engines, one actor each", ge=1)
     max_new_tokens: int = _key(16, "longest completion", ge=1)
@@ -268,6 +278,7 @@ class Config:
         "grpo", "the advantage estimator (pipeline/algos/advantages.py): grpo, dr_grpo (no std division), rloo "
         "(leave-one-out), reinforce_pp (batch-normalised), or ppo (GAE with a critic)")
     policy_loss: PolicyLossConfig = PolicyLossConfig()
+    overlong: OverlongConfig = OverlongConfig()
     ppo: PpoConfig = PpoConfig()
     training: TrainingConfig = TrainingConfig()
     backend: Literal["sim", "real"] = _key("sim", "real: vLLM and DeepSpeed; sim: simulated workers, no model; "

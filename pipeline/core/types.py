@@ -44,6 +44,8 @@ class Completion:
     reward: float | None = None
     error: str = ""
     turns: int = 1
+    # Cut at max_new_tokens (vLLM's finish_reason "length"); None where the engine does not say.
+    truncated: bool | None = None
 
 
 # One row per completion. Rows of one prompt group share batch_id and prompt_id.
@@ -69,6 +71,9 @@ TRAJECTORY_SCHEMA = pa.schema([
     # The reward of each model turn on its last token, 0 elsewhere; they sum to
     # `reward`. PPO's GAE reads them; null: `reward` on the last token.
     ("token_rewards", pa.list_(pa.float32())),
+    # True where generation stopped at max_new_tokens, not at an end-of-text
+    # token; null where the engine does not report it (multi-turn, simulated).
+    ("truncated", pa.bool_()),
 ])
 
 

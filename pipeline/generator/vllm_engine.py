@@ -345,7 +345,8 @@ class VllmGenerationEngine:
         ids = tuple(comp.token_ids)
         return Completion(prompt_ids=tuple(out.prompt_token_ids), response_ids=ids,
                           logprobs=tuple(_sampled_logprobs(comp.logprobs, ids, prompt.id)),
-                          text=self.decode(ids), versions=_token_versions(comp.weight_versions, len(ids)))
+                          text=self.decode(ids), versions=_token_versions(comp.weight_versions, len(ids)),
+                          truncated=comp.finish_reason == "length")
 
     def close(self) -> None:
         """Shut the in-process engine core down (idempotent)."""

@@ -78,10 +78,11 @@ class TrainerWorker(Actor):
                       batches=list(batch.batch_ids), batch_versions=list(batch.versions))
         with spans.span("batch.get"):
             table = ray.get(batch.table_ref[0])
+        trained, shaped = self._overlong(table)
         if advantages is not None and batch.step < self.cfg.ppo.critic_warmup:
             metrics = {"policy_frozen": 1.0}
         else:
-            metrics = self._train_shard(table, self._advantages(table, advantages))
+            metrics = {**shaped, **self._train_shard(trained, self._advantages(trained, advantages))}
             # Every rank sees the same skip (the engine agrees on it), so all raise together.
             self.skipped.check(batch.step, self.version, metrics)
         self.version += 1
@@ -112,18 +113,31 @@ class TrainerWorker(Actor):
         return TrainOut(batch.step, self.version, (weights_ref,) if weights_ref else (),
                         tuple(sorted(metrics.items())))
 
+    def _overlong(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+        """The table the policy trains on: with overlong.*, rewards less DAPO's
+        soft penalty and truncated responses masked (the metrics keep the raw rewards)."""
+        o = self.cfg.overlong
+        if not (o.buffer or o.mask_truncated):
+            return table, {}
+        from pipeline.algos.overlong import shape_batch  # numpy only, but not the driver's business
+        return shape_batch(table, self.cfg.generation.max_new_tokens, o.buffer, o.penalty, o.mask_truncated)
+
     def _batch_shape(self, table: pa.Table) -> dict[str, float]:
         """What peers log of a batch: response lengths, the share cut at
-        generation.max_new_tokens (single-turn; a response whose end-of-text
-        token fell on the limit counts too), and the share of groups whose
-        rewards are all equal, which a critic-free estimator cannot learn from."""
+        generation.max_new_tokens (the engine's word where it reports it, else,
+        single-turn, the responses that reached the limit), and the share of
+        groups whose rewards are all equal, which a critic-free estimator cannot
+        learn from."""
         lengths = [len(r) for r in table.column("response_ids").to_pylist()]
         rewards = table.column("reward").to_pylist()
         g = self.cfg.schedule.group_size
         groups = [rewards[i:i + g] for i in range(0, len(rewards), g)]
         shape = {"response_len_mean": _mean(lengths), "response_len_max": float(max(lengths, default=0)),
                  "flat_group_share": _mean([float(max(x) == min(x)) for x in groups])}
-        if self.cfg.env.max_turns == 1:
+        truncated = table.column("truncated") if "truncated" in table.column_names else None
+        if truncated is not None and truncated.null_count == 0:
+            shape["response_clip_share"] = _mean([float(t) for t in truncated.to_pylist()])
+        elif self.cfg.env.max_turns == 1:
             limit = self.cfg.generation.max_new_tokens
             shape["response_clip_share"] = _mean([float(n >= limit) for n in lengths])
         return shape

@@ -77,6 +77,8 @@ def test_bad_override_names_the_key(override, needle):
     (["policy_loss.mode=cispo", "policy_loss.dual_clip=3"], "policy_loss.dual_clip: cispo clips the IS weight"),
     (["training.mini_batches=3", "training.ranks=3"], "training.mini_batches: 3 mini-batches of whole prompt "
                                                       "groups for 3 rank(s) need schedule.prompts_per_step >= 9"),
+    (["algorithm=ppo", "overlong.buffer=4"], "overlong.buffer: shapes the outcome rewards of the critic-free"),
+    (["overlong.buffer=16"], "overlong.buffer: 16 must be below generation.max_new_tokens (16)"),
     (["training.lr_schedule=cosine", "training.lr_warmup_steps=10", "run.steps=10"],
      "training.lr_warmup_steps: 10 leaves no step of the cosine schedule in a run of 10"),
 ])

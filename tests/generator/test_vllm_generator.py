@@ -120,6 +120,9 @@ def test_generate_returns_n_completions_with_logprobs(engine):
             assert c.prompt_ids == tuple(engine.encode(prompt.text))
             assert 1 <= len(c.response_ids) <= 16 and len(c.logprobs) == len(c.response_ids)
             assert all(lp <= 0.0 for lp in c.logprobs)
+            # Cut at the limit exactly when the response did not end on its end-of-text token.
+            eos = engine.tokenizer.eos_token_id
+            assert c.truncated == (len(c.response_ids) == 16 and c.response_ids[-1] != eos)
     greedy = engine.greedy(prompts)
     assert len(greedy) == 2 and engine.greedy(prompts[:1])[0] == greedy[0]
     assert engine.sample([], []) == [] and engine.greedy([]) == []

@@ -18,10 +18,9 @@ pytestmark = pytest.mark.real
 
 # A smoke test: whether the recipes learn on every seed is measured by
 # benchmarks/seeds.py (results/seeds.json: GRPO and PPO, sync and async,
-# seeds 0-4, every run at greedy validation 1.0 by step 39). Seed 0 is the
-# recipes' own; runs are bitwise reproducible, so this test sees the
-# benchmark's seed-0 curves: GRPO async passes a 0.7 training reward after 29
-# steps, PPO async after 29; validation is 1.0 at step 39 for both.
+# seeds 0-4, every run at greedy validation 1.0 by step 39, one rank with
+# draining refits). Here two ranks refit in flight, which is not bitwise
+# reproducible: the curves depend on the timing, so the bars are loose.
 # A policy that emits one character whatever the prompt scores 0.5 on
 # validation (the collapse seen before the sampler got one seed per sample),
 # so validation must beat that clearly.
@@ -35,20 +34,23 @@ VAL_REWARD_MIN = 0.9
 # tests/run/test_reproducible.py runs the tiny recipe so; here each recipe runs with two ranks and inflight refits.
 @pytest.mark.parametrize("recipe,ranks,refit_mode", [("tiny_grpo", 2, "inflight"), ("tiny_ppo", 2, "inflight")])
 def test_async_rl_learns_the_tiny_task(tmp_path, ray_session, tiny_model, recipe, ranks, refit_mode):
+    # Each recipe's own length (GRPO 40 steps, PPO 60): in-flight refits are not bitwise
+    # reproducible, and on a loaded machine PPO with two ranks once stood at validation 0.5
+    # at step 40 (training reward up by more than 0.5); 60 is the length the recipe promises.
     cfg = load_config(f"examples/{recipe}.yaml", [
-        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=e2e", "run.steps=40",
+        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=e2e",
         "run.checkpoint_every=20", "run.dag_mode=classic", f"training.ranks={ranks}",
         f"ppo.critic_ranks={ranks}", f"generation.refit_mode={refit_mode}"])
     summary = train(cfg, quiet=True)
     run_dir = tmp_path / "e2e"
     violations = check_events(load_events(run_dir))
     assert violations == [], "\n".join(v.message for v in violations)
-    assert summary["steps"] == 40 and summary["error"] is None
+    assert summary["steps"] == cfg.run.steps and summary["error"] is None
     assert summary["generation_backend"] == "vllm" and summary["training_backend"] == "deepspeed"
     assert summary["reward_end"] - summary["reward_start"] >= REWARD_MARGIN, summary
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if m["step"] >= 0]
-    assert len(steps) == 40 and max(m["age_max"] for m in steps) == 1
+    assert len(steps) == cfg.run.steps and max(m["age_max"] for m in steps) == 1
     assert metrics[-1]["val_reward"] >= VAL_REWARD_MIN, metrics[-1]
 
     for step in (20, 40):
@@ -70,7 +72,7 @@ def test_async_rl_learns_the_tiny_task(tmp_path, ray_session, tiny_model, recipe
         assert statistics.mean(values[-10:]) - statistics.mean(values[:10]) > 0.5, [round(v, 3) for v in values]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    final = run_dir / "checkpoints" / "step_40" / "policy"
+    final = run_dir / "checkpoints" / f"step_{cfg.run.steps}" / "policy"
     model = AutoModelForCausalLM.from_pretrained(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
     ids = tokenizer("repeat: 1 1 1 1 1 1 1 1", return_tensors="pt").input_ids
