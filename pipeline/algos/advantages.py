@@ -55,8 +55,9 @@ def outcome_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo"
     return torch.where(flat, torch.zeros_like(centred), centred).view(-1)
 
 
-def flat_groups(rewards: Tensor, group_size: int) -> int:
-    """Groups whose rewards are all equal: no group estimator learns from them."""
+def flat_groups(rewards, group_size: int) -> int:
+    """Groups whose rewards (a tensor or a list) are all equal: no group estimator learns from them."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
     _check_shape(rewards, group_size)
     r = rewards.view(-1, group_size)
     return int((r.amax(dim=1) == r.amin(dim=1)).sum())

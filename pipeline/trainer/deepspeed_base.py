@@ -290,6 +290,17 @@ class DeepSpeedEngine(abc.ABC):
     def _chunks(self, n: int) -> list[range]:
         return [range(i, min(i + self.micro_batch_size, n)) for i in range(0, n, self.micro_batch_size)]
 
+    def _lockstep_chunks(self, n: int, shard: Shard) -> list[range | None]:
+        """This rank's micro-batches of its `n` rows, padded with None to the shard's
+        count: a rank with fewer rows runs zero-weight micro-batches, since ZeRO-3
+        gathers and reduces in every forward and backward, and each must meet the
+        other ranks'."""
+        chunks: list[range | None] = list(self._chunks(n))
+        if shard.world_size != self.world_size or len(chunks) > shard.micro_batches:
+            raise ValueError(f"shard {shard} does not fit this engine (world size {self.world_size}, "
+                             f"{len(chunks)} micro-batches of {self.micro_batch_size})")
+        return chunks + [None] * (shard.micro_batches - len(chunks))
+
     def _rows(self, table: pa.Table, per_token: pa.Table, columns: tuple[str, ...],
               shard: Shard | None) -> list[dict]:
         """The checked rows of the table (of its shard's rows), each with `columns`
@@ -314,15 +325,10 @@ class DeepSpeedEngine(abc.ABC):
         all ranks return the same.
         """
         tokens = sum(sum(r["loss_mask"]) for r in rows)
-        chunks: list[range | None] = list(self._chunks(len(rows)))
         if shard is None:
-            shard = Shard(0, len(rows), 0, 1, tokens, len(chunks), sum(1 in r["loss_mask"] for r in rows))
-        if shard.world_size != self.world_size or len(chunks) > shard.micro_batches:
-            raise ValueError(f"shard {shard} does not fit this engine (world size {self.world_size}, "
-                             f"{len(chunks)} micro-batches of {self.micro_batch_size})")
-        # A rank with fewer rows runs zero-weight micro-batches: ZeRO-3 gathers and
-        # reduces in every forward and backward, and each must meet the other ranks'.
-        chunks += [None] * (shard.micro_batches - len(chunks))
+            shard = Shard(0, len(rows), 0, 1, tokens, len(self._chunks(len(rows))),
+                          sum(1 in r["loss_mask"] for r in rows))
+        chunks = self._lockstep_chunks(len(rows), shard)
         n = max(shard.batch_tokens, 1)
         loss_sum, sums = 0.0, {}
         for k, idx in enumerate(chunks):

@@ -166,9 +166,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         """Each row's logprobs under the weights before the first update, as row["old"]:
         micro-batch by micro-batch as the update will run, so that the ranks' gathers
         (ZeRO-3) pair up."""
-        mine = self._chunks(len(rows))
-        for k in range(shard.micro_batches):
-            idx = mine[k] if k < len(mine) else None
+        for idx in self._lockstep_chunks(len(rows), shard):
             chunk = [rows[i] for i in idx] if idx is not None else rows[:1]
             batch = collate(chunk, self.device, {})
             lp = self.token_logprobs(self.engine, batch)

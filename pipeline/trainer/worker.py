@@ -124,22 +124,18 @@ class TrainerWorker(Actor):
 
     def _batch_shape(self, table: pa.Table) -> dict[str, float]:
         """What peers log of a batch: response lengths, the share cut at
-        generation.max_new_tokens (the engine's word where it reports it, else,
-        single-turn, the responses that reached the limit), and the share of
-        groups whose rewards are all equal, which a critic-free estimator cannot
-        learn from."""
+        generation.max_new_tokens (as the engine reports it; absent where it
+        does not say), and the share of groups whose rewards are all equal,
+        which a critic-free estimator cannot learn from."""
+        from pipeline.algos.advantages import flat_groups  # torch: not in the driver, which imports this module
         lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-        rewards = table.column("reward").to_pylist()
         g = self.cfg.schedule.group_size
-        groups = [rewards[i:i + g] for i in range(0, len(rewards), g)]
+        groups = table.num_rows // g
         shape = {"response_len_mean": _mean(lengths), "response_len_max": float(max(lengths, default=0)),
-                 "flat_group_share": _mean([float(max(x) == min(x)) for x in groups])}
-        truncated = table.column("truncated") if "truncated" in table.column_names else None
-        if truncated is not None and truncated.null_count == 0:
+                 "flat_group_share": flat_groups(table.column("reward").to_pylist(), g) / groups if groups else 0.0}
+        truncated = table.column("truncated")
+        if truncated.null_count == 0:
             shape["response_clip_share"] = _mean([float(t) for t in truncated.to_pylist()])
-        elif self.cfg.env.max_turns == 1:
-            limit = self.cfg.generation.max_new_tokens
-            shape["response_clip_share"] = _mean([float(n >= limit) for n in lengths])
         return shape
 
     def _put(self, version: int, exported: dict) -> ray.ObjectRef:
