@@ -1,6 +1,7 @@
 """The step graph: the one place that states the order of a training step.
 
-    plan -> sample -> [train sub-graph] -> validation_gate -> refit[g] -> validate[g] -> resume -> collect[g]
+    plan -> [top-up rounds] -> sample -> [train sub-graph] -> validation_gate -> refit[g] -> validate[g]
+         -> resume -> collect[g]
 
 The train sub-graph fans out to the policy's data-parallel ranks (train[r],
 each on its shard of the batch) and joins them in train_done, which passes one
@@ -11,6 +12,12 @@ rollouts start only in `collect`, which waits for `resume`, which waits for
 every generator's validation, which waits for that generator's refit, which
 waits for training. GRPO and PPO differ only in the train sub-graph; the rest
 is `ordering_subgraph`, shared by both and by the recovery graph.
+
+With dynamic_sampling.max_rounds = R (DAPO), R top-up rounds come before
+sample: top_up[k] waits for the step's rollouts so far and, if they hold
+fewer informative groups than the step needs, launches more at the current
+weights; extra_collect[k][g] starts them. The generators hold the step's
+version from the last refit until this step's, so an extra rollout is of age 0.
 """
 from __future__ import annotations
 
@@ -85,12 +92,26 @@ def graph_of(named: Named) -> StepGraph:
     return StepGraph(MultiOutputNode([n for _, n in named]), tuple(name for name, _ in named))
 
 
+def top_up_subgraph(workers: Workers, plan, rounds: int) -> tuple[Named, list]:
+    """Round k's top_up waits for round k-1's extra rollouts to start (and, inside,
+    for every rollout of the step to arrive); its launches start in extra_collect.
+    Returns the rounds' nodes and the last round's extra_collects, which sample waits for."""
+    named, started = [], []
+    for k in range(1, rounds + 1):
+        top_up = workers.controller.top_up.bind(plan, k, *started)
+        started = [g.extra_collect.bind(top_up) for g in workers.generators]
+        named += [(f"top_up[{k}]", top_up), *[(f"extra_collect[{k}][{i}]", c) for i, c in enumerate(started)]]
+    return named, started
+
+
 def build_step_graph(workers: Workers, train_subgraph: Callable = grpo_train_subgraph,
-                     collective: bool = False) -> StepGraph:
+                     collective: bool = False, top_up_rounds: int = 0) -> StepGraph:
     with InputNode() as plan:
-        batch = workers.controller.sample.bind(plan)
+        top_ups, started = top_up_subgraph(workers, plan, top_up_rounds)
+        batch = workers.controller.sample.bind(plan, *started)
         train = train_subgraph(workers, batch)
-        return graph_of([("sample", batch), *train, *ordering_subgraph(workers, plan, train[-1][1], collective)])
+        return graph_of([*top_ups, ("sample", batch), *train,
+                         *ordering_subgraph(workers, plan, train[-1][1], collective)])
 
 
 def build_finish_graph(workers: Workers) -> StepGraph:

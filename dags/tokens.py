@@ -36,6 +36,7 @@ class Batch:
     versions: tuple[int, ...]
     table_ref: tuple[Any, ...] = ()  # (ObjectRef,) wrapped so Ray does not resolve it on the edge
     wait_s: float = 0.0              # how long sample waited for rollouts: exposed generation
+    metrics: tuple[tuple[str, float], ...] = ()  # dynamic sampling's: groups left out, extra launches
     clock: Clock = ()
 
 
@@ -118,6 +119,7 @@ class Launch:
     target: int
     generator: int
     prompts: tuple[Any, ...] = ()  # pipeline.core.types.Prompt: a few short texts
+    round: int = 0                 # 0: the step's own launch; k: dynamic sampling's k-th extra round
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import torch
 from torch import Tensor
 
+from pipeline.algos.groups import flat_group_indices
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA
 
 # The policy update reads only the advantages: PPO's column, on its own.
@@ -57,10 +58,7 @@ def outcome_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo"
 
 def flat_groups(rewards, group_size: int) -> int:
     """Groups whose rewards (a tensor or a list) are all equal: no group estimator learns from them."""
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
-    _check_shape(rewards, group_size)
-    r = rewards.view(-1, group_size)
-    return int((r.amax(dim=1) == r.amin(dim=1)).sum())
+    return len(flat_group_indices([float(r) for r in rewards], group_size))
 
 
 def _check_shape(rewards: Tensor, group_size: int) -> None:

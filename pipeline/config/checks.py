@@ -63,6 +63,10 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         if o.buffer >= g.max_new_tokens:
             raise fail("overlong.buffer", f"{o.buffer} must be below generation.max_new_tokens "
                        f"({g.max_new_tokens}): the penalty starts buffer tokens before the limit")
+    if cfg.dynamic_sampling.max_rounds and cfg.algorithm == "ppo":
+        raise fail("dynamic_sampling.max_rounds", "leaves out groups whose rewards are all equal, which the "
+                   "critic-free estimators cannot learn from; ppo's critic gives them advantages, so it needs "
+                   "a critic-free algorithm")
     t = cfg.training
     if t.mini_batches * t.ranks > cfg.schedule.prompts_per_step:
         raise fail("training.mini_batches", f"{t.mini_batches} mini-batches of whole prompt groups for "

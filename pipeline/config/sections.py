@@ -91,6 +91,17 @@ class OverlongConfig:
 
 
 @dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (verl: algorithm.filter_groups): a group whose
+    rewards are all equal has no advantage to learn from; leave it out and
+    launch more prompts for the step until it holds schedule.prompts_per_step
+    informative groups. The step graph states the rounds (dags/step_graph.py)."""
+    max_rounds: int = _key(0, "extra launch rounds per step, each after the step's earlier rollouts are in "
+                           "(verl: max_num_gen_batches - 1); 0 = off: flat groups are trained as they are", ge=0)
+    max_prompts: int = _key(0, "prompts one extra round launches at most; 0 = schedule.prompts_per_step", ge=0)
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     num_generators: int = _key(1, "vLLM engines, one actor each", ge=1)
     max_new_tokens: int = _key(16, "longest completion", ge=1)
@@ -226,6 +237,8 @@ class SimConfig:
     validate_s: float = _key(0.02, "one validation's time", ge=0)
     jitter: float = _key(0.0, "relative spread of every latency", ge=0, le=1)
     num_val_prompts: int = _key(8, "validation prompts", ge=1)
+    flat_share: float = _key(1.0, "share of prompts whose samples all score the same; the others' rewards "
+                             "vary by sample (a test bed for dynamic_sampling)", ge=0, le=1)
 
 
 @dataclass(frozen=True)
@@ -279,6 +292,7 @@ class Config:
         "(leave-one-out), reinforce_pp (batch-normalised), or ppo (GAE with a critic)")
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     overlong: OverlongConfig = OverlongConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     ppo: PpoConfig = PpoConfig()
     training: TrainingConfig = TrainingConfig()
     backend: Literal["sim", "real"] = _key("sim", "real: vLLM and DeepSpeed; sim: simulated workers, no model; "

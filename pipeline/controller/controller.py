@@ -11,6 +11,7 @@ logs after their rollout_ends and hands that on in its Batch.
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -29,10 +30,12 @@ from dags.tokens import (
     RelaunchPlan,
     Resume,
     StepPlan,
+    Ticket,
     TrainOut,
     ValOut,
     WeightsSent,
 )
+from pipeline.algos.groups import choose_groups, flat_group_indices
 from pipeline.core.node import Actor, node, reopen_log, whereabouts
 from pipeline.controller.replay_buffer import ReplayBuffer
 from pipeline.core.types import Prompt
@@ -57,6 +60,7 @@ class Controller(Actor):
         self.start_step = start_step
         self.reward_failures = 0
         self._relaunch_at_start: list[str] = []
+        self._top_ups: dict[int, int] = {}   # step -> prompts its top-up rounds launched
         # The last target launched: a restored run launches none up to it again.
         self._launched_through = start_step - 1
         if restore_dir is not None:
@@ -75,16 +79,76 @@ class Controller(Actor):
         return out
 
     @node("sample")
-    def sample(self, plan: StepPlan) -> Batch:
+    def sample(self, plan: StepPlan, *extra_started: Ticket) -> Batch:
+        """`extra_started`: the last top-up round's extra_collect tickets (dynamic sampling)."""
         started = time.perf_counter()
         with spans.span("buffer.take"):
             ids, versions, table = self.buffer.take(plan.step, self.cfg.run.deadline_s)
+        metrics = ()
+        if self.cfg.dynamic_sampling.max_rounds:
+            table, metrics = self._informative_groups(plan.step, table)
         with spans.span("batch.put"):
             # Held until the next sample: a ref sent through a compiled-graph channel is
             # not counted as borrowed, so the owner must keep it alive for the consumer.
             self._live_table = ray.put(table)
         return Batch(plan.step, tuple(ids), tuple(versions), (self._live_table,),
-                     wait_s=time.perf_counter() - started)
+                     wait_s=time.perf_counter() - started, metrics=metrics)
+
+    @node("top_up")
+    def top_up(self, plan: StepPlan, round_: int, *started: Ticket) -> Resume:
+        """Dynamic sampling's round `round_`: once every rollout of the step is in,
+        launch more prompts if they hold fewer informative groups than the step
+        needs: as many as the share of informative groups so far says will fill
+        the gap, at most dynamic_sampling.max_prompts. The generators hold the
+        step's version (the last refit's), so these rollouts are of age 0."""
+        g, ds = self.cfg.schedule.group_size, self.cfg.dynamic_sampling
+        arrived = self.buffer.arrived(plan.step, self.cfg.run.deadline_s)
+        seen = sum(t.num_rows // g for _, t in arrived)
+        informative = seen - sum(len(flat_group_indices(t.column("reward").to_pylist(), g)) for _, t in arrived)
+        missing = self.cfg.schedule.prompts_per_step - informative
+        count = 0
+        if missing > 0:
+            cap = ds.max_prompts or self.cfg.schedule.prompts_per_step
+            count = min(cap, math.ceil(missing * seen / max(informative, 1)))
+        launches = self._launch(plan.step, plan.step, self._next_prompts(count), round_) if count else []
+        self.log.emit("top_up", step=plan.step, version=plan.step, round=round_, informative=informative,
+                      groups=seen, prompts=count)
+        self._top_ups[plan.step] = self._top_ups.get(plan.step, 0) + count
+        return Resume(plan.step, plan.step, tuple(launches))
+
+    def _informative_groups(self, step: int, table: pa.Table) -> tuple[pa.Table, tuple]:
+        """The first prompts_per_step informative groups of the step's batches, in
+        launch order (pipeline/algos/groups.py); every group left out is logged
+        with its reason. Fewer than training.ranks x training.mini_batches cannot
+        be split: then none is trained, and the trainer skips the update."""
+        g, t = self.cfg.schedule.group_size, self.cfg.training
+        ids = table.column("batch_id").to_pylist()
+        rewards = table.column("reward").to_pylist()
+        batches, starts = [], {}
+        for i, batch_id in enumerate(ids):
+            if batch_id not in starts:
+                starts[batch_id] = i
+                batches.append((batch_id, []))
+            batches[-1][1].append(rewards[i])
+        choice = choose_groups(batches, g, self.cfg.schedule.prompts_per_step)
+        n = max(len(rewards), 1)
+        mean = sum(rewards) / n
+        keep, too_few = choice.keep, choice.informative < t.ranks * t.mini_batches
+        for batch_id, _ in batches:
+            for reason, groups in (("flat", choice.flat[batch_id]), ("surplus", choice.surplus[batch_id]),
+                                   ("too_few", keep[batch_id] if too_few else ())):
+                if groups:
+                    self.log.emit("group_drop", step=step, batch=batch_id, groups=list(groups), reason=reason)
+        rows = [] if too_few else [starts[b] + k * g + j for b, groups in keep.items() for k in groups
+                                   for j in range(g)]
+        metrics = (("flat_groups_dropped", float(sum(map(len, choice.flat.values())))),
+                   ("surplus_groups_dropped", float(sum(map(len, choice.surplus.values())))),
+                   ("informative_groups", float(0 if too_few else choice.informative)),
+                   ("extra_prompts", float(self._top_ups.pop(step, 0))),
+                   # Of every rollout of the step, the left-out groups among them (the trained rows'
+                   # would be biased by the filter): these replace the trainer's in the step's record.
+                   ("reward_mean", mean), ("reward_std", (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5))
+        return table.take(pa.array(rows, type=pa.int64())), metrics
 
     @node("validation_gate")
     def validation_gate(self, plan: StepPlan, train: TrainOut | None = None) -> Gate:
@@ -130,20 +194,26 @@ class Controller(Actor):
         return Resume(step, version, tuple(launches), val)
 
     def _new_launches(self, step: int, version: int) -> list[Launch]:
-        max_age, g = self.cfg.schedule.max_age, self.cfg.generation
+        max_age = self.cfg.schedule.max_age
         # The prologue (the step before the first) fills the pipeline; each step then tops it up.
         first = self.start_step
         targets = range(first, first + max_age + 1) if step == first - 1 else [step + 1 + max_age]
         launches = []
         for target in (t for t in targets if self._launched_through < t < self.cfg.run.steps):
-            prompts = self._next_prompts(self.cfg.schedule.prompts_per_step)
-            for index in range(g.num_generators):
-                shard = tuple(prompts[index::g.num_generators])
-                if shard:
-                    launch = Launch(f"t{target}.g{index}", target, index, shard)
-                    self.buffer.expect(launch.batch_id, target, version, launch)
-                    launches.append(launch)
+            launches += self._launch(target, version, self._next_prompts(self.cfg.schedule.prompts_per_step))
             self._launched_through = target
+        return launches
+
+    def _launch(self, target: int, version: int, prompts: list[Prompt], round_: int = 0) -> list[Launch]:
+        """The prompts dealt out to the generators, one batch each, expected in the buffer."""
+        n, launches = self.cfg.generation.num_generators, []
+        for index in range(n):
+            shard = tuple(prompts[index::n])
+            if shard:
+                batch_id = f"t{target}.r{round_}.g{index}" if round_ else f"t{target}.g{index}"
+                launch = Launch(batch_id, target, index, shard, round_)
+                self.buffer.expect(launch.batch_id, target, version, launch)
+                launches.append(launch)
         return launches
 
     def _relaunch(self, batch_id: str, version: int, reason: str, dead: str | None) -> Launch:

@@ -31,6 +31,11 @@ class _Entry:
     clock: tuple = ()              # the rollout_end's vector clock, from put
 
 
+def _launch_order(e: _Entry) -> tuple:
+    """The step's own launch first, then dynamic sampling's extra rounds; by batch id within a round."""
+    return (getattr(e.launch, "round", 0), e.batch_id)
+
+
 class ReplayBuffer:
     def __init__(self, max_age: int, log: EventLog):
         self.max_age = max_age
@@ -114,22 +119,34 @@ class ReplayBuffer:
         self._drops.setdefault(entry.target, []).append((entry.batch_id, reason))
         self.log.emit("drop", step=entry.target, version=entry.version, batch=entry.batch_id, reason=reason)
 
-    def take(self, step: int, deadline_s: float) -> tuple[list[str], list[int], pa.Table]:
-        """The batches for `step`, once none of them is in flight; stale ones are dropped."""
+    def _wait(self, step: int, deadline_s: float) -> None:
+        """Until no batch for `step` is in flight (the caller holds the lock)."""
+        def ready() -> bool:
+            return (self._interrupted is not None or self._fatal is not None
+                    or all(e.table is not None for e in self._entries.values() if e.target == step))
+        done = self._cv.wait_for(ready, timeout=deadline_s)
+        if self._fatal is not None:
+            raise RuntimeError(self._fatal)
+        if self._interrupted is not None:
+            raise Interrupted(f"step {step}: {self._interrupted}")
+        if not done:
+            pending = sorted(e.batch_id for e in self._entries.values() if e.target == step and e.table is None)
+            raise TimeoutError(f"step {step}: batches {pending} still in flight after {deadline_s:.0f} s "
+                               "(run.deadline_s); is a generator stuck or dead?")
+
+    def arrived(self, step: int, deadline_s: float) -> list[tuple[str, pa.Table]]:
+        """(batch id, table) of every batch for `step`, in launch order, once none is
+        in flight; they stay buffered for `take`. The caller's lane is after their rollouts."""
         with self._cv:
-            def ready() -> bool:
-                return (self._interrupted is not None or self._fatal is not None
-                        or all(e.table is not None for e in self._entries.values() if e.target == step))
-            done = self._cv.wait_for(ready, timeout=deadline_s)
-            if self._fatal is not None:
-                raise RuntimeError(self._fatal)
-            if self._interrupted is not None:
-                raise Interrupted(f"step {step}: {self._interrupted}")
-            if not done:
-                pending = sorted(e.batch_id for e in self._entries.values()
-                                 if e.target == step and e.table is None)
-                raise TimeoutError(f"step {step}: batches {pending} still in flight after {deadline_s:.0f} s "
-                                   "(run.deadline_s); is a generator stuck or dead?")
+            self._wait(step, deadline_s)
+            entries = sorted((e for e in self._entries.values() if e.target == step), key=_launch_order)
+            self.log.merge(*(e.clock for e in entries))
+            return [(e.batch_id, e.table) for e in entries]
+
+    def take(self, step: int, deadline_s: float) -> tuple[list[str], list[int], pa.Table]:
+        """The batches for `step` in launch order, once none of them is in flight; stale ones are dropped."""
+        with self._cv:
+            self._wait(step, deadline_s)
             # The caller's lane (sample's) waited for these batches: its events are
             # after their rollout_ends, and so are the stale drops below.
             self.log.merge(*(e.clock for e in self._entries.values()
@@ -137,7 +154,7 @@ class ReplayBuffer:
             for entry in [e for e in self._entries.values() if step - e.version > self.max_age]:
                 del self._entries[entry.batch_id]
                 self._drop(entry, "stale")
-            taken = sorted((e for e in self._entries.values() if e.target == step), key=lambda e: e.batch_id)
+            taken = sorted((e for e in self._entries.values() if e.target == step), key=_launch_order)
             drops = self._drops.pop(step, [])
             for old in [t for t in self._drops if t < step]:
                 del self._drops[old]

@@ -19,6 +19,7 @@ import pyarrow as pa
 import ray
 
 from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
+from pipeline.algos.groups import flat_group_indices
 from pipeline.generator.engine_loop import EngineLoop, InFlight
 from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.weights import packing
@@ -186,11 +187,20 @@ class GeneratorWorker(Actor):
             raise RuntimeError("collect while rollouts are still in flight: the graph lost its refit edge")
         return self._start_rollouts(resume, self.version)
 
+    @node("extra_collect")
+    def extra_collect(self, top_up: Resume) -> Ticket:
+        """Dynamic sampling's extra rollouts for the current step (top_up's launches).
+        Rollouts of later steps may still run, under either refit mode: no refit
+        comes before this step's training, which waits for these rollouts."""
+        if top_up.version != self.version:
+            raise RuntimeError(f"asked to roll out with version {top_up.version}, engine holds {self.version}")
+        return self._start_rollouts(top_up, self.version)
+
     def _start_rollouts(self, resume: Resume, version: int) -> Ticket:
         mine = [launch for launch in resume.launches if launch.generator == self.index]
         for launch in mine:
             self.log.emit("launch", step=launch.target, version=version, batch=launch.batch_id,
-                          target=launch.target)
+                          target=launch.target, **({"round": launch.round} if launch.round else {}))
         group = self.cfg.schedule.group_size
         requests = [(launch, [s for seeds in sample_seeds(self.cfg.run.seed, launch.batch_id, list(launch.prompts),
                                                           group) for s in seeds]) for launch in mine]
@@ -212,7 +222,9 @@ class GeneratorWorker(Actor):
         # Logged and put with the version it was launched with: its oldest token is no older.
         self.log.emit("rollout_end", step=launch.target, version=batch.version, batch=launch.batch_id,
                       target=launch.target, spans=profile, token_versions=_runs(table),
-                      turns=[c.turns for c in completions])
+                      turns=[c.turns for c in completions],
+                      # The rewards as scored here, for the checker's invariant 8 (dynamic sampling).
+                      flat_groups=flat_group_indices(table.column("reward").to_pylist(), group))
         # Not waited for here: the loop would wait out the round trip, and sample
         # waits for the batch anyway. _check_puts reads the answers.
         self._puts.append(self.controller.put.remote(launch.batch_id, batch.version, table, self.log.now()))

@@ -23,7 +23,7 @@ from pathlib import Path
 import ray
 import yaml
 
-from dags.step_graph import TRAIN_SUBGRAPHS, build_finish_graph, build_prologue_graph, build_step_graph
+from dags.step_graph import TRAIN_SUBGRAPHS, StepGraph, build_finish_graph, build_prologue_graph, build_step_graph
 from dags.tokens import StepPlan, TrainOut
 from pipeline.generator.worker import generator_name
 from pipeline.trainer.skipped_steps import console_warnings
@@ -116,6 +116,13 @@ def _start_ray(cfg: Config) -> bool:
     return True
 
 
+def step_graph_for(cfg: Config, workers: Workers) -> StepGraph:
+    """The recipe's step graph: its train sub-graph, weight sync and top-up rounds."""
+    return build_step_graph(workers, TRAIN_SUBGRAPHS[cfg.train_graph],
+                            collective=cfg.generation.weight_sync == "collective",
+                            top_up_rounds=cfg.dynamic_sampling.max_rounds)
+
+
 class Execution:
     """The run's workers and the graph runners over them. A replaced generator
     is a new actor handle, so the graphs are rebuilt around it."""
@@ -130,8 +137,7 @@ class Execution:
 
     def _build(self, new_step_runner: bool = True) -> None:
         actors = actor_names(self.workers, self.incarnations)
-        graph = build_step_graph(self.workers, TRAIN_SUBGRAPHS[self.cfg.train_graph],
-                                 collective=self.cfg.generation.weight_sync == "collective")
+        graph = step_graph_for(self.cfg, self.workers)
         # The node whose TrainOut the ordering sub-graph takes: train (GRPO) or train_done (PPO).
         self.trained_node = graph.node_names[graph.node_names.index("validation_gate") - 1]
         if new_step_runner:
@@ -282,6 +288,7 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
             f"max_age={cfg.schedule.max_age} generators={cfg.generation.num_generators} run_dir={run_dir}")
         log.emit("run_start", max_age=cfg.schedule.max_age, steps=cfg.run.steps, start_step=start, dag_mode=mode,
                  refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm,
+                 top_up_rounds=cfg.dynamic_sampling.max_rounds,
                  env_max_turns=cfg.env.max_turns if cfg.env.class_ else None)
         execution = Execution(cfg, workers, mode, run_dir, t0, log, step_runner, say)
         prologue = execution.run("prologue_runner", StepPlan(start - 1, cfg.validation.at_start and start == 0))

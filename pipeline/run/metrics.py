@@ -51,6 +51,8 @@ def step_metrics(step: int, elapsed_s: float, out: dict[str, object]) -> dict[st
     sample = out.get("sample")
     if sample is not None:
         record["wait_s"] = float(sample.wait_s)
+        # After the trainer's: with dynamic sampling the reward metrics are of every rollout of the step.
+        record.update((k, float(v)) for k, v in sample.metrics)
     if "time_s" in train_metrics:
         record["train_s"] = train_metrics["time_s"]
         if timed:

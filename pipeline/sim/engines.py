@@ -56,6 +56,7 @@ class _SimRequest:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     weights: int = -1  # the weights of its first token: its text, which sim_reward scores
+    bonus: str = ""    # "+k": k hundredths of reward more (sim.flat_share)
 
 
 class SimGenerationEngine:
@@ -90,7 +91,10 @@ class SimGenerationEngine:
             self.calls += 1
             self._stepped = False
         rng = random.Random(prompt.id if seed is None else seed)
-        self._running[key] = _SimRequest(rng, self._length(rng), greedy=seed is None)
+        request = _SimRequest(rng, self._length(rng), greedy=seed is None)
+        if seed is not None and random.Random(f"flat:{prompt.id}").random() >= self.cfg.flat_share:
+            request.bonus = f"+{rng.randrange(4)}"  # this prompt's samples score apart (sim.flat_share)
+        self._running[key] = request
 
     def _length(self, rng: random.Random) -> int:
         if self.cfg.response_len == "fixed":
@@ -126,7 +130,7 @@ class SimGenerationEngine:
             r.versions.append(self.version)
             if len(r.ids) == r.length:
                 del self._running[key]
-                done.append((key, Completion((1, 2, 3), tuple(r.ids), tuple(r.logprobs), f"v{r.weights}",
+                done.append((key, Completion((1, 2, 3), tuple(r.ids), tuple(r.logprobs), f"v{r.weights}{r.bonus}",
                                              tuple(r.versions))))
         return done
 
@@ -182,9 +186,10 @@ class SimTrainingEngine:
 
 
 def sim_reward(prompt: Prompt, completion_text: str) -> float:
-    """Rises with the weight version the text was generated with: v0 -> 0, v10 -> 0.5."""
-    version = int(completion_text.lstrip("v"))
-    return version / (version + 10)
+    """Rises with the weight version the text was generated with: v0 -> 0, v10 -> 0.5;
+    "v3+2" scores 0.02 more than "v3"."""
+    version, _, bonus = completion_text.lstrip("v").partition("+")
+    return int(version) / (int(version) + 10) + 0.01 * int(bonus or 0)
 
 
 def faulty_sim_reward(inject: InjectConfig):

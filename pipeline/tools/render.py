@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ray.dag import ClassMethodNode, ClassNode, DAGNode, FunctionNode, InputAttributeNode, InputNode, MultiOutputNode
 
-from dags.step_graph import TRAIN_SUBGRAPHS, StepGraph, build_prologue_graph, build_step_graph
+from dags.step_graph import StepGraph, build_prologue_graph
+from pipeline.run.driver import step_graph_for
 from pipeline.run.pool import Workers
 
 FORMATS = (".dot", ".mmd", ".png", ".svg")
@@ -270,7 +271,7 @@ def graph_for_config(cfg, prologue: bool = False) -> StepGraph:
                           cfg.ppo.critic_ranks)
     if prologue:
         return build_prologue_graph(workers)
-    return build_step_graph(workers, TRAIN_SUBGRAPHS[cfg.train_graph])
+    return step_graph_for(cfg, workers)
 
 
 def viz_main(config_path: str | Path | None, overrides: list[str] = (), out_paths: list[str] = (),

@@ -81,6 +81,9 @@ class TrainerWorker(Actor):
         trained, shaped = self._overlong(table)
         if advantages is not None and batch.step < self.cfg.ppo.critic_warmup:
             metrics = {"policy_frozen": 1.0}
+        elif table.num_rows == 0:
+            # Dynamic sampling found no informative group to train on (Controller.sample).
+            metrics = {"update_skipped_flat": 1.0}
         else:
             metrics = {**shaped, **self._train_shard(trained, self._advantages(trained, advantages))}
             # Every rank sees the same skip (the engine agrees on it), so all raise together.
@@ -106,7 +109,7 @@ class TrainerWorker(Actor):
                    "reward_mean": _mean(table.column("reward").to_pylist()),
                    "reward_std": _std(table.column("reward").to_pylist()),
                    "age_mean": _mean([batch.step - v for v in batch.versions]),
-                   "age_max": float(max(batch.step - v for v in batch.versions)),
+                   "age_max": float(max((batch.step - v for v in batch.versions), default=0)),
                    "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist())),
                    # The model's own tokens: response_tokens less the environments' observations.
                    "model_tokens": float(sum(trained_tokens(table)))}

@@ -79,6 +79,7 @@ def test_bad_override_names_the_key(override, needle):
                                                       "groups for 3 rank(s) need schedule.prompts_per_step >= 9"),
     (["algorithm=ppo", "overlong.buffer=4"], "overlong.buffer: shapes the outcome rewards of the critic-free"),
     (["overlong.buffer=16"], "overlong.buffer: 16 must be below generation.max_new_tokens (16)"),
+    (["algorithm=ppo", "dynamic_sampling.max_rounds=2"], "dynamic_sampling.max_rounds: leaves out groups whose"),
     (["training.lr_schedule=cosine", "training.lr_warmup_steps=10", "run.steps=10"],
      "training.lr_warmup_steps: 10 leaves no step of the cosine schedule in a run of 10"),
 ])

@@ -310,3 +310,51 @@ def test_a_resume_does_not_launch_again_a_target_whose_batches_all_failed(start,
     prologue = resumed.resume(*vals(1, 2))
     assert ids(prologue.launches) == ["t2.g1"]   # t3 was launched once already, before the checkpoint
     assert resumed.cursor == run.cursor
+
+
+# ------------------------------------------------------------------ dynamic sampling
+
+def put_grouped(c: Controller, launch, rewards: list[float], version: int = 0) -> None:
+    """A batch of groups of two: rewards[2k], rewards[2k + 1] for prompt k."""
+    table = trajectories(launch, version)
+    table = table.take(pa.array([i // 2 for i in range(2 * table.num_rows)]))
+    c.put(launch.batch_id, version, table.set_column(table.schema.get_field_index("reward"), "reward",
+                                                     pa.array(rewards, pa.float32())))
+
+
+def test_dynamic_sampling_tops_up_a_short_step_and_trains_its_informative_groups(start, tmp_path, ray_session):
+    c = start("schedule.group_size=2", "schedule.prompts_per_step=4", "schedule.max_age=0",
+              "dynamic_sampling.max_rounds=2")
+    own = c.resume(*vals(-1, 0)).launches
+    put_grouped(c, own[0], [1.0, 0.0, 1.0, 1.0])   # informative, flat
+    put_grouped(c, own[1], [0.0, 0.0, 1.0, 1.0])   # flat, flat
+    extra = c.top_up(StepPlan(0, False), 1)
+    # 3 groups missing and 1 of 4 informative so far: 12 prompts would do; at most prompts_per_step.
+    assert ids(extra.launches) == ["t0.r1.g0", "t0.r1.g1"] and {l.round for l in extra.launches} == {1}
+    assert (extra.step, extra.version, sum(len(l.prompts) for l in extra.launches)) == (0, 0, 4)
+    put_grouped(c, extra.launches[0], [0.0, 1.0, 0.5, 0.5])
+    put_grouped(c, extra.launches[1], [1.0, 0.0, 0.0, 1.0])
+    assert c.top_up(StepPlan(0, False), 2).launches == ()   # 4 informative groups: the step is full
+    batch = c.sample(StepPlan(0, False))
+    assert batch.batch_ids == ("t0.g0", "t0.g1", "t0.r1.g0", "t0.r1.g1") and batch.versions == (0, 0, 0, 0)
+    assert ray_session.get(batch.table_ref[0]).column("reward").to_pylist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    # The reward metrics are of all 16 rollouts, the left-out ones among them: 8 scored 1, 2 scored 0.5.
+    assert dict(batch.metrics) | {"reward_std": 0} == {
+        "flat_groups_dropped": 4.0, "surplus_groups_dropped": 0.0, "informative_groups": 4.0, "extra_prompts": 4.0,
+        "reward_mean": 0.5625, "reward_std": 0}
+    assert [(e["batch"], e["groups"], e["reason"]) for e in events(tmp_path / "run", "group_drop")] == [
+        ("t0.g0", [1], "flat"), ("t0.g1", [0, 1], "flat"), ("t0.r1.g0", [1], "flat")]
+    assert c.buffer.accounting()["trained"] == 4
+
+
+def test_a_step_with_no_informative_group_trains_on_none_and_says_so(start, tmp_path, ray_session):
+    c = start("schedule.group_size=2", "schedule.prompts_per_step=2", "generation.num_generators=1",
+              "dynamic_sampling.max_rounds=1", "dynamic_sampling.max_prompts=1")
+    own = c.resume(*vals(-1, 0, generators=1)).launches
+    put_grouped(c, own[0], [1.0, 1.0, 0.0, 0.0])
+    extra = c.top_up(StepPlan(0, False), 1).launches
+    assert [len(l.prompts) for l in extra] == [1]   # dynamic_sampling.max_prompts
+    put_grouped(c, extra[0], [1.0, 1.0])
+    batch = c.sample(StepPlan(0, False))
+    assert ray_session.get(batch.table_ref[0]).num_rows == 0
+    assert dict(batch.metrics)["informative_groups"] == 0.0 and dict(batch.metrics)["flat_groups_dropped"] == 3.0

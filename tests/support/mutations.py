@@ -3,7 +3,8 @@
 Each mutation removes one ordering guarantee: an edge of the graph, the
 drain a generator does before it loads new weights, or the engine's labelling
 of each token with the weights that sampled it; or the one resource bound the
-log proves, the weight copies in the object store (a trainer that keeps them all). They are built here, in
+log proves, the weight copies in the object store (a trainer that keeps them all); or dynamic
+sampling's filter (a sample that trains flat groups). They are built here, in
 the tests, from the public pieces of dags/step_graph.py; production code
 builds none of them. Some need a generator without one of its own guards
 (collect refuses a version it does not hold, or rollouts still in flight):
@@ -16,6 +17,7 @@ checker must find that violation in the log of a run that went to its end.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -125,7 +127,16 @@ def deliver_after_the_first_turn(loop) -> None:
 
 class MutantController(Controller):
     """Controller plus a resume that takes what a rewired graph hands it (refits
-    or the gate) in place of the validations."""
+    or the gate) in place of the validations, and a sample that can keep the
+    flat groups dynamic sampling must leave out (configure keep_flat=True)."""
+
+    keep_flat = False
+
+    def configure(self, keep_flat: bool = False) -> None:
+        self.keep_flat = keep_flat
+
+    def _informative_groups(self, step, table):
+        return (table, ()) if self.keep_flat else super()._informative_groups(step, table)
 
     @node("resume")
     def resume_unvalidated(self, *tokens: Refitted | Gate) -> Resume:
@@ -242,6 +253,8 @@ class Mutation:
     runner: type = GraphRunner
     configure: dict = field(default_factory=dict)  # MutantGenerator.configure; "trainer" means the run's
     trainer_configure: dict = field(default_factory=dict)  # MutantTrainer.configure
+    controller_configure: dict = field(default_factory=dict)  # MutantController.configure
+    overrides: tuple[str, ...] = ()               # the run's recipe, beyond the test's common one
 
 
 MUTATIONS: dict[str, Mutation] = {
@@ -253,6 +266,10 @@ MUTATIONS: dict[str, Mutation] = {
     "late_version_label": Mutation(build_step_graph, expect=2, configure={"late_label": True}),
     "deliver_before_the_env": Mutation(build_step_graph, expect=2, configure={"early_delivery": True}),
     "hoard_weights": Mutation(build_step_graph, expect=7, trainer_configure={"hoard": True}),
+    # Dynamic sampling's graph, on a controller whose sample trains the flat groups it should leave out.
+    "train_flat_groups": Mutation(functools.partial(build_step_graph, top_up_rounds=1), expect=8,
+                                  controller_configure={"keep_flat": True},
+                                  overrides=("dynamic_sampling.max_rounds=1", "sim.flat_share=0.5")),
 }
 # Mutations that the multi-turn profile (tests/tools/test_mutations.py) runs too; the
 # last one needs environments to mean anything.
@@ -260,6 +277,7 @@ MULTITURN = ("refit_without_drain", "validate_not_before_resume", "deliver_befor
 # Skipping the drain is what refit_mode inflight does on purpose. A label a step
 # late harms only tokens in flight at a load: under drain none are, and the
 # validation after the refit takes the late step before any rollout can.
-ONE_MODE_ONLY = {"refit_without_drain": "drain", "late_version_label": "inflight", "hoard_weights": "drain"}
+ONE_MODE_ONLY = {"refit_without_drain": "drain", "late_version_label": "inflight", "hoard_weights": "drain",
+                 "train_flat_groups": "drain"}
 
 UNMUTATED = Mutation(build_step_graph, expect=0)

@@ -51,17 +51,18 @@ def run_log(mutant_pool, tmp_path_factory):
                                      f"generation.refit_mode={refit_mode}",
                                      "run.dag_mode=classic", "run.steps=5", "schedule.max_age=1", "validation.period=1",
                                      "generation.num_generators=2", "metrics.tensorboard=false", "sim.jitter=0.3",
-                                     *(f"{k}={v}" for k, v in PROFILES[profile].items())])
+                                     *(f"{k}={v}" for k, v in PROFILES[profile].items()), *m.overrides])
             setup = {k: mutant_pool.trainers[0] if k == "trainer" else v for k, v in m.configure.items()}
             ray.get([g.configure.remote(**setup) for g in mutant_pool.generators]
-                    + [mutant_pool.trainers[0].configure.remote(**m.trainer_configure)])
+                    + [mutant_pool.trainers[0].configure.remote(**m.trainer_configure),
+                       mutant_pool.controller.configure.remote(**m.controller_configure)])
             runner = m.runner(m.build(mutant_pool), "classic", first_deadline_s=60)
             try:
                 summary = train_on(cfg, mutant_pool, step_runner=runner, quiet=True)
             finally:
                 runner.close()
                 ray.get([g.configure.remote() for g in mutant_pool.generators]
-                        + [mutant_pool.trainers[0].configure.remote()])
+                        + [mutant_pool.trainers[0].configure.remote(), mutant_pool.controller.configure.remote()])
             runs[name, profile, refit_mode] = summary, load_events(out / run_name)
         return runs[name, profile, refit_mode]
     return run
