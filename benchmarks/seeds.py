@@ -22,6 +22,8 @@ this project; its figures are recorded below with how they were taken.
     .venv/bin/python -m benchmarks.seeds              # full: 2 recipes x 2 modes x 5 seeds x 80 steps, ~30 min on 2 cores
     .venv/bin/python -m benchmarks.seeds --quick      # CI smoke: one 3-step run; not a measurement
     .venv/bin/python -m benchmarks.seeds --algorithms grpo_lora ppo_lora --modes 1 --steps 60 --result seeds_lora
+    .venv/bin/python -m benchmarks.seeds --algorithms dr_grpo rloo reinforce_pp dapo gspo cispo ppo_epochs \
+        --steps 60 --result seeds_algos     # the presets: 7 x 2 modes x 5 seeds, ~90 min on 2 cores
 """
 from __future__ import annotations
 

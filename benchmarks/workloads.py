@@ -23,6 +23,9 @@ from benchmarks.harness import ROOT, first_crossing, read_jsonl
 
 RECIPES = {"grpo": ROOT / "examples" / "tiny_grpo.yaml", "ppo": ROOT / "examples" / "tiny_ppo.yaml",
            "grpo_lora": ROOT / "examples" / "tiny_grpo_lora.yaml", "ppo_lora": ROOT / "examples" / "tiny_ppo_lora.yaml"}
+# The algorithm presets (docs/algorithms.md), for `benchmarks.seeds --result seeds_algos`.
+PRESETS = ("dr_grpo", "rloo", "reinforce_pp", "dapo", "gspo", "cispo", "ppo_epochs")
+RECIPES.update({name: ROOT / "examples" / f"tiny_{name}.yaml" for name in PRESETS})
 MODES = {0: "sync", 1: "async"}           # schedule.max_age -> name
 # A learning run's figures (benchmarks.seeds): steps until the 3-step running mean of
 # the training reward reaches 0.7, and the first greedy validation >= 0.9.

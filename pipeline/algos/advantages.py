@@ -7,7 +7,9 @@ critic: GRPO's and its variants (`algorithm` in the recipe).
   rloo          r - mean of the *other* samples of the group (leave-one-out);
                 = G / (G - 1) x (r - group mean)
   reinforce_pp  REINFORCE++ with outcome rewards: r normalised over the whole
-                batch, (r - batch mean) / (batch std + eps); no group baseline
+                batch, (r - batch mean) / (batch std + eps); no group baseline.
+                With reinforce_pp.kl_coef the KL is in the reward instead:
+                kl_reward_advantages, per token
 
 No engine state, so the math can be checked by hand (tests/algos/test_advantages.py).
 The trainer actor turns a trajectory table into an advantages table here, and
@@ -106,6 +108,42 @@ def grpo_advantages(table: pa.Table, group_size: int, estimator: str = "grpo") -
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
     tokens = pa.ListArray.from_arrays(offsets, pa.array(np.repeat(adv, lengths), pa.float32()))
     return pa.Table.from_arrays([tokens], schema=GRPO_ADVANTAGE_SCHEMA)
+
+
+def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_coef: float,
+                         eps: float = 1e-6) -> tuple[pa.Table, float]:
+    """REINFORCE++ with the KL in the reward (verl's reinforce_plus_plus with
+    use_kl_in_reward): each model token t of a row earns
+        r_t = -kl_coef x (logprob_t - ref_logprob_t)   (+ the row's reward on its last token)
+    with the rollout's logprobs (the behaviour policy) and the reference's;
+    its advantage is the return-to-go sum_{s >= t} r_s (no discount), whitened
+    over every model token of the batch (loss_mask 1; the others get 0).
+    Returns the GRPO_ADVANTAGE_SCHEMA table and the batch's mean KL per model token."""
+    rows = table.select(["logprobs", "loss_mask", "reward"]).to_pylist()
+    if len(ref_logprobs) != len(rows):
+        raise ValueError(f"{len(ref_logprobs)} reference rows for a table of {len(rows)}")
+    returns, masks, kls = [], [], []
+    for i, (row, ref) in enumerate(zip(rows, ref_logprobs)):
+        lp = np.asarray(row["logprobs"], np.float64)
+        mask = np.asarray(row["loss_mask"] or [1] * len(lp), np.float64)
+        if len(ref) != len(lp) or len(mask) != len(lp):
+            raise ValueError(f"row {i}: {len(lp)} logprobs, {len(ref)} reference logprobs, {len(mask)} mask values")
+        kl = (lp - np.asarray(ref, np.float64)) * mask
+        r = -kl_coef * kl
+        if len(r):
+            r[-1] += row["reward"]
+        returns.append(np.cumsum(r[::-1])[::-1])
+        masks.append(mask)
+        kls.append(kl[mask > 0])
+    every = np.concatenate([g[m > 0] for g, m in zip(returns, masks)]) if rows else np.zeros(0)
+    if every.size < 2 or every.max() == every.min():
+        scaled = [np.zeros_like(g) for g in returns]
+    else:
+        mean, std = every.mean(), every.std()
+        scaled = [(g - mean) / (std + eps) * m for g, m in zip(returns, masks)]
+    tokens = pa.array([a.astype(np.float32).tolist() for a in scaled], pa.list_(pa.float32()))
+    kl_all = np.concatenate(kls) if kls else np.zeros(0)
+    return pa.Table.from_arrays([tokens], schema=GRPO_ADVANTAGE_SCHEMA), float(kl_all.mean()) if kl_all.size else 0.0
 
 
 def _check_groups(rows: list[dict], group_size: int) -> None:

@@ -63,6 +63,15 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         if o.buffer >= g.max_new_tokens:
             raise fail("overlong.buffer", f"{o.buffer} must be below generation.max_new_tokens "
                        f"({g.max_new_tokens}): the penalty starts buffer tokens before the limit")
+    if cfg.reinforce_pp.kl_coef:
+        if cfg.algorithm != "reinforce_pp":
+            raise fail("reinforce_pp.kl_coef", f"puts a KL in the token rewards of algorithm reinforce_pp; "
+                       f"{cfg.algorithm!r} reads only the outcome reward (policy_loss.kl_coef puts it in the loss)")
+        if cfg.backend != "real":
+            raise fail("reinforce_pp.kl_coef", "needs the initial policy's logprobs, which only backend 'real' has")
+        if cfg.training.lora.rank and cfg.training.zero_stage == 3 and cfg.training.ranks > 1:
+            raise fail("reinforce_pp.kl_coef", "with LoRA the reference is the base model inside the ZeRO-3 "
+                       "engine, which every rank would have to score in lockstep; use one rank or ZeRO 0-2")
     if cfg.dynamic_sampling.max_rounds and cfg.algorithm == "ppo":
         raise fail("dynamic_sampling.max_rounds", "leaves out groups whose rewards are all equal, which the "
                    "critic-free estimators cannot learn from; ppo's critic gives them advantages, so it needs "

@@ -158,6 +158,14 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class ReinforcePPConfig:
+    """REINFORCE++ (algorithm reinforce_pp): the KL to the initial policy in the token rewards."""
+    kl_coef: float = _key(0.0, "each model token's reward less kl_coef x (its rollout logprob - the initial "
+                          "policy's), returns-to-go whitened over the batch's tokens (verl: use_kl_in_reward, "
+                          "kl_ctrl.kl_coef); 0 = outcome rewards normalised over the batch's samples", ge=0)
+
+
+@dataclass(frozen=True)
 class PpoConfig:
     """PPO's critic and advantages; the policy loss is policy_loss's, as for GRPO."""
     gamma: float = _key(1.0, "discount", ge=0, le=1)
@@ -166,6 +174,8 @@ class PpoConfig:
     critic_warmup: int = _key(0, "first steps that train only the critic", ge=0)
     critic_model: str = _key("", "critic backbone directory; empty = model.path")
     critic_lr: float = _key(1e-4, "critic learning rate (AdamW)", gt=0)
+    critic_epochs: int = _key(1, "value-loss updates per batch, each over the whole batch (verl: critic "
+                              "ppo_epochs)", ge=1)
     whiten_advantages: bool = _key(True, "scale advantages to unit variance per batch")
     critic_ranks: int = _key(1, "data-parallel critic ranks, one DeepSpeed engine each", ge=1)
 
@@ -293,6 +303,7 @@ class Config:
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     overlong: OverlongConfig = OverlongConfig()
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    reinforce_pp: ReinforcePPConfig = ReinforcePPConfig()
     ppo: PpoConfig = PpoConfig()
     training: TrainingConfig = TrainingConfig()
     backend: Literal["sim", "real"] = _key("sim", "real: vLLM and DeepSpeed; sim: simulated workers, no model; "

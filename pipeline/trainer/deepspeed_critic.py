@@ -51,9 +51,11 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
 
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
-                 value_clip: float = 0.2, seed: int = 0, optimizer: Optimizer = Optimizer(),
+                 value_clip: float = 0.2, epochs: int = 1, seed: int = 0, optimizer: Optimizer = Optimizer(),
                  num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None):
         self.value_clip = value_clip
+        # The learning-rate schedule counts batches: epochs optimizer steps make one.
+        self.epochs = self.updates_per_batch = epochs
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
                          grad_accum=grad_accum, lr=lr, seed=seed, optimizer=optimizer,
                          num_threads=num_threads, rank=rank, rendezvous=rendezvous)
@@ -95,24 +97,26 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
                           num_tokens=max(shard.batch_tokens, 1))
 
     def train_step(self, table: pa.Table, targets: pa.Table, shard: Shard | None = None) -> dict[str, float]:
-        """One clipped value-loss step (pipeline.algos.ppo.value_loss) towards the
-        `returns` column of `targets`, clipped around its `values` column (the
-        values the advantages were computed with). `targets` is aligned row by
+        """`epochs` clipped value-loss steps (pipeline.algos.ppo.value_loss) over the
+        whole table towards the `returns` column of `targets`, each clipped
+        around its `values` column (the values the advantages were computed
+        with, so later epochs stay near them too). `targets` is aligned row by
         row with `table`, one float per response token.
 
-        Metrics: value_loss (token mean), value_clip_frac, grad_norm,
-        nonfinite_skipped (see DeepSpeedEngine._update), tokens, step, time_s. (The critic worker adds the statistics of the values and
-        returns, which it already holds.)
+        Metrics: value_loss (token mean), value_clip_frac, grad_norm: means over
+        the epochs; nonfinite_skipped (1 if any epoch skipped, see
+        DeepSpeedEngine._update), tokens, step, time_s. (The critic worker adds
+        the statistics of the values and returns, which it already holds.)
         """
         t0 = time.perf_counter()
         rows = self._rows(table, targets, ("returns", "values"), shard)
-        m = self._update(rows, {"returns": "returns", "old": "values"}, shard)
+        runs = [self._update(rows, {"returns": "returns", "old": "values"}, shard) for _ in range(self.epochs)]
         return {
-            "value_loss": m["loss"],
-            "value_clip_frac": m["clip_frac"],
-            "grad_norm": m["grad_norm"],
-            "nonfinite_skipped": m["nonfinite_skipped"],
-            "tokens": m["tokens"],
+            "value_loss": sum(m["loss"] for m in runs) / len(runs),
+            "value_clip_frac": sum(m["clip_frac"] for m in runs) / len(runs),
+            "grad_norm": sum(m["grad_norm"] for m in runs) / len(runs),
+            "nonfinite_skipped": max(m["nonfinite_skipped"] for m in runs),
+            "tokens": runs[0]["tokens"],
             "step": float(self.steps),
             "time_s": time.perf_counter() - t0,
         }

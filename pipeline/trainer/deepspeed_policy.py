@@ -17,10 +17,13 @@ import torch
 from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.weights import lora as adapters
 from pipeline.core.data_parallel import Rendezvous, Shard, batch_shards, trained_tokens
-from pipeline.trainer.deepspeed_base import DeepSpeedEngine, collate, full_params
+from pipeline.trainer.deepspeed_base import DeepSpeedEngine, collate, full_params, trajectory_rows
 from pipeline.trainer.optim import Optimizer
 from pipeline.inputs.models import TOKENIZER_FILES
 from pipeline.core.spans import span
+
+
+ENTROPY_CHUNK = 64   # positions per slice of the entropy metric
 
 
 class DeepSpeedPolicyEngine(DeepSpeedEngine):
@@ -36,10 +39,13 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
                  clip_eps: float = 0.2, kl_coef: float = 0.0, is_clip: float = 2.0, decoupled: bool = True,
+                 reference: bool | None = None,
                  loss_options: dict | None = None, lora=None, seed: int = 0, temperature: float = 1.0,
                  optimizer: Optimizer = Optimizer(), epochs: int = 1, mini_batches: int = 1, group_size: int = 1,
                  num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None):
         self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
+        # A KL reference for the loss (kl_coef) or for the rewards (reference_logprobs).
+        self.reference = kl_coef > 0 if reference is None else reference
         self.epochs, self.mini_batches, self.group_size = epochs, mini_batches, group_size
         self.updates_per_batch = epochs * mini_batches
         self.decoupled = decoupled
@@ -72,7 +78,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                     if name.endswith("lora_dropout.default"):
                         module.train()
             return model
-        if self.kl_coef > 0:
+        if self.reference:
             # Copied before deepspeed.initialize, which partitions parameters under ZeRO-3.
             self.ref = copy.deepcopy(model).to(compute_dtype).requires_grad_(False)
         return model
@@ -91,20 +97,18 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         if not entropy:
             return lp
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
-            ent = -(logp.exp() * logp).sum(dim=-1)
+        if torch.is_grad_enabled() and self.entropy_coef > 0:
+            return lp, -(logp.exp() * logp).sum(dim=-1)
+        # Only a metric: a few positions at a time, so that p * log p never holds a
+        # second (batch, length, vocabulary) tensor beside logp (150k-token vocabularies).
+        with torch.no_grad():
+            ent = torch.cat([-(part.exp() * part).sum(dim=-1) for part in logp.split(ENTROPY_CHUNK, dim=1)], dim=1)
         return lp, ent
 
     def _loss(self, batch: dict, shard: Shard) -> tuple[torch.Tensor, dict[str, float]]:
         with span("train.forward"):
             lp, ent = self.token_logprobs(self.engine, batch, entropy=True)
-        ref = None
-        if self.ref is not None:
-            with torch.no_grad():
-                ref = self.token_logprobs(self.ref, batch)
-        elif self.lora is not None and self.kl_coef > 0:
-            with torch.no_grad(), self.engine.module.disable_adapter():
-                ref = self.token_logprobs(self.engine, batch)
+        ref = self._reference(batch) if self.kl_coef > 0 else None
         # Decoupled (AReaL): the proximal policy is the one before this step's first update: lp
         # itself with one update per batch, else scored before it; classic PPO clips against
         # the behaviour policy.
@@ -113,6 +117,27 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                                    clip_eps=self.clip_eps, kl_coef=self.kl_coef, ref_logprobs=ref,
                                    is_clip=self.is_clip, num_tokens=max(shard.batch_tokens, 1),
                                    num_seqs=max(shard.batch_seqs, 1), entropy=ent, **self.loss_options)
+
+    @torch.no_grad()
+    def _reference(self, batch: dict) -> torch.Tensor:
+        """The KL reference's logprobs: the frozen initial weights, or with LoRA the base model (adapters off)."""
+        if self.ref is not None:
+            return self.token_logprobs(self.ref, batch)
+        if self.lora is None or not self.reference:
+            raise RuntimeError("this engine was built without a KL reference")
+        with self.engine.module.disable_adapter():
+            return self.token_logprobs(self.engine, batch)
+
+    def reference_logprobs(self, table: pa.Table) -> list[list[float]]:
+        """Each row's response-token logprobs under the KL reference, micro-batch
+        by micro-batch (REINFORCE++'s KL in the reward: pipeline/algos/advantages.py)."""
+        rows, out = trajectory_rows(table), []
+        for idx in self._chunks(len(rows)):
+            chunk = [rows[i] for i in idx]
+            batch = collate(chunk, self.device, {})
+            lp = self._reference(batch)
+            out += [lp[j][batch["mask"][j]].float().tolist() for j in range(len(chunk))]
+        return out
 
     def train_step(self, table: pa.Table, advantages: pa.Table, shard: Shard | None = None) -> dict[str, float]:
         """The policy's updates on the table: clipped ratio plus the IS

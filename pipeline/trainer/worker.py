@@ -85,7 +85,8 @@ class TrainerWorker(Actor):
             # Dynamic sampling found no informative group to train on (Controller.sample).
             metrics = {"update_skipped_flat": 1.0}
         else:
-            metrics = {**shaped, **self._train_shard(trained, self._advantages(trained, advantages))}
+            adv, measured = self._advantages(trained, advantages)
+            metrics = {**shaped, **measured, **self._train_shard(trained, adv)}
             # Every rank sees the same skip (the engine agrees on it), so all raise together.
             self.skipped.check(batch.step, self.version, metrics)
         self.version += 1
@@ -194,14 +195,24 @@ class TrainerWorker(Actor):
             return self.engine.train_step(table, advantages)
         return {**self.engine.train_step(table, advantages, shard), "shard_rows": float(shard.stop - shard.start)}
 
-    def _advantages(self, table: pa.Table, advantages: Advantages | None) -> pa.Table:
-        """The critic's table (PPO), else the algorithm's outcome advantages of the table's rewards."""
+    def _advantages(self, table: pa.Table, advantages: Advantages | None) -> tuple[pa.Table, dict[str, float]]:
+        """The critic's table (PPO); REINFORCE++'s with the KL in the token rewards
+        (reinforce_pp.kl_coef; metric reward_kl); else the algorithm's outcome
+        advantages of the table's rewards."""
         if advantages is not None:
-            return ray.get(advantages.table_ref[0])
+            return ray.get(advantages.table_ref[0]), {}
         # Here, not at the top: the driver imports this module and need not import torch.
-        from pipeline.algos.advantages import grpo_advantages
+        from pipeline.algos.advantages import grpo_advantages, kl_reward_advantages
+        kl_coef = self.cfg.reinforce_pp.kl_coef
+        if kl_coef:
+            # Every rank scores the whole batch: the whitening is over all of its tokens.
+            with spans.span("train.reference"):
+                ref = self.engine.reference_logprobs(table)
+            with spans.span("train.advantages"):
+                adv, kl = kl_reward_advantages(table, ref, kl_coef)
+            return adv, {"reward_kl": kl}
         with spans.span("train.advantages"):
-            return grpo_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm)
+            return grpo_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm), {}
 
     def save(self, path: str) -> None:
         """Every rank: rank 0 writes the HF checkpoint, the others join its gather."""

@@ -7,12 +7,14 @@ code under test.
 """
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
 from tests.support.training_helpers import make_table
 
 from pipeline.algos.advantages import (GRPO_ADVANTAGE_SCHEMA, flat_groups, group_advantages, grpo_advantages,
+                                       kl_reward_advantages,
                                       outcome_advantages)
 from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.core.types import TRAJECTORY_SCHEMA
@@ -155,3 +157,36 @@ def test_a_row_without_reward_is_refused():
     rows[3]["reward"] = None
     with pytest.raises(ValueError, match="row 3 has no reward"):
         grpo_advantages(pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), 2)
+
+
+# ------------------------------------------------------- REINFORCE++ with the KL in the reward
+
+def test_kl_in_the_reward_by_hand():
+    """Row A: logprobs -1, -2 against the reference's -1.5, -2 (KL 0.5, 0), reward 1;
+    row B: one token, KL 0, reward 0. kl_coef 0.5: A earns -0.25, then 0 + 1, so
+    its returns-to-go are 0.75, 1; B's is 0. Whitened over the three tokens."""
+    table = make_table(groups=1, responses=[[5, 6], [7]], rewards=[1.0, 0.0])
+    table = table.set_column(table.schema.get_field_index("logprobs"), "logprobs",
+                             pa.array([[-1.0, -2.0], [-1.0]], pa.list_(pa.float32())))
+    adv, kl = kl_reward_advantages(table, [[-1.5, -2.0], [-1.0]], kl_coef=0.5)
+    g = np.array([0.75, 1.0, 0.0])
+    want = (g - g.mean()) / (g.std() + 1e-6)
+    got = adv.column("advantages").to_pylist()
+    assert got[0] == pytest.approx(want[:2].tolist(), abs=1e-6) and got[1] == pytest.approx([want[2]], abs=1e-6)
+    assert kl == pytest.approx(0.5 / 3)
+
+
+def test_kl_in_the_reward_skips_observation_tokens_and_a_flat_batch_gets_zeros():
+    # A multi-turn row: its middle token is the environment's (loss_mask 0): no KL, no advantage.
+    table = make_table(groups=1, responses=[[5, 6, 7], [8]], rewards=[1.0, 0.0])
+    table = table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask",
+                             pa.array([[1, 0, 1], [1]], pa.list_(pa.int8())))
+    lp = table.column("logprobs").to_pylist()
+    adv, kl = kl_reward_advantages(table, [[x - 9.0 if j == 1 else x for j, x in enumerate(row)] for row in lp], 1.0)
+    got = adv.column("advantages").to_pylist()
+    assert got[0][1] == 0.0 and kl == 0.0   # the observation's "KL" of 9 counts nowhere
+    assert got[0][0] == got[0][2] > 0 > got[1][0]
+    same, _ = kl_reward_advantages(make_table(groups=1, rewards=[1.0, 1.0]), [[-4.0] * 2, [-4.0] * 3], 0.1)
+    assert all(a == 0.0 for row in same.column("advantages").to_pylist() for a in row)
+    with pytest.raises(ValueError, match="row 0: 2 logprobs, 1 reference logprobs"):
+        kl_reward_advantages(make_table(groups=1), [[-4.0], [-4.0] * 3], 0.1)

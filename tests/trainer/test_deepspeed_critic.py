@@ -67,3 +67,16 @@ def test_critic_learns_fixed_returns(model_dir):
     assert losses[0] == pytest.approx(0.25, abs=1e-6)
     assert losses[-1] < 0.35 * losses[0], losses  # measured: 0.25 -> 0.069 in 10 steps
     e.close()
+
+
+def test_critic_epochs_are_that_many_updates_on_the_same_targets(model_dir):
+    """ppo.critic_epochs 2: one train_step is two updates towards the same returns,
+    clipped around the same old values, as two one-epoch steps would be."""
+    table = make_table(rewards=[0.0, 1.0, 1.0, 0.0, 0.5, 1.0])
+    one, two = critic(model_dir), critic(model_dir, epochs=2)
+    targets, _ = compute_advantages(table, one.values(table), gamma=1.0, lam=0.95, whiten_advantages=True)
+    first, second = one.train_step(table, targets), one.train_step(table, targets)
+    both = two.train_step(table, targets)
+    assert max_diff(one.export_weights(), two.export_weights()) == 0.0
+    assert both["step"] == 2.0 and both["value_loss"] == pytest.approx((first["value_loss"] + second["value_loss"]) / 2)
+    one.close(), two.close()

@@ -173,6 +173,24 @@ def test_kl_to_frozen_reference(model_dir):
     e.close()
 
 
+def test_reference_logprobs_for_the_reward_stay_the_initial_policys(model_dir):
+    """REINFORCE++'s KL in the reward (reference=True, no KL in the loss): the
+    reference scores every row as the untrained policy did, micro-batch by
+    micro-batch (6 rows in micro-batches of 4), after updates too."""
+    def apart(a, b):
+        return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+    e = make_engine(model_dir, reference=True, lr=1e-2)
+    table = make_table()
+    before = sequence_logprobs(e, table)
+    assert apart(e.reference_logprobs(table), before) < 1e-6
+    m = grpo_step(e, table)
+    assert m["kl"] == 0.0   # nothing of it in the loss
+    assert apart(e.reference_logprobs(table), before) < 1e-6
+    assert apart(sequence_logprobs(e, table), before) > 1e-4
+    e.close()
+
+
 def test_coupled_loss_clips_the_ratio_to_the_behaviour_policy(model_dir):
     """policy_loss.decoupled false is classic PPO: the ratio to the engine's
     logprobs (-4 here, far from the model's) is clipped and nothing reweights it;
