@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 models/tiny/config.json: | $(STAMP)
 	$(PY) -m pipeline build-tiny --out models/tiny
 
+# The tiny model with a chat template, for chat-format datasets (examples/gsm8k_chat.yaml).
+models/tiny_chat/config.json: | $(STAMP)
+	$(PY) -m pipeline build-tiny --out models/tiny_chat --chat-template
+
 # The tiny model warmed up on a multi-turn env's format (pipeline/trainer/warmup.py;
 # steps and prompts default to the env class's measured warmup_steps/warmup_prompts).
 models/tiny_tool/config.json: models/tiny/config.json data/tool_train.jsonl data/tool_val.jsonl | $(STAMP)

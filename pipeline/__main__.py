@@ -30,7 +30,7 @@ def _timeline(args: argparse.Namespace) -> int:
 
 def _build_tiny(args: argparse.Namespace) -> int:
     from pipeline.inputs.tiny import main
-    return main(["--out", args.out, "--seed", str(args.seed)])
+    return main(["--out", args.out, "--seed", str(args.seed), *(["--chat-template"] if args.chat_template else [])])
 
 
 def _warmup(args: argparse.Namespace) -> int:
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("build-tiny", help="build the tiny model and tokenizer into a local HF directory")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", action="store_true", help="give the tokenizer a chat template "
+                   "(for chat-format datasets: examples/gsm8k_chat.yaml)")
     p.set_defaults(func=_build_tiny)
     p = sub.add_parser("warmup", help="supervised warm-up of a model on an environment's expert transcripts")
     from pipeline.trainer.warmup import add_arguments

@@ -227,6 +227,8 @@ class DataConfig:
     train: str = _key("", "training prompts, JSONL or Parquet; required with backend real")
     val: str = _key("", "validation prompts; required when validation is scheduled")
     reward: str = _key("", "reward function as module:function; required with backend real")
+    system_prompt: str = _key("", "a system message put first in every chat-format prompt (a list of "
+                              "messages) that has none")
     filter_overlong: bool = _key(True, "leave out (and count, on the console and in summary.json) prompts whose "
                                  "tokens + generation.max_new_tokens exceed the model's context; false: refuse "
                                  "the run, naming the file and line")

@@ -1,7 +1,11 @@
 """Prompt datasets: JSONL or Parquet, schema-checked row by row.
 
-Two schemas are accepted:
+Three schemas are accepted:
 - generic: `prompt` (string), `answer` (string), optional `id`;
+- chat: `prompt` a list of messages ({role, content}), as verl's Parquet and
+  TRL's conversational datasets hold it, rendered once by the model's chat
+  template (ChatTemplate) into the token ids vLLM and the trainer both see; the
+  answer in `answer` or, verl's layout, `reward_model.ground_truth`;
 - GSM8K: `question`, `answer` ending in "#### N"; the question is wrapped in
   GSM8K_TEMPLATE and the answer becomes N (commas removed).
 Every error is a DataError naming the file, the field and where it is: "line N"
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -31,7 +36,8 @@ from pipeline.core.jsonl import JsonLineError, json_lines
 GSM8K_TEMPLATE = ("{question}\nLet's think step by step and output the final answer "
                   "after \"####\".\n")
 # The fields read; any other field or column is ignored, whatever its type.
-FIELDS = ("prompt", "question", "answer", "id")
+FIELDS = ("prompt", "question", "answer", "id", "reward_model")
+ROLES = ("system", "user", "assistant", "tool")
 _TEXT_TYPES = tuple(getattr(pa.types, name) for name in ("is_string", "is_large_string", "is_string_view",
                                                          "is_null") if hasattr(pa.types, name))
 _JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
@@ -85,6 +91,8 @@ def _read_parquet(p: Path) -> _Rows:
     used = [name for name in table.column_names if name in FIELDS]
     for name in used:
         typ = table.schema.field(name).type
+        if (name == "prompt" and pa.types.is_list(typ)) or (name == "reward_model" and pa.types.is_struct(typ)):
+            continue  # chat messages, verl's reward_model: checked row by row with the JSONL rows
         # pandas writes categorical text as a dictionary of strings; it reads back as str.
         value_type = typ.value_type if pa.types.is_dictionary(typ) else typ
         if not any(check(value_type) for check in _TEXT_TYPES):
@@ -127,6 +135,55 @@ def _text(data: _Rows, i: int, name: str) -> str:
     return value
 
 
+def _messages(data: _Rows, i: int) -> list[dict]:
+    """A chat-format prompt: a non-empty list of {role, content} with known roles."""
+    messages = data.rows[i]["prompt"]
+    if not messages:
+        raise data.error(i, f"{data.noun} 'prompt' is an empty list of messages")
+    out = []
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise data.error(i, f"{data.noun} 'prompt': message {k} must be an object with string 'role' and "
+                                f"'content', got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise data.error(i, f"{data.noun} 'prompt': message {k} has role {m['role']!r}; "
+                                f"expected one of {', '.join(ROLES)}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] == "assistant":
+        raise data.error(i, f"{data.noun} 'prompt': the last message is the assistant's; the model would "
+                            "continue its turn instead of answering")
+    return out
+
+
+def _ground_truth(data: _Rows, i: int) -> str:
+    """verl's answer: reward_model.ground_truth, a string."""
+    rm = data.rows[i].get("reward_model")
+    if not isinstance(rm, dict) or "ground_truth" not in rm:
+        raise data.error(i, f"{data.noun} 'reward_model' has no 'ground_truth' (verl's layout: "
+                            "{\"ground_truth\": \"...\"})")
+    truth = rm["ground_truth"]
+    if not isinstance(truth, str) or not truth.strip():
+        got = "an empty string" if isinstance(truth, str) else _JSON_TYPES.get(type(truth), type(truth).__name__)
+        raise data.error(i, f"{data.noun} 'reward_model.ground_truth' must be a non-empty string, got {got}")
+    return truth
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The model's own chat template (its tokenizer's), with the generation prompt:
+    a chat prompt's text, and the token ids that text encodes to without the
+    tokenizer adding specials again (the template writes its own BOS, if any)."""
+    tokenizer: Any
+    system_prompt: str = ""   # data.system_prompt: first, in every chat prompt that has no system message
+    model: str = ""           # for the error of a tokenizer without a template
+
+    def render(self, messages: list[dict]) -> tuple[str, tuple[int, ...]]:
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text, tuple(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
 def gsm8k_final_answer(answer: str) -> str | None:
     """The text after the last "####" of a GSM8K answer, commas removed."""
     if "####" not in answer:
@@ -134,12 +191,21 @@ def gsm8k_final_answer(answer: str) -> str | None:
     return answer.rsplit("####", 1)[1].strip().replace(",", "") or None
 
 
-def load_prompts(path: str | Path, *, kind: str = "train") -> list[Prompt]:
-    """Read a prompt dataset; `kind` ("train", "val") only prefixes generated ids."""
-    return _load(path, kind)[0]
+def load_prompts(path: str | Path, *, kind: str = "train", chat: ChatTemplate | None = None) -> list[Prompt]:
+    """Read a prompt dataset; `kind` ("train", "val") only prefixes generated ids;
+    `chat` renders chat-format prompts (a dataset of them without one is refused)."""
+    return _load(path, kind, chat)[0]
 
 
-def _load(path: str | Path, kind: str) -> tuple[list[Prompt], list[str]]:
+def check_prompts(path: str | Path, *, kind: str = "train") -> int:
+    """Every row checked as load_prompts checks it, chat messages too, but none
+    rendered (that needs the model's tokenizer): the preflight's quick look.
+    Returns the number of prompts."""
+    return len(_load(path, kind, check_only=True)[0])
+
+
+def _load(path: str | Path, kind: str, chat: ChatTemplate | None = None,
+          check_only: bool = False) -> tuple[list[Prompt], list[str]]:
     """load_prompts, and where each prompt is in the file ("line 7", "row 6")."""
     data = _read(Path(path))
     p = data.path
@@ -147,16 +213,34 @@ def _load(path: str | Path, kind: str) -> tuple[list[Prompt], list[str]]:
         raise DataError(f"{p}: the dataset is empty (0 rows)")
     is_gsm8k = "prompt" not in data.names and "question" in data.names
     text_name = "question" if is_gsm8k else "prompt"
+    verl_answer = "answer" not in data.names and "reward_model" in data.names and not is_gsm8k
     for name in (text_name, "answer"):
-        if name not in data.names:
-            hint = " or 'question' (GSM8K)" if name == "prompt" else ""
+        if name not in data.names and not (name == "answer" and verl_answer):
+            hint = (" or 'question' (GSM8K)" if name == "prompt"
+                    else " or 'reward_model' with a 'ground_truth' (verl)" if not is_gsm8k else "")
             raise DataError(f"{p}: missing required {data.noun} {name!r}{hint} "
                             f"({data.noun}s found: {', '.join(data.names) or 'none'})")
     has_ids = "id" in data.names
     first_of: dict[str, int] = {}
     prompts = []
     for i in range(len(data.rows)):
-        text, answer = _text(data, i, text_name), _text(data, i, "answer")
+        token_ids: tuple[int, ...] = ()
+        if not is_gsm8k and isinstance(data.rows[i].get("prompt"), list):
+            messages = _messages(data, i)
+            if check_only:
+                text = ""
+            elif chat is None:
+                raise data.error(i, f"{data.noun} 'prompt' is a list of chat messages; they are rendered by the "
+                                    "model's chat template, so they are read with the model (backend real)")
+            elif not getattr(chat.tokenizer, "chat_template", None):
+                raise data.error(i, f"{data.noun} 'prompt' is a list of chat messages, but the tokenizer of "
+                                    f"{chat.model or 'the model'} has no chat template (tokenizer_config.json "
+                                    "'chat_template'); give the prompts as text, or a model that has one")
+            else:
+                text, token_ids = chat.render(messages)
+        else:
+            text = _text(data, i, text_name)
+        answer = _ground_truth(data, i) if verl_answer else _text(data, i, "answer")
         pid = f"{kind}-{i}"
         if has_ids:
             pid = _text(data, i, "id")
@@ -173,7 +257,7 @@ def _load(path: str | Path, kind: str) -> tuple[list[Prompt], list[str]]:
                 raise data.error(i, f"{data.noun} 'answer' ends in '#### {final}', "
                                  "which is not a number") from None
             text, answer = GSM8K_TEMPLATE.format(question=text.strip()), final
-        prompts.append(Prompt(id=pid, text=text, answer=answer))
+        prompts.append(Prompt(id=pid, text=text, answer=answer, token_ids=token_ids))
     return prompts, data.where
 
 
@@ -205,15 +289,16 @@ def prompt_lengths(prompts: list[Prompt], tokenizer) -> list[int]:
     """Each prompt's tokens as the generator sends them to vLLM."""
     # VllmGenerationEngine.encode: tokenizer(text).input_ids, one text per call and the
     # special tokens (the BOS) included; anything else could count fewer than vLLM gets.
-    return [len(tokenizer(p.text).input_ids) for p in prompts]
+    # A chat prompt is sent as its rendered ids, the template's tokens among them.
+    return [len(p.token_ids) if p.token_ids else len(tokenizer(p.text).input_ids) for p in prompts]
 
 
 def fit_prompts(path: str | Path, kind: str, tokenizer, *, context: int, max_new_tokens: int,
-                drop: bool) -> Fitted:
+                drop: bool, system_prompt: str = "", model: str = "") -> Fitted:
     """The prompts of `path` whose tokens plus max_new_tokens fit `context`.
     An over-long prompt is left out when `drop`, else a DataError naming its
     line or row and its length; a dataset with none left is a DataError too."""
-    prompts, where = _load(path, kind)
+    prompts, where = _load(path, kind, ChatTemplate(tokenizer, system_prompt, model))
     limit = context - max_new_tokens
     lengths = prompt_lengths(prompts, tokenizer)
     over = [i for i, n in enumerate(lengths) if n > limit]
@@ -250,13 +335,15 @@ def run_prompts(cfg, kind: str) -> Fitted:
     path = Path(cfg.data.train if kind == "train" else cfg.data.val)
     model = Path(cfg.model.path)
     stamps = tuple(_stamp(f) for f in (model / "config.json", *(model / n for n in TOKENIZER_FILES)) if f.is_file())
-    key = (kind, _stamp(path), stamps, cfg.generation.max_new_tokens, cfg.data.filter_overlong)
+    key = (kind, _stamp(path), stamps, cfg.generation.max_new_tokens, cfg.data.filter_overlong,
+           cfg.data.system_prompt)
     if key not in _FITTED:
         from transformers import AutoTokenizer
         # The generator's tokenizer: vLLM loads model.path's with AutoTokenizer too.
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         fitted = fit_prompts(path, kind, tokenizer, context=context_length(model),
-                             max_new_tokens=cfg.generation.max_new_tokens, drop=cfg.data.filter_overlong)
+                             max_new_tokens=cfg.generation.max_new_tokens, drop=cfg.data.filter_overlong,
+                             system_prompt=cfg.data.system_prompt, model=str(model))
         while len(_FITTED) >= 8:
             _FITTED.pop(next(iter(_FITTED)))
         _FITTED[key] = fitted

@@ -24,7 +24,7 @@ def preflight(cfg: Config) -> Future | None:
     uses them, {"train": Fitted, "val": Fitted (when data.val is set)}."""
     if cfg.backend == "sim":
         return None
-    from pipeline.inputs.datasets import DataError, load_prompts, run_prompts
+    from pipeline.inputs.datasets import DataError, check_prompts, run_prompts
     from pipeline.inputs.models import ModelError, check_model_files, check_model_loads, context_length
     from pipeline.inputs.rewards import RewardError, load_reward
 
@@ -40,11 +40,11 @@ def preflight(cfg: Config) -> Future | None:
         models.append(("ppo.critic_model", cfg.ppo.critic_model, cfg.model.path))
     for key, path, tokenizer_dir in models:
         check(key, check_model_files, path, own_tokenizer=tokenizer_dir is None)
-    # Empty files are DataErrors inside load_prompts. data.val is read whenever it is
+    # Empty files are DataErrors inside check_prompts. data.val is read whenever it is
     # set: the generators load it at start-up even when no validation is scheduled.
-    check("data.train", load_prompts, cfg.data.train, kind="train")
+    check("data.train", check_prompts, cfg.data.train, kind="train")
     if cfg.data.val:
-        check("data.val", load_prompts, cfg.data.val, kind="val")
+        check("data.val", check_prompts, cfg.data.val, kind="val")
     if not cfg.env.class_:  # an environment's steps give the rewards (config.py checked its class)
         check("data.reward", load_reward, cfg.data.reward)
 

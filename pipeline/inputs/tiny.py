@@ -99,17 +99,24 @@ def build_tokenizer(vocab_size: int = 384, *, corpus: str | Path = TOKENIZER_COR
         padding_side="left", model_max_length=1 << 16, add_bos_token=True)
 
 
+# A chat template in the plain shape of the real ones (role markers, the generation
+# prompt, the EOS after each turn), in the tiny tokenizer's own words.
+TINY_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}"
+                      "\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2,
                      heads: int = 4, head_dim: int = 32, intermediate: int = 128,
                      vocab_size: int = 384, max_positions: int = 512,
                      tie_embeddings: bool = False, init_std: float = 0.02,
-                     corpus: str | Path = TOKENIZER_CORPUS) -> Path:
+                     corpus: str | Path = TOKENIZER_CORPUS, chat_template: bool = False) -> Path:
     """Build and save a random tiny Llama and its tokenizer into `out_dir`.
 
     head_dim defaults to 32 rather than hidden // heads (16) because vLLM's CPU
     attention only supports head sizes 32, 64, 80, ...; Llama allows
     heads * head_dim != hidden. Weights are fp32 so vLLM (dtype float32) and
-    transformers compute the same logprobs.
+    transformers compute the same logprobs. `chat_template`: the tokenizer
+    gets TINY_CHAT_TEMPLATE, for chat-format datasets.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -117,6 +124,8 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size, corpus=corpus)
+    if chat_template:
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
     # The HF vocab must be the tokenizer's real length: vLLM pads internally
     # and reload_weights expects the unpadded [len(tokenizer), hidden] shapes.
     n_vocab = len(tokenizer)
@@ -162,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--intermediate", type=int, default=128)
     ap.add_argument("--vocab-size", type=int, default=384)
+    ap.add_argument("--chat-template", action="store_true", help="give the tokenizer a chat template")
     ap.add_argument("--write-data", metavar="DIR",
                     help="also (re)write tiny_train.jsonl / tiny_val.jsonl into DIR")
     args = ap.parse_args(argv)
@@ -175,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         out = build_tiny_model(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers,
                                heads=args.heads, head_dim=args.head_dim, intermediate=args.intermediate,
-                               vocab_size=args.vocab_size)
+                               vocab_size=args.vocab_size, chat_template=args.chat_template)
         print(f"built tiny model in {out} (sha256 {model_digest(out)[:12]})")
     return 0
 

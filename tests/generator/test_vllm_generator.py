@@ -195,6 +195,26 @@ def test_logprobs_match_transformers_through_the_prefix_cache(engine, model_dir)
     assert max(abs(a - b) for a, b in zip(scored, c.logprobs)) < TOL
 
 
+def test_a_chat_prompt_reaches_vllm_as_the_templates_ids(engine, model_dir, tmp_path):
+    """A chat-format row, rendered once by the model's template (data.* with
+    messages), is sent to vLLM as those ids, not re-encoded from its text; the
+    logprobs vLLM reports for them are transformers' on the same ids."""
+    from transformers import AutoTokenizer
+
+    from pipeline.inputs.datasets import ChatTemplate, load_prompts
+    from pipeline.inputs.tiny import TINY_CHAT_TEMPLATE
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "repeat: 7"}], "answer": "7"}\n')
+    prompt = load_prompts(rows, chat=ChatTemplate(tokenizer, system_prompt="Answer with digits."))[0]
+    assert prompt.text.startswith("<s><|system|>\nAnswer with digits.</s>\n<|user|>\nrepeat: 7</s>")
+    assert prompt.token_ids[0] == tokenizer.bos_token_id and prompt.token_ids.count(tokenizer.bos_token_id) == 1
+    out = draw(engine, [prompt], 2)
+    assert all(c.prompt_ids == prompt.token_ids for c in out[0])
+    assert max_gap(hf_model(model_dir), out) < TOL
+
+
 def test_logprobs_are_of_the_tempered_distribution(engine, model_dir):
     """The trainer divides its logits by the sampling temperature; the
     engine's logprobs must be of that same distribution."""

@@ -49,7 +49,9 @@ def test_ids_are_generated_from_kind_when_absent(tmp_path):
      "line 3: field 'answer' is empty"),
     ("int_answer.jsonl", [{"prompt": "p", "answer": 7}], "line 1: field 'answer' is a number, not a string"),
     ("bool_answer.jsonl", [{"prompt": "p", "answer": True}], "line 1: field 'answer' is a boolean, not a string$"),
-    ("list_prompt.jsonl", [{"prompt": ["p"], "answer": "a"}], "line 1: field 'prompt' is a list, not a string"),
+    # A list is read as chat messages (issue: chat-format data), so its items must be messages.
+    ("list_prompt.jsonl", [{"prompt": ["p"], "answer": "a"}],
+     "line 1: field 'prompt': message 0 must be an object with string 'role' and 'content'"),
     ("dup_id.jsonl", [{"id": "x", "prompt": "p", "answer": "a"}] * 2, "line 2: field 'id' repeats 'x' from line 1"),
     ("some_ids.jsonl", [{"id": "x", "prompt": "p", "answer": "a"}, {"prompt": "p", "answer": "a"}],
      "line 2: field 'id' is missing"),
