@@ -105,22 +105,35 @@ TINY_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>
                       "\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
+# architecture -> (transformers config class, model class)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
 def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2,
                      heads: int = 4, head_dim: int = 32, intermediate: int = 128,
                      vocab_size: int = 384, max_positions: int = 512,
                      tie_embeddings: bool = False, init_std: float = 0.02,
-                     corpus: str | Path = TOKENIZER_CORPUS, chat_template: bool = False) -> Path:
+                     corpus: str | Path = TOKENIZER_CORPUS, chat_template: bool = False,
+                     architecture: str = "llama", kv_heads: int | None = None) -> Path:
     """Build and save a random tiny Llama and its tokenizer into `out_dir`.
 
     head_dim defaults to 32 rather than hidden // heads (16) because vLLM's CPU
     attention only supports head sizes 32, 64, 80, ...; Llama allows
     heads * head_dim != hidden. Weights are fp32 so vLLM (dtype float32) and
     transformers compute the same logprobs. `chat_template`: the tokenizer
-    gets TINY_CHAT_TEMPLATE, for chat-format datasets.
+    gets TINY_CHAT_TEMPLATE, for chat-format datasets. `architecture`: one of
+    ARCHITECTURES, the families users train (Qwen2: q/k/v biases; Qwen3: q/k
+    norms); `kv_heads` < heads: grouped-query attention.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r}: one of {', '.join(ARCHITECTURES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size, corpus=corpus)
@@ -128,19 +141,26 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
     # The HF vocab must be the tokenizer's real length: vLLM pads internally
     # and reload_weights expects the unpadded [len(tokenizer), hidden] shapes.
+    config_class, model_class = ARCHITECTURES[architecture]
+    if architecture != "llama":
+        # As AutoTokenizer loads it beside this model type: transformers picks the family's
+        # tokenizer class (Qwen2's adds <|endoftext|>), and vLLM and the trainer load that one.
+        tokenizer.save_pretrained(out)
+        getattr(transformers, config_class)().save_pretrained(out)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     n_vocab = len(tokenizer)
-    config = LlamaConfig(
+    config = getattr(transformers, config_class)(
         vocab_size=n_vocab, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
         head_dim=head_dim, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
         initializer_range=init_std,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie_embeddings,
-        dtype="float32", architectures=["LlamaForCausalLM"])
+        dtype="float32", architectures=[model_class])
     # Seed a private generator state, not the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = getattr(transformers, model_class)(config).to(torch.float32)
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
