@@ -20,7 +20,7 @@ from dags.tokens import Batch, Gate, TrainOut
 from pipeline.generator.worker import GeneratorWorker
 from pipeline.core.node import NodeError
 from pipeline.trainer.worker import TrainerWorker
-from pipeline.core.types import TRAJECTORY_SCHEMA
+from tests.support.training_helpers import make_table
 from pipeline.config import load_config
 from pipeline.run.runner import task_error
 
@@ -128,8 +128,8 @@ def test_train_accepts_batches_of_its_own_version(tmp_path, ray_session):
     """The bound is inclusive: a batch generated with the trainer's current weights
     (synchronous RL, max_age 0) trains, and the version rises by one."""
     worker = trainer(tmp_path)
-    # The simulated trainer reads only the row count: an empty table of the trajectory schema will do.
-    table = TRAJECTORY_SCHEMA.empty_table()
+    # One prompt group (an empty batch would skip the update: dynamic sampling's case).
+    table = make_table(groups=1, group_size=worker.cfg.schedule.group_size)
     out = worker.train(Batch(0, ("t0.g0",), (0,), (ray.put(table),)))
     assert out.version == 1 and worker.version == 1
     assert ray.get(out.weights_ref[0]) == (1, {"sim_updates": 1})
