@@ -24,16 +24,21 @@ this project; its figures are recorded below with how they were taken.
     .venv/bin/python -m benchmarks.seeds --algorithms grpo_lora ppo_lora --modes 1 --steps 60 --result seeds_lora
     .venv/bin/python -m benchmarks.seeds --algorithms dr_grpo rloo reinforce_pp dapo gspo cispo ppo_epochs \
         --steps 60 --result seeds_algos     # the presets: 7 x 2 modes x 5 seeds, ~90 min on 2 cores
+    .venv/bin/python -m benchmarks.seeds --algorithms gspo cispo --steps 60 --result seeds_algos --merge
+        # adds runs to an existing result (each run records the commit it ran at)
+
+The result is written after every run, so a benchmark stopped half-way keeps what it measured.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.harness import machine_info, median_with_never, print_table, sample_load, shutdown_ray
-from benchmarks.harness import start_ray, write_result
+from benchmarks.harness import RESULTS, start_ray, write_result
 from benchmarks.workloads import MODES, RECIPES, REWARD_BAR, VAL_BAR, WINDOW, learning_run
 
 # Hugging Face TRL 1.16.0 GRPOTrainer (one process, plain `generate`) on this project's
@@ -83,6 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--keep-runs", type=Path, help="keep every run directory under this folder")
     ap.add_argument("--out", type=Path, help="directory for the result (default benchmarks/results)")
     ap.add_argument("--result", default="seeds", help="result file name: <result>.json (the LoRA recipes: seeds_lora)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the runs of an existing <result>.json that this invocation does not repeat")
     args = ap.parse_args(argv)
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2, 3, 4])
     algorithms = args.algorithms or (["grpo"] if args.quick else ["grpo", "ppo"])
@@ -97,7 +104,29 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="dagrl_seeds_"))
     runs_dir = args.keep_runs or (tmp / "runs")
     model = build_tiny_model(tmp / "tiny")
+    planned = {(a, MODES[m], s) for a in algorithms for m in modes for s in seeds}
+    earlier = (args.out or RESULTS) / f"{args.result}.json"
     runs: list[dict] = []
+    if args.merge and earlier.is_file():
+        old = json.loads(earlier.read_text())
+        if old["params"]["steps"] != steps or old["params"]["model_sha256"] != model_digest(model):
+            raise SystemExit(f"--merge: {earlier} was measured with other steps or another model; "
+                             f"its runs cannot share a table with these")
+        runs = [{"git_commit": old["machine"]["git_commit"], "git_dirty": old["machine"]["git_dirty"], **r}
+                for r in old["runs"] if (r["algorithm"], r["mode"], r["seed"]) not in planned]
+
+    def result() -> dict:
+        return {
+            "benchmark": "seeds", "quick": args.quick, "machine": info,
+            "params": {"seeds": sorted({r["seed"] for r in runs} | set(seeds)),
+                       "algorithms": list(dict.fromkeys([r["algorithm"] for r in runs] + algorithms)),
+                       "max_ages": modes, "steps": steps,
+                       "val_period": val_period, "overrides": args.set, "model_sha256": model_digest(model),
+                       "reward_bar": REWARD_BAR, "window": WINDOW, "val_bar": VAL_BAR},
+            "wall_s": round(time.time() - t_start, 1),
+            "summary": summarize(runs), "trl_reference": TRL_REFERENCE, "runs": runs,
+        }
+
     start_ray()
     try:
         for algorithm in algorithms:
@@ -105,21 +134,14 @@ def main(argv: list[str] | None = None) -> dict:
                 for seed in seeds:
                     sample_load(info)
                     run = learning_run(algorithm, max_age, seed, steps, val_period, model, runs_dir, args.set)
-                    runs.append(run)
+                    runs.append({**run, "git_commit": info["git_commit"], "git_dirty": info["git_dirty"]})
                     print(f"{algorithm} {run['mode']} seed {seed}: final val {run['final_val']}, "
                           f"steps to {REWARD_BAR} {run['steps_to_0.7']}, {run['wall_s']} s", flush=True)
+                    write_result(args.result, result(), args.out)
     finally:
         shutdown_ray()
-    summary = summarize(runs)
-    result = {
-        "benchmark": "seeds", "quick": args.quick, "machine": info,
-        "params": {"seeds": seeds, "algorithms": algorithms, "max_ages": modes, "steps": steps,
-                   "val_period": val_period, "overrides": args.set, "model_sha256": model_digest(model),
-                   "reward_bar": REWARD_BAR, "window": WINDOW, "val_bar": VAL_BAR},
-        "wall_s": round(time.time() - t_start, 1),
-        "summary": summary, "trl_reference": TRL_REFERENCE, "runs": runs,
-    }
-    path = write_result(args.result, result, args.out)
+    summary = result()["summary"]
+    path = write_result(args.result, result(), args.out)
     rows = [[key, s["seeds_val_ge_0.9"], len(s["seeds"]), s["final_val"], s["steps_to_0.7"], s["median_steps_to_0.7"]]
             for key, s in summary.items() if isinstance(s, dict)]
     print_table(["recipe/mode", "val>=0.9", "seeds", "final val", "steps to 0.7", "median"], rows,
@@ -128,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not isinstance(v, dict):
             print(f"{key}: {v:.3f}")
     print(f"wrote {path}")
-    return result
+    return result()
 
 
 if __name__ == "__main__":

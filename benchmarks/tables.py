@@ -133,6 +133,9 @@ def seeds(r: dict) -> str:
                      f"{trl['steps_to_0.7']['min']}-{trl['steps_to_0.7']['max']}", "", ""])
     head = (f"seeds {p['seeds']}, {p['steps']} steps, validation every {p['val_period']} steps; "
             f"{machine(r)}")
+    commits = {(run["git_commit"][:8], run["git_dirty"]) for run in r["runs"] if "git_commit" in run}
+    if len(commits) > 1:  # merged from several invocations (seeds.py --merge)
+        head += "; runs taken at commits " + ", ".join(c + (" (dirty)" if d else "") for c, d in sorted(commits))
     table = md(["algorithm", "mode", f"final val >= {p['val_bar']}", "final val per seed",
                 f"steps to {p['reward_bar']} (per seed)", "median", "async / sync"], rows)
     marks = [k for k in range(0, p["steps"], 10)] + [p["steps"] - 1]
@@ -384,6 +387,7 @@ def long_run(r: dict) -> str:
 SECTIONS = (
     ("seeds", seeds, "learning on every seed, full fine-tunes (`seeds.py`)"),
     ("seeds_lora", seeds, "learning on every seed, LoRA (`seeds.py --algorithms grpo_lora ppo_lora`)"),
+    ("seeds_algos", seeds, "learning on every seed, the algorithm presets (`seeds.py --algorithms dr_grpo rloo ...`)"),
     ("tool_seeds", tool_seeds, "the multi-turn recipes across seeds (`tool_seeds.py`)"),
     ("vs_trl", vs_trl, "against TRL's GRPOTrainer (`vs_trl.py`)"),
     ("step_profile", step_profile, "where a step and the start-up go (`step_profile.py`)"),
