@@ -23,7 +23,7 @@ this project; its figures are recorded below with how they were taken.
     .venv/bin/python -m benchmarks.seeds --quick      # CI smoke: one 3-step run; not a measurement
     .venv/bin/python -m benchmarks.seeds --algorithms grpo_lora ppo_lora --modes 1 --steps 60 --result seeds_lora
     .venv/bin/python -m benchmarks.seeds --algorithms dr_grpo rloo reinforce_pp dapo gspo cispo ppo_epochs \
-        --steps 60 --result seeds_algos     # the presets: 7 x 2 modes x 5 seeds, ~90 min on 2 cores
+        --steps 60 --result seeds_algos     # the presets: 7 x 2 modes x 5 seeds, ~34 min on 2 cores
     .venv/bin/python -m benchmarks.seeds --algorithms gspo cispo --steps 60 --result seeds_algos --merge
         # adds runs to an existing result (each run records the commit it ran at)
 
@@ -104,12 +104,13 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="dagrl_seeds_"))
     runs_dir = args.keep_runs or (tmp / "runs")
     model = build_tiny_model(tmp / "tiny")
+    digest = model_digest(model)
     planned = {(a, MODES[m], s) for a in algorithms for m in modes for s in seeds}
     earlier = (args.out or RESULTS) / f"{args.result}.json"
     runs: list[dict] = []
     if args.merge and earlier.is_file():
         old = json.loads(earlier.read_text())
-        if old["params"]["steps"] != steps or old["params"]["model_sha256"] != model_digest(model):
+        if old["params"]["steps"] != steps or old["params"]["model_sha256"] != digest:
             raise SystemExit(f"--merge: {earlier} was measured with other steps or another model; "
                              f"its runs cannot share a table with these")
         runs = [{"git_commit": old["machine"]["git_commit"], "git_dirty": old["machine"]["git_dirty"], **r}
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
             "benchmark": "seeds", "quick": args.quick, "machine": info,
             "params": {"seeds": sorted({r["seed"] for r in runs} | set(seeds)),
                        "algorithms": list(dict.fromkeys([r["algorithm"] for r in runs] + algorithms)),
-                       "max_ages": modes, "steps": steps,
-                       "val_period": val_period, "overrides": args.set, "model_sha256": model_digest(model),
+                       "max_ages": sorted({r["max_age"] for r in runs} | set(modes)), "steps": steps,
+                       "val_period": val_period, "overrides": args.set, "model_sha256": digest,
                        "reward_bar": REWARD_BAR, "window": WINDOW, "val_bar": VAL_BAR},
             "wall_s": round(time.time() - t_start, 1),
             "summary": summarize(runs), "trl_reference": TRL_REFERENCE, "runs": runs,
@@ -140,8 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
                     write_result(args.result, result(), args.out)
     finally:
         shutdown_ray()
-    summary = result()["summary"]
-    path = write_result(args.result, result(), args.out)
+    final = result()
+    summary = final["summary"]
+    path = write_result(args.result, final, args.out)
     rows = [[key, s["seeds_val_ge_0.9"], len(s["seeds"]), s["final_val"], s["steps_to_0.7"], s["median_steps_to_0.7"]]
             for key, s in summary.items() if isinstance(s, dict)]
     print_table(["recipe/mode", "val>=0.9", "seeds", "final val", "steps to 0.7", "median"], rows,
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not isinstance(v, dict):
             print(f"{key}: {v:.3f}")
     print(f"wrote {path}")
-    return result()
+    return final
 
 
 if __name__ == "__main__":
