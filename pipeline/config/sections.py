@@ -140,7 +140,9 @@ class LoraConfig:
 class TrainingConfig:
     """The DeepSpeed engines: the policy's, and PPO's critic's."""
     zero_stage: int = _key(0, "DeepSpeed ZeRO stage", ge=0, le=3)
-    dtype: Literal["fp32", "bf16"] = _key("fp32", "training dtype")
+    dtype: Literal["fp32", "bf16", "auto"] = _key(
+        "fp32", "training dtype (fp32 master weights either way); auto: bf16 where the trainer's device has it "
+        "(a GPU with bf16, a CPU with AMX-BF16 or AVX-512 BF16), else fp32 (pipeline/core/precision.py)")
     micro_batch_size: int = _key(8, "rows per forward/backward; one optimizer step per batch", ge=1)
     grad_accum: int = _key(1, "DeepSpeed's nominal accumulation (train_batch_size = micro x accum)", ge=1)
     lr: float = _key(1e-4, "policy learning rate (AdamW)", gt=0)

@@ -62,7 +62,7 @@ class CriticWorker(Actor):
         self._lock = threading.Lock()
         self.skipped = SkippedSteps(self.log, "critic", cfg.fault.max_nonfinite_steps, loss_key="value_loss")
         self.heap = memory.HeapCap()
-        self.log.emit("worker_ready", spans=spans.take())
+        self.log.emit("worker_ready", spans=spans.take(), dtype=getattr(self.engine, "dtype", None))
 
     def _shard(self, table: pa.Table) -> Shard | None:
         return table_shard(table, self.cfg.schedule.group_size, self.rank, self.world_size,

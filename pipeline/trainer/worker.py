@@ -53,7 +53,8 @@ class TrainerWorker(Actor):
             exported = self.engine.export_weights()
             if self.rank == 0:
                 self._hold(start_version, self._put(start_version, exported))
-        self.log.emit("worker_ready", spans=spans.take())
+        # training.dtype as this rank resolved it (auto: by its own device).
+        self.log.emit("worker_ready", spans=spans.take(), dtype=getattr(self.engine, "dtype", None))
         return self.log.now()
 
     def current_weights(self) -> tuple[int, tuple, Clock]:

@@ -165,6 +165,24 @@ def test_bf16_trains_and_zero0_matches_zero2(model_dir):
     b0.close(), b2.close()
 
 
+def test_dtype_auto_trains_in_what_this_machine_has(model_dir):
+    """training.dtype auto through the trainer's own engine builder: bf16 on a
+    CPU with AMX-BF16 or AVX-512 BF16 (or a GPU with bf16), fp32 elsewhere."""
+    from pipeline.config import load_config
+    from pipeline.core.precision import cpu_bf16_flags
+    from pipeline.trainer.engines import training_engine
+    cfg = load_config("examples/tiny_grpo.yaml", [f"model.path={model_dir}", "training.dtype=auto",
+                                                  "schedule.group_size=2", "training.micro_batch_size=4"])
+    has_bf16 = torch.cuda.is_bf16_supported() if CUDA else bool(cpu_bf16_flags())
+    engine = training_engine(cfg)
+    assert engine.dtype == ("bf16" if has_bf16 else "fp32")
+    metrics = grpo_step(engine, make_table())
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    exported = engine.export_weights()
+    assert {v.dtype for v in exported.values()} == {torch.bfloat16 if has_bf16 else torch.float32}
+    engine.close()
+
+
 def test_kl_to_frozen_reference(model_dir):
     e = make_engine(model_dir, kl_coef=0.1, lr=1e-2)
     table = make_table()

@@ -264,6 +264,9 @@ def test_a_real_run_whose_every_reward_is_nan_stops_naming_max_reward_failures(t
                          "metrics.tensorboard=false"], log, timeout_s=400)
     out = log.read_text()
     assert status == 1, out[-3000:]
+    # The run's first line: this machine's bf16 units (training.dtype auto would use them).
+    from pipeline.core.precision import cpu_bf16_flags, describe_cpu
+    assert out.splitlines()[0] == describe_cpu("fp32", cpu_bf16_flags()), out[:2000]
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert errors and re.search(r"failed on \d+ samples, more than fault.max_reward_failures \(0\); the last: "
                                 r"prompt \S+: reward function returned nan", errors[-1]), out[-3000:]
