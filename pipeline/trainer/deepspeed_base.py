@@ -320,9 +320,10 @@ class DeepSpeedEngine(abc.ABC):
 
         Returns loss (the batch's token mean), grad_norm (before clipping),
         tokens, micro_batches (this rank's), nonfinite_skipped (1.0 when a NaN or
-        inf loss or gradient left the weights and optimizer as they were), and
-        the batch's token mean of each of _loss's metrics: over every rank, so
-        all ranks return the same.
+        inf loss or gradient left the weights and optimizer as they were),
+        pad_token_share (the micro-batches' pad positions over all positions the
+        forward passes ran on), and the batch's token mean of each of _loss's
+        metrics: over every rank, so all ranks return the same.
         """
         tokens = sum(sum(r["loss_mask"]) for r in rows)
         if shard is None:
@@ -330,7 +331,7 @@ class DeepSpeedEngine(abc.ABC):
                           sum(1 in r["loss_mask"] for r in rows))
         chunks = self._lockstep_chunks(len(rows), shard)
         n = max(shard.batch_tokens, 1)
-        loss_sum, sums = 0.0, {}
+        loss_sum, sums, positions, pads = 0.0, {}, 0, 0
         for k, idx in enumerate(chunks):
             # One optimizer step per table, however many micro-batches it takes
             # (deepspeed's own counter would step every grad_accum micro-batches).
@@ -342,6 +343,9 @@ class DeepSpeedEngine(abc.ABC):
             loss, m = self._loss(batch, shard)
             if idx is None:
                 loss, m = loss * 0.0, {}
+            else:
+                positions += batch["attn"].numel()
+                pads += batch["attn"].numel() - int(batch["attn"].sum())
             with span("train.backward"):
                 # DeepSpeed averages gradients over the ranks; the sum is what one process would have.
                 self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
@@ -356,14 +360,15 @@ class DeepSpeedEngine(abc.ABC):
             grad_norm, skipped = step_with_grad_norm(self.engine, self.zero_stage, math.isfinite(loss_sum),
                                                      self.world_size)
         keys = sorted(sums)
-        totals = [loss_sum, float(tokens), *(sums[k] for k in keys)]
+        totals = [loss_sum, float(tokens), float(positions), float(pads), *(sums[k] for k in keys)]
         if self.world_size > 1:
             summed = torch.tensor(totals, dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(summed)
             totals = summed.tolist()
         return {"loss": totals[0], "grad_norm": grad_norm, "tokens": totals[1],
                 "micro_batches": float(len(chunks)), "nonfinite_skipped": float(skipped), "lr": lr,
-                **{key: s / n for key, s in zip(keys, totals[2:])}}
+                "pad_token_share": totals[3] / max(totals[2], 1.0),
+                **{key: s / n for key, s in zip(keys, totals[4:])}}
 
     # Optimizer steps per train_step (the policy's epochs x mini-batches).
     updates_per_batch = 1

@@ -165,6 +165,16 @@ def test_bf16_trains_and_zero0_matches_zero2(model_dir):
     b0.close(), b2.close()
 
 
+@pytest.mark.parametrize("micro,share", [(4, 7 / 46), (6, 15 / 54)])
+def test_pad_token_share_counts_the_padding_the_micro_batches_ran_on(model_dir, micro, share):
+    # make_table's rows are 4, 5, 6, 7, 8 and 9 tokens (prompt + response). Micro-batches
+    # of 4: widths 7 (4 rows, 6 pads) and 9 (2 rows, 1 pad), 7 pads in 46 positions;
+    # one micro-batch of 6: width 9, 54 - 39 = 15 pads.
+    engine = make_engine(model_dir, micro_batch_size=micro)
+    assert grpo_step(engine, make_table())["pad_token_share"] == pytest.approx(share)
+    engine.close()
+
+
 def test_dtype_auto_trains_in_what_this_machine_has(model_dir):
     """training.dtype auto through the trainer's own engine builder: bf16 on a
     CPU with AMX-BF16 or AVX-512 BF16 (or a GPU with bf16), fp32 elsewhere."""
