@@ -132,7 +132,7 @@ def seeds(r: dict) -> str:
                      ", ".join(f"{v:.2f}" for v in trl["final_val"]),
                      f"{trl['steps_to_0.7']['min']}-{trl['steps_to_0.7']['max']}", "", ""])
     head = (f"seeds {p['seeds']}, {p['steps']} steps, validation every {p['val_period']} steps; "
-            f"{machine(r)}")
+            + (f"every run with `{' '.join(p['overrides'])}`; " if p.get("overrides") else "") + machine(r))
     commits = {(run["git_commit"][:8], run["git_dirty"]) for run in r["runs"] if "git_commit" in run}
     if len(commits) > 1:  # merged from several invocations (seeds.py --merge)
         head += "; runs taken at commits " + ", ".join(c + (" (dirty)" if d else "") for c, d in sorted(commits))
@@ -356,6 +356,23 @@ def lora_trainer(r: dict) -> str:
                                           text_cols=1))
 
 
+def batching(r: dict) -> str:
+    p, lengths = r["params"], r["params"]["lengths"]
+    rows = [[c["micro_batch_size"], c["max_tokens"] or "off", c["micro_batches"], f"{c['pad_token_share']:.3f}",
+             f"{c['step_s']:.3g}", f"{c['step_over_rows']:.2f}", f"{c['loss_diff']:.2g}"] for c in r["cases"]]
+    head = (f"DeepSpeed policy engine, CPU, fp32, ZeRO 0, one rank, the {p['size']} model; {p['steps']} GRPO updates "
+            f"on {p['rows']} rows of {lengths['min']}-{lengths['max']} tokens (median {lengths['median']:.0f}). "
+            f"{machine(r)}
+
+")
+    return (head + md(["micro_batch_size", "max_tokens_per_micro_batch", "micro-batches", "pad_token_share",
+                       "step (s)", "step / rows' step", "loss diff"], rows, text_cols=0)
+            + f"
+
+Target: pad_token_share <= {r['targets']['pad_token_share_max']} under a budget: "
+            + ("met" if r["targets_met"]["pad_token_share"] else "missed") + ".")
+
+
 def soak(r: dict) -> str:
     p, t = r["params"], r["totals"]
     walls = [x["wall_s"] for x in r["runs"]]
@@ -387,6 +404,7 @@ def long_run(r: dict) -> str:
 SECTIONS = (
     ("seeds", seeds, "learning on every seed, full fine-tunes (`seeds.py`)"),
     ("seeds_lora", seeds, "learning on every seed, LoRA (`seeds.py --algorithms grpo_lora ppo_lora`)"),
+    ("seeds_bf16", seeds, "learning on every seed, full fine-tunes trained in bf16 (`seeds.py --set training.dtype=bf16`)"),
     ("seeds_algos", seeds, "learning on every seed, the algorithm presets (`seeds.py --algorithms dr_grpo rloo ...`)"),
     ("tool_seeds", tool_seeds, "the multi-turn recipes across seeds (`tool_seeds.py`)"),
     ("vs_trl", vs_trl, "against TRL's GRPOTrainer (`vs_trl.py`)"),
@@ -400,6 +418,7 @@ SECTIONS = (
     ("multiturn", multiturn, "multi-turn rollouts with a tool, async against sync (`multiturn.py`)"),
     ("refit", refit, "a refit, object store against collective, full against LoRA (`refit.py`)"),
     ("lora_trainer", lora_trainer, "trainer memory and step time, full against LoRA (`lora_trainer.py`)"),
+    ("batching", batching, "padding and train-step time, rows against a token budget (`batching.py`)"),
     ("soak", soak, "faults under randomized schedules (`soak.py`)"),
     ("long_run", long_run, "memory, object store and step time over thousands of steps (`long_run.py`)"),
 )

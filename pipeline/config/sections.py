@@ -144,6 +144,9 @@ class TrainingConfig:
         "fp32", "training dtype (fp32 master weights either way); auto: bf16 where the trainer's device has it "
         "(a GPU with bf16, a CPU with AMX-BF16 or AVX-512 BF16), else fp32 (pipeline/core/precision.py)")
     micro_batch_size: int = _key(8, "rows per forward/backward; one optimizer step per batch", ge=1)
+    max_tokens_per_micro_batch: int = _key(
+        0, "a token budget per forward/backward instead of micro_batch_size rows: rows longest first, as many "
+        "as fit once padded to the longest (pad_token_share shows the padding left); 0 = off", ge=0)
     grad_accum: int = _key(1, "DeepSpeed's nominal accumulation (train_batch_size = micro x accum)", ge=1)
     lr: float = _key(1e-4, "policy learning rate (AdamW)", gt=0)
     weight_decay: float = _key(0.0, "AdamW's decoupled weight decay (policy and critic)", ge=0)

@@ -41,10 +41,46 @@ class Shard:
     batch_seqs: int         # rows of the whole batch with a trained token (the seq-mean losses' divisor)
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How a rank cuts its rows into micro-batches: `micro_batch_size` rows in
+    table order, or with `max_tokens` (training.max_tokens_per_micro_batch) by
+    a token budget: rows longest first, each micro-batch as many as fit
+    `max_tokens` once padded to its longest row (a row over the budget alone).
+    Rows of like length share a micro-batch, so little of a forward is padding;
+    the loss is the batch's token mean either way (each micro-batch divides by
+    the batch's tokens), the same up to the order of the float sums."""
+    micro_batch_size: int
+    max_tokens: int = 0
+
+    def split(self, lengths: list[int]) -> list[list[int]]:
+        """Row indices of each micro-batch, for rows of `lengths` tokens (prompt + response)."""
+        n = len(lengths)
+        if not self.max_tokens:
+            return [list(range(i, min(i + self.micro_batch_size, n))) for i in range(0, n, self.micro_batch_size)]
+        chunks: list[list[int]] = []
+        for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+            # Longest first: a micro-batch's first row is its widest, so width x rows is its padded size.
+            if chunks and lengths[chunks[-1][0]] * (len(chunks[-1]) + 1) <= self.max_tokens:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        return chunks
+
+
+def row_lengths(table) -> list[int]:
+    """Each row's tokens as the trainer's forward sees them: prompt plus response."""
+    import pyarrow.compute as pc
+    prompt = pc.fill_null(pc.list_value_length(table.column("prompt_ids")), 0).to_numpy()
+    response = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_numpy()
+    return (prompt + response).tolist()
+
+
 def batch_shards(response_lengths: list[int], group_size: int, world_size: int,
-                 micro_batch_size: int) -> tuple[Shard, ...]:
+                 batching: Batching, lengths: list[int] | None = None) -> tuple[Shard, ...]:
     """One Shard per rank: contiguous runs of whole groups, as even as groups allow
-    (the first `groups % world_size` ranks take one group more)."""
+    (the first `groups % world_size` ranks take one group more). `lengths`, each
+    row's prompt plus response tokens, count the micro-batches of a token budget."""
     rows = len(response_lengths)
     if group_size < 1 or rows % group_size:
         raise ValueError(f"{rows} rows do not split into groups of {group_size}")
@@ -57,7 +93,10 @@ def batch_shards(response_lengths: list[int], group_size: int, world_size: int,
         stop = start + (groups // world_size + (rank < groups % world_size)) * group_size
         bounds.append((start, stop))
         start = stop
-    micro = max(-(-(stop - start) // micro_batch_size) for start, stop in bounds)
+    if batching.max_tokens and lengths is None:
+        raise ValueError("a token budget (training.max_tokens_per_micro_batch) needs the rows' lengths")
+    widths = lengths if lengths is not None else [0] * rows
+    micro = max(len(batching.split(widths[start:stop])) for start, stop in bounds)
     tokens, seqs = sum(response_lengths), sum(n > 0 for n in response_lengths)
     return tuple(Shard(start, stop, rank, world_size, tokens, micro, seqs) for rank, (start, stop) in enumerate(bounds))
 
@@ -68,11 +107,11 @@ def rank_name(role: str, rank: int, world_size: int) -> str:
     return role if world_size == 1 else f"{role}{rank}"
 
 
-def table_shard(table, group_size: int, rank: int, world_size: int, micro_batch_size: int) -> Shard | None:
+def table_shard(table, group_size: int, rank: int, world_size: int, batching: Batching) -> Shard | None:
     """Rank `rank`'s Shard of a trajectory table (pyarrow), or None when it is alone."""
     if world_size == 1:
         return None
-    return batch_shards(trained_tokens(table), group_size, world_size, micro_batch_size)[rank]
+    return batch_shards(trained_tokens(table), group_size, world_size, batching, row_lengths(table))[rank]
 
 
 def trained_tokens(table) -> list[int]:

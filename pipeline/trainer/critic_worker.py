@@ -28,7 +28,7 @@ from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.algos.ppo import compute_advantages
 from pipeline.trainer.engines import critic_engine
-from pipeline.core.data_parallel import Rendezvous, Shard, rank_name, table_shard
+from pipeline.core.data_parallel import Batching, Rendezvous, Shard, rank_name, table_shard
 from pipeline.config import Config
 from pipeline.core import memory
 from pipeline.core import spans
@@ -66,7 +66,8 @@ class CriticWorker(Actor):
 
     def _shard(self, table: pa.Table) -> Shard | None:
         return table_shard(table, self.cfg.schedule.group_size, self.rank, self.world_size,
-                           self.cfg.training.micro_batch_size)
+                           Batching(self.cfg.training.micro_batch_size,
+                                     self.cfg.training.max_tokens_per_micro_batch))
 
     @node("critic_values")
     def critic_values(self, batch: Batch) -> Values:

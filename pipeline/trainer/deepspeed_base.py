@@ -25,7 +25,7 @@ import torch
 
 from pipeline.trainer import finite
 from pipeline.trainer.optim import Optimizer, set_lr
-from pipeline.core.data_parallel import Rendezvous, Shard, free_port
+from pipeline.core.data_parallel import Batching, Rendezvous, Shard, free_port
 from pipeline.inputs.models import check_model_files
 from pipeline.core.spans import span
 
@@ -250,7 +250,8 @@ def load_engine_state(engine, path: str | Path, trainable_only: bool = False) ->
 class DeepSpeedEngine(abc.ABC):
     """A DeepSpeed-wrapped model that takes one optimizer step per table.
 
-    A step covers the whole table in micro-batches of `micro_batch_size` rows;
+    A step covers the whole table in micro-batches of `micro_batch_size` rows
+    (or of at most `max_tokens` padded tokens: data_parallel.Batching);
     `grad_accum` only sets deepspeed's nominal train_batch_size (micro * accum),
     the step boundary is the table's end. A subclass builds its model
     (_build_model, after seeding) and gives a micro-batch's loss (_loss).
@@ -258,12 +259,13 @@ class DeepSpeedEngine(abc.ABC):
 
     def __init__(self, model_path: str, *, zero_stage: int, dtype: str, micro_batch_size: int,
                  grad_accum: int, lr: float, seed: int, optimizer: Optimizer, num_threads: int | None,
-                 rank: int = 0, rendezvous: Rendezvous | None = None):
+                 rank: int = 0, rendezvous: Rendezvous | None = None, max_tokens: int = 0):
         self.ds_config = ds_config(micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=lr,
                                    optimizer=optimizer, zero_stage=zero_stage, dtype=dtype)
         self.lr, self.optimizer = lr, optimizer
         self.model_path = check_model_files(model_path, own_tokenizer=False)
         self.zero_stage, self.dtype, self.micro_batch_size = zero_stage, dtype, micro_batch_size
+        self.batching = Batching(micro_batch_size, max_tokens)
         self.deepspeed = start_deepspeed(num_threads, rank, rendezvous)
         self.rank, self.world_size = rank, torch.distributed.get_world_size()
         # Every rank starts from the same weights (DeepSpeed does not broadcast them).
@@ -287,18 +289,19 @@ class DeepSpeedEngine(abc.ABC):
         """Optimizer steps taken (one per train_step)."""
         return int(self.engine.global_steps)
 
-    def _chunks(self, n: int) -> list[range]:
-        return [range(i, min(i + self.micro_batch_size, n)) for i in range(0, n, self.micro_batch_size)]
+    def _chunks(self, rows: list[dict]) -> list[list[int]]:
+        """Row indices of each micro-batch of `rows` (self.batching)."""
+        return self.batching.split([len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows])
 
-    def _lockstep_chunks(self, n: int, shard: Shard) -> list[range | None]:
-        """This rank's micro-batches of its `n` rows, padded with None to the shard's
-        count: a rank with fewer rows runs zero-weight micro-batches, since ZeRO-3
+    def _lockstep_chunks(self, rows: list[dict], shard: Shard) -> list[list[int] | None]:
+        """This rank's micro-batches of its rows, padded with None to the shard's
+        count: a rank with fewer runs zero-weight micro-batches, since ZeRO-3
         gathers and reduces in every forward and backward, and each must meet the
         other ranks'."""
-        chunks: list[range | None] = list(self._chunks(n))
+        chunks: list[list[int] | None] = list(self._chunks(rows))
         if shard.world_size != self.world_size or len(chunks) > shard.micro_batches:
             raise ValueError(f"shard {shard} does not fit this engine (world size {self.world_size}, "
-                             f"{len(chunks)} micro-batches of {self.micro_batch_size})")
+                             f"{len(chunks)} micro-batches of {self.batching})")
         return chunks + [None] * (shard.micro_batches - len(chunks))
 
     def _rows(self, table: pa.Table, per_token: pa.Table, columns: tuple[str, ...],
@@ -327,9 +330,9 @@ class DeepSpeedEngine(abc.ABC):
         """
         tokens = sum(sum(r["loss_mask"]) for r in rows)
         if shard is None:
-            shard = Shard(0, len(rows), 0, 1, tokens, len(self._chunks(len(rows))),
+            shard = Shard(0, len(rows), 0, 1, tokens, len(self._chunks(rows)),
                           sum(1 in r["loss_mask"] for r in rows))
-        chunks = self._lockstep_chunks(len(rows), shard)
+        chunks = self._lockstep_chunks(rows, shard)
         n = max(shard.batch_tokens, 1)
         loss_sum, sums, positions, pads = 0.0, {}, 0, 0
         for k, idx in enumerate(chunks):

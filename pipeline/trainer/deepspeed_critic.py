@@ -52,13 +52,14 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
     def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
                  value_clip: float = 0.2, epochs: int = 1, seed: int = 0, optimizer: Optimizer = Optimizer(),
-                 num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None):
+                 num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None,
+                 max_tokens: int = 0):
         self.value_clip = value_clip
         # The learning-rate schedule counts batches: epochs optimizer steps make one.
         self.epochs = self.updates_per_batch = epochs
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
                          grad_accum=grad_accum, lr=lr, seed=seed, optimizer=optimizer,
-                         num_threads=num_threads, rank=rank, rendezvous=rendezvous)
+                         num_threads=num_threads, rank=rank, rendezvous=rendezvous, max_tokens=max_tokens)
 
     def _build_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -78,14 +79,15 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
         if shard is not None:
             table = table.slice(shard.start, shard.stop - shard.start)
         rows = table.select(["prompt_ids", "response_ids"]).to_pylist()
-        chunks = self._chunks(len(rows))
+        chunks = self._chunks(rows)
         extra = 0 if shard is None else shard.micro_batches - len(chunks)
-        out: list[list[float]] = []
+        out: list[list[float]] = [[] for _ in rows]
         with torch.no_grad():
             for idx in chunks:
                 batch = collate([rows[i] for i in idx], self.device, token_keys={})
                 v = self.engine(batch["ids"], batch["attn"], batch["start"])
-                out += [v[j][batch["mask"][j]].tolist() for j in range(len(idx))]
+                for j, i in enumerate(idx):  # a token budget takes rows out of table order
+                    out[i] = v[j][batch["mask"][j]].tolist()
             for _ in range(extra):
                 batch = collate(rows[:1], self.device, token_keys={})
                 self.engine(batch["ids"], batch["attn"], batch["start"])

@@ -16,7 +16,7 @@ import torch
 
 from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.weights import lora as adapters
-from pipeline.core.data_parallel import Rendezvous, Shard, batch_shards, trained_tokens
+from pipeline.core.data_parallel import Rendezvous, Shard, batch_shards, row_lengths, trained_tokens
 from pipeline.trainer.deepspeed_base import DeepSpeedEngine, collate, full_params, trajectory_rows
 from pipeline.trainer.optim import Optimizer
 from pipeline.inputs.models import TOKENIZER_FILES
@@ -42,7 +42,8 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                  reference: bool | None = None,
                  loss_options: dict | None = None, lora=None, seed: int = 0, temperature: float = 1.0,
                  optimizer: Optimizer = Optimizer(), epochs: int = 1, mini_batches: int = 1, group_size: int = 1,
-                 num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None):
+                 num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None,
+                 max_tokens: int = 0):
         self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
         # A KL reference for the loss (kl_coef) or for the rewards (reference_logprobs).
         self.reference = kl_coef > 0 if reference is None else reference
@@ -58,7 +59,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         self.temperature = temperature
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
                          grad_accum=grad_accum, lr=lr, seed=seed, optimizer=optimizer,
-                         num_threads=num_threads, rank=rank, rendezvous=rendezvous)
+                         num_threads=num_threads, rank=rank, rendezvous=rendezvous, max_tokens=max_tokens)
         if self.ref is not None:
             self.ref.to(self.device)
 
@@ -131,12 +132,13 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
     def reference_logprobs(self, table: pa.Table) -> list[list[float]]:
         """Each row's response-token logprobs under the KL reference, micro-batch
         by micro-batch (REINFORCE++'s KL in the reward: pipeline/algos/advantages.py)."""
-        rows, out = trajectory_rows(table), []
-        for idx in self._chunks(len(rows)):
-            chunk = [rows[i] for i in idx]
-            batch = collate(chunk, self.device, {})
+        rows = trajectory_rows(table)
+        out: list[list[float]] = [[] for _ in rows]
+        for idx in self._chunks(rows):
+            batch = collate([rows[i] for i in idx], self.device, {})
             lp = self._reference(batch)
-            out += [lp[j][batch["mask"][j]].float().tolist() for j in range(len(chunk))]
+            for j, i in enumerate(idx):  # a token budget takes rows out of table order
+                out[i] = lp[j][batch["mask"][j]].float().tolist()
         return out
 
     def train_step(self, table: pa.Table, advantages: pa.Table, shard: Shard | None = None) -> dict[str, float]:
@@ -183,7 +185,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
             stop = start + (groups // self.mini_batches + (k < groups % self.mini_batches)) * self.group_size
             part, adv = table.slice(start, stop - start), advantages.slice(start, stop - start)
             yield part, adv, batch_shards(trained_tokens(part), self.group_size, self.world_size,
-                                          self.micro_batch_size)[self.rank]
+                                          self.batching, row_lengths(part))[self.rank]
             start = stop
 
     @torch.no_grad()
@@ -191,7 +193,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         """Each row's logprobs under the weights before the first update, as row["old"]:
         micro-batch by micro-batch as the update will run, so that the ranks' gathers
         (ZeRO-3) pair up."""
-        for idx in self._lockstep_chunks(len(rows), shard):
+        for idx in self._lockstep_chunks(rows, shard):
             chunk = [rows[i] for i in idx] if idx is not None else rows[:1]
             batch = collate(chunk, self.device, {})
             lp = self.token_logprobs(self.engine, batch)

@@ -24,7 +24,8 @@ def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngi
                         horizon=cfg.generation.max_new_tokens * cfg.env.max_turns)
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
         return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=training_dtype(t.dtype),
-                                     micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+                                     micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch,
+                                     grad_accum=t.grad_accum,
                                      lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
                                      reference=g.kl_coef > 0 or cfg.reinforce_pp.kl_coef > 0,
                                      decoupled=g.decoupled, loss_options=loss_options,
@@ -54,6 +55,7 @@ def critic_engine(cfg: Config, rank: int = 0, rendezvous=None):
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
         return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=t.zero_stage,
                                      dtype=training_dtype(t.dtype), micro_batch_size=t.micro_batch_size,
+                                     max_tokens=t.max_tokens_per_micro_batch,
                                      grad_accum=t.grad_accum, lr=p.critic_lr, value_clip=p.value_clip,
                                      epochs=p.critic_epochs,
                                      optimizer=optimizer(cfg), seed=cfg.run.seed, rank=rank, rendezvous=rendezvous)

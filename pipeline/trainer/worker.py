@@ -16,7 +16,7 @@ from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.weights import packing
 from pipeline.trainer.engines import training_engine
-from pipeline.core.data_parallel import Rendezvous, rank_name, table_shard, trained_tokens
+from pipeline.core.data_parallel import Batching, Rendezvous, rank_name, table_shard, trained_tokens
 from pipeline.config import Config
 from pipeline.core import memory
 from pipeline.core import spans
@@ -191,7 +191,8 @@ class TrainerWorker(Actor):
     def _train_shard(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
         """This rank's update: its whole prompt groups of the batch (all of it when alone)."""
         shard = table_shard(table, self.cfg.schedule.group_size, self.rank, self.world_size,
-                            self.cfg.training.micro_batch_size)
+                            Batching(self.cfg.training.micro_batch_size,
+                                     self.cfg.training.max_tokens_per_micro_batch))
         if shard is None:
             return self.engine.train_step(table, advantages)
         return {**self.engine.train_step(table, advantages, shard), "shard_rows": float(shard.stop - shard.start)}

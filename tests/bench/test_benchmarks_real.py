@@ -77,6 +77,21 @@ def test_e2e_tiny_quick(tmp_path):
         assert run["failed_rollouts"] == 0
 
 
+def test_batching_quick_a_budget_keeps_the_loss_and_cuts_the_padding(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.batching", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"batching --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "targets" in proc.stdout
+    result = json.loads((tmp_path / "batching.json").read_text())
+    assert result["benchmark"] == "batching" and result["params"]["quick"] is True
+    rows, *budgets = result["cases"]
+    assert rows["max_tokens"] == 0 and rows["micro_batches"] == 8 and len(budgets) == 3
+    for case in budgets:
+        assert case["pad_token_share"] < rows["pad_token_share"] / 2, case
+        assert case["loss_diff"] < 1e-6, case  # the batch's token mean, whatever the grouping
+    assert isinstance(result["targets_met"]["pad_token_share"], bool)
+
+
 def _gpu_trainer(args: list[str], tmp_path: Path, timeout: float = 120, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", POISONED, "benchmarks.gpu_trainer", *args],
                           cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)

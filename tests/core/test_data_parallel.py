@@ -21,7 +21,7 @@ import torch
 from dags.tokens import Batch
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.weights import packing as flat
-from pipeline.core.data_parallel import batch_shards
+from pipeline.core.data_parallel import Batching, batch_shards
 from pipeline.config import load_config
 from tests.support.training_helpers import make_table, model_dir  # noqa: F401 (fixture)
 
@@ -32,7 +32,7 @@ TOLERANCE = 1e-5
 
 def test_shards_are_whole_groups_as_even_as_groups_allow():
     lengths = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]            # 5 groups of 2
-    shards = batch_shards(lengths, 2, 2, micro_batch_size=2)
+    shards = batch_shards(lengths, 2, 2, Batching(2))
     assert [(s.start, s.stop) for s in shards] == [(0, 6), (6, 10)]
     assert {s.batch_tokens for s in shards} == {55}
     assert {s.micro_batches for s in shards} == {3}      # rank 0's 6 rows in micro-batches of 2
@@ -41,17 +41,36 @@ def test_shards_are_whole_groups_as_even_as_groups_allow():
 
 def test_shards_refuse_a_batch_smaller_than_the_ranks_or_split_groups():
     with pytest.raises(ValueError, match="cannot feed 3 data-parallel ranks"):
-        batch_shards([1] * 4, 2, 3, 1)
+        batch_shards([1] * 4, 2, 3, Batching(1))
     with pytest.raises(ValueError, match="groups of 4"):
-        batch_shards([1] * 6, 4, 1, 1)
+        batch_shards([1] * 6, 4, 1, Batching(1))
 
 
-def _cfg(model, tmp_path, ranks: int, micro: int, zero: int):
+def test_a_token_budget_groups_rows_of_like_length_longest_first():
+    lengths = [4, 9, 5, 8, 6, 7, 30]
+    # Longest first; each micro-batch takes rows while rows x its first (widest) row fit 20.
+    assert Batching(2, max_tokens=20).split(lengths) == [[6], [1, 3], [5, 4], [2, 0]]
+    assert Batching(2).split(lengths) == [[0, 1], [2, 3], [4, 5], [6]]  # no budget: rows in order
+    chunks = Batching(8, max_tokens=64).split(lengths)
+    assert sorted(i for c in chunks for i in c) == list(range(7))
+    assert all(max(lengths[i] for i in c) * len(c) <= 64 or len(c) == 1 for c in chunks)
+
+
+def test_every_rank_runs_as_many_micro_batches_as_the_busiest_rank_needs_under_a_budget():
+    # Rank 0's rows [4, 5, 6, 7, 8, 9] -> [9, 8] [7, 6] [5, 4]; rank 1's [7, 8, 9, 10] -> [10, 9] [8, 7].
+    lengths = [4, 5, 6, 7, 8, 9, 7, 8, 9, 10]
+    shards = batch_shards([1] * 10, 2, 2, Batching(2, max_tokens=20), lengths)
+    assert {s.micro_batches for s in shards} == {3}
+    with pytest.raises(ValueError, match="needs the rows' lengths"):
+        batch_shards([1] * 10, 2, 2, Batching(2, max_tokens=20))
+
+
+def _cfg(model, tmp_path, ranks: int, micro: int, zero: int, budget: int = 0):
     return load_config(None, [
         "backend=real", f"model.path={model}", "data.train=data/tiny_train.jsonl",
         "data.reward=pipeline.inputs.rewards:tiny_reward", f"run.output_dir={tmp_path}", "schedule.group_size=2",
         f"training.ranks={ranks}", f"training.micro_batch_size={micro}", f"training.zero_stage={zero}",
-        "training.lr=1e-3"])
+        f"training.max_tokens_per_micro_batch={budget}", "training.lr=1e-3"])
 
 
 def _step(cfg, table, tmp_path) -> tuple[dict, list[dict]]:
@@ -73,14 +92,17 @@ def _step(cfg, table, tmp_path) -> tuple[dict, list[dict]]:
 
 
 # ZeRO-1 is ZeRO-2 less the gradient partitioning: no path of ours differs between them.
-@pytest.mark.parametrize("zero", [0, 2, 3])
+# budget: two ranks cutting by a token budget (training.max_tokens_per_micro_batch) under
+# ZeRO-3, whose every forward gathers with the other rank's, take the one-process step too.
+@pytest.mark.parametrize("zero,budget", [(0, 0), (2, 0), (3, 0), (3, 20)])
 @pytest.mark.real
-def test_two_ranks_take_the_single_process_step(model_dir, tmp_path, ray_session, zero):  # noqa: F811
-    # 5 groups of 2 with different lengths: rank 0 gets 3 groups (2 micro-batches of 2...
-    # 6 rows in micro-batches of 2 = 3), rank 1 gets 2 groups and one zero-weight micro-batch.
+def test_two_ranks_take_the_single_process_step(model_dir, tmp_path, ray_session, zero, budget):  # noqa: F811
+    # 5 groups of 2 with different lengths: rank 0 gets 3 groups (6 rows in micro-batches
+    # of 2 = 3), rank 1 gets 2 groups and one zero-weight micro-batch. With the budget of
+    # 20 tokens: rank 0's rows of 9, 8 | 7, 6 | 5, 4 tokens, rank 1's 10, 9 | 8, 7 and one zero-weight.
     table = make_table(groups=5, group_size=2)
     one, one_metrics = _step(_cfg(model_dir, tmp_path / "one", 1, 4, zero), table, tmp_path / "one")
-    two, two_metrics = _step(_cfg(model_dir, tmp_path / "two", 2, 2, zero), table, tmp_path / "two")
+    two, two_metrics = _step(_cfg(model_dir, tmp_path / "two", 2, 2, zero, budget), table, tmp_path / "two")
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
     assert worst <= TOLERANCE, f"2 ranks differ from 1 by {worst:.3g}"
     moved = max((one[k] - v).abs().max().item() for k, v in _initial(model_dir).items())

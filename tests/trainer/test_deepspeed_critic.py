@@ -55,6 +55,20 @@ def test_critic_value_alignment(model_dir):
     e.close()
 
 
+def test_critic_values_keep_table_order_under_a_token_budget(model_dir):
+    # The budget runs the rows longest first; each row's values must come back in its place.
+    table = make_table(responses=[[5] * n for n in (2, 12, 3, 11, 4, 10)])
+    rows_engine, budget_engine = critic(model_dir, micro_batch_size=2), critic(model_dir, max_tokens=24)
+    for e in (rows_engine, budget_engine):
+        with torch.no_grad():
+            torch.manual_seed(1)
+            e.engine.module.value_head.weight.normal_(std=0.1)
+    by_rows, by_budget = rows_engine.values(table), budget_engine.values(table)
+    assert [len(v) for v in by_budget] == [2, 12, 3, 11, 4, 10]
+    assert max(abs(a - b) for r, q in zip(by_rows, by_budget) for a, b in zip(r, q)) < 1e-5
+    rows_engine.close(), budget_engine.close()
+
+
 def test_critic_learns_fixed_returns(model_dir):
     e = critic(model_dir, lr=3e-3)
     rows = make_table(groups=1, responses=[[7, 8, 9], [20, 21, 22]], rewards=[1.0, 0.0])

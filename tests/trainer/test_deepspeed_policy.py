@@ -175,6 +175,25 @@ def test_pad_token_share_counts_the_padding_the_micro_batches_ran_on(model_dir, 
     engine.close()
 
 
+def test_a_token_budget_takes_the_same_step_with_less_padding(model_dir):
+    """Rows by length into micro-batches of at most 24 padded tokens take the step
+    that 2-row micro-batches in table order take: the loss is the batch's token
+    mean either way; per-row outputs (the KL reference's logprobs) stay in table order."""
+    # Long-tailed responses in table order: 2, 12, 3, 11, 4, 10 tokens after 2-4 prompt tokens.
+    table = make_table(responses=[[5] * n for n in (2, 12, 3, 11, 4, 10)])
+    rows_engine = make_engine(model_dir, micro_batch_size=2, kl_coef=0.1)
+    budget_engine = make_engine(model_dir, micro_batch_size=2, max_tokens=24, kl_coef=0.1)
+    ref_rows, ref_budget = rows_engine.reference_logprobs(table), budget_engine.reference_logprobs(table)
+    assert [len(r) for r in ref_budget] == [2, 12, 3, 11, 4, 10]
+    assert max(abs(a - b) for r, q in zip(ref_rows, ref_budget) for a, b in zip(r, q)) < 1e-5
+    by_rows, by_budget = grpo_step(rows_engine, table), grpo_step(budget_engine, table)
+    assert by_budget["loss"] == pytest.approx(by_rows["loss"], abs=1e-6)
+    assert by_budget["grad_norm"] == pytest.approx(by_rows["grad_norm"], rel=1e-5)
+    assert max_diff(weights(rows_engine), weights(budget_engine)) < 1e-5
+    assert by_budget["pad_token_share"] < by_rows["pad_token_share"] / 2, (by_budget, by_rows)
+    rows_engine.close(), budget_engine.close()
+
+
 def test_dtype_auto_trains_in_what_this_machine_has(model_dir):
     """training.dtype auto through the trainer's own engine builder: bf16 on a
     CPU with AMX-BF16 or AVX-512 BF16 (or a GPU with bf16), fp32 elsewhere."""
