@@ -362,14 +362,10 @@ def batching(r: dict) -> str:
              f"{c['step_s']:.3g}", f"{c['step_over_rows']:.2f}", f"{c['loss_diff']:.2g}"] for c in r["cases"]]
     head = (f"DeepSpeed policy engine, CPU, fp32, ZeRO 0, one rank, the {p['size']} model; {p['steps']} GRPO updates "
             f"on {p['rows']} rows of {lengths['min']}-{lengths['max']} tokens (median {lengths['median']:.0f}). "
-            f"{machine(r)}
-
-")
+            f"{machine(r)}\n\n")
     return (head + md(["micro_batch_size", "max_tokens_per_micro_batch", "micro-batches", "pad_token_share",
                        "step (s)", "step / rows' step", "loss diff"], rows, text_cols=0)
-            + f"
-
-Target: pad_token_share <= {r['targets']['pad_token_share_max']} under a budget: "
+            + f"\n\nTarget: pad_token_share <= {r['targets']['pad_token_share_max']} under a budget: "
             + ("met" if r["targets_met"]["pad_token_share"] else "missed") + ".")
 
 
