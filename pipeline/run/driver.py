@@ -112,7 +112,9 @@ def _start_ray(cfg: Config) -> bool:
     # default): with sub-second steps two released weight copies would still sit in the
     # store beside the two held (DESIGN.md, invariant 7). A cluster's own raylets take
     # RAY_free_objects_period_milliseconds at `ray start` (docs/clusters.md).
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+    # address "local": without it Ray joins a `ray start` cluster it finds on this machine
+    # (/tmp/ray/ray_current_cluster), and then refuses num_cpus with an error about neither.
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
              _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS})
     return True
 

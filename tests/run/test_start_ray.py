@@ -1,0 +1,35 @@
+"""Where a run's Ray comes from: the address it is given (RAY_ADDRESS, ray.address),
+else a local cluster of its own, even when a `ray start` cluster on this machine
+left /tmp/ray/ray_current_cluster behind (plain ray.init() would join that one,
+then refuse num_cpus)."""
+from __future__ import annotations
+
+import pytest
+import ray
+
+from pipeline.config import load_config
+from pipeline.run import driver
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(kw))
+    return seen
+
+
+def test_without_an_address_the_run_starts_a_local_cluster_of_its_own(monkeypatch, calls):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert driver._start_ray(load_config("examples/sim_grpo.yaml")) is True
+    (kw,) = calls
+    assert kw["address"] == "local" and kw["num_cpus"] >= 1
+
+
+def test_an_address_given_is_joined_as_it_is(monkeypatch, calls):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert driver._start_ray(load_config("examples/sim_grpo.yaml")) is True
+    (kw,) = calls
+    assert kw["address"] == "10.0.0.1:6379" and "num_cpus" not in kw
