@@ -107,6 +107,8 @@ class GenerationConfig:
     max_new_tokens: int = _key(16, "longest completion", ge=1)
     temperature: float = _key(1.0, "sampling temperature (the trainer scores at the same)", ge=0)
     top_p: float = _key(1.0, "nucleus sampling mass", gt=0, le=1)
+    dtype: Literal["fp32", "bf16", "auto"] = _key(
+        "fp32", "vLLM's dtype; auto: bf16 where the generator's device has it (as training.dtype auto), else fp32")
     tensor_parallel_size: int = _key(1, "GPUs per vLLM engine (tensor parallel), each in a bundle of its "
                                      "generator; 1 on CPU", ge=1)
     weight_sync: Literal["object_store", "collective"] = _key(

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+from pipeline.core.precision import device_dtype
 from pipeline.core.types import GenerationEngine, Prompt
 from pipeline.config import Config
 from pipeline.core.spans import span
+
+
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> GenerationEngine:
@@ -35,6 +39,7 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
     with span("vllm.start"):
         # T > 1: vLLM's TP workers go into this generator's bundles (pipeline/run/placement.py, vllm_llm_kwargs below).
         return VllmGenerationEngine(cfg.model.path, seed=seed, max_new_tokens=g.max_new_tokens,
+                                    dtype=VLLM_DTYPES[device_dtype(g.dtype, "generation.dtype")],
                                     temperature=g.temperature, top_p=g.top_p, kv_cache_seqs=max(requests, 32),
                                     inflight_kv=g.inflight_kv, adapter_config=adapter,
                                     **vllm_llm_kwargs(cfg))

@@ -27,6 +27,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
+from pipeline.core.precision import request_amx  # noqa: E402
 from pipeline.weights import lora  # noqa: E402
 from pipeline.core.types import Completion, Prompt, greedy_all, sample_all  # noqa: E402
 from pipeline.inputs.models import DEFAULT_MAX_MODEL_LEN, ModelError, check_model_dir  # noqa: E402
@@ -74,6 +75,8 @@ class VllmGenerationEngine:
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             _reuse_freed_memory()
+            if dtype == "bfloat16":
+                request_amx()
         if enforce_eager is None:
             # torch.compile of the model costs tens of seconds on 2 cores and
             # buys little for tiny models; CUDA graphs on a GPU are worth it.

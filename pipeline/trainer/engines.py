@@ -3,7 +3,7 @@ PPO's critic. Called inside the actor, so that DeepSpeed is imported only in
 the processes that run it."""
 from __future__ import annotations
 
-from pipeline.core.precision import training_dtype
+from pipeline.core.precision import device_dtype
 from pipeline.core.types import TrainingEngine
 from pipeline.config import Config
 from pipeline.core.spans import span
@@ -23,7 +23,7 @@ def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngi
                         # The longest response a sample can have: Dr. GRPO's constant normaliser.
                         horizon=cfg.generation.max_new_tokens * cfg.env.max_turns)
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
-        return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=training_dtype(t.dtype),
+        return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=device_dtype(t.dtype, "training.dtype"),
                                      micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch,
                                      grad_accum=t.grad_accum,
                                      lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
@@ -54,7 +54,7 @@ def critic_engine(cfg: Config, rank: int = 0, rendezvous=None):
     t, p = cfg.training, cfg.ppo
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
         return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=t.zero_stage,
-                                     dtype=training_dtype(t.dtype), micro_batch_size=t.micro_batch_size,
+                                     dtype=device_dtype(t.dtype, "training.dtype"), micro_batch_size=t.micro_batch_size,
                                      max_tokens=t.max_tokens_per_micro_batch,
                                      grad_accum=t.grad_accum, lr=p.critic_lr, value_clip=p.value_clip,
                                      epochs=p.critic_epochs,

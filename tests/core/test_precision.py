@@ -49,9 +49,13 @@ def test_auto_picks_bf16_only_where_the_device_has_it(requested, cuda, cuda_bf16
 def test_an_unknown_dtype_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="training.dtype must be one of fp32, bf16, auto, got 'fp16'"):
         resolve_dtype("fp16", cuda=False, cuda_bf16=False, cpu_flags=())
-    with pytest.raises(ConfigError, match="training.dtype"):
-        load_config(None, ["training.dtype=fp16"])
-    assert load_config(None, ["training.dtype=auto"]).training.dtype == "auto"
+    with pytest.raises(ValueError, match="generation.dtype must be one of"):
+        resolve_dtype("fp16", cuda=False, cuda_bf16=False, cpu_flags=(), key="generation.dtype")
+    for key in ("training.dtype", "generation.dtype"):
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [f"{key}=fp16"])
+    cfg = load_config(None, ["training.dtype=auto", "generation.dtype=bf16"])
+    assert (cfg.training.dtype, cfg.generation.dtype) == ("auto", "bf16")
 
 
 def test_the_run_line_says_what_was_found_and_what_a_cpu_trainer_uses():

