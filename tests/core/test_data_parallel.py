@@ -92,9 +92,10 @@ def _step(cfg, table, tmp_path) -> tuple[dict, list[dict]]:
 
 
 # ZeRO-1 is ZeRO-2 less the gradient partitioning: no path of ours differs between them.
-# budget: two ranks cutting by a token budget (training.max_tokens_per_micro_batch) under
-# ZeRO-3, whose every forward gathers with the other rank's, take the one-process step too.
-@pytest.mark.parametrize("zero,budget", [(0, 0), (2, 0), (3, 0), (3, 20)])
+# ZeRO-3 runs with a token budget (training.max_tokens_per_micro_batch): its every forward
+# gathers with the other rank's, so the ranks' micro-batch counts must pair up, zero-weight
+# ones included (ZeRO-3 in row micro-batches: test_two_zero3_ranks_resume_from_a_checkpoint).
+@pytest.mark.parametrize("zero,budget", [(0, 0), (2, 0), (3, 20)])
 @pytest.mark.real
 def test_two_ranks_take_the_single_process_step(model_dir, tmp_path, ray_session, zero, budget):  # noqa: F811
     # 5 groups of 2 with different lengths: rank 0 gets 3 groups (6 rows in micro-batches

@@ -18,9 +18,13 @@ from pipeline.tools.check import check_events, check_report
 pytestmark = pytest.mark.sim
 
 # Opposite races: validation outlasting generation, and generation outlasting it.
+# slow_generation's rollouts take 0.2 s, so that an inflight refit lands inside one even
+# when a loaded machine delays the driver: at 0.08 s, in a suite run beside benchmarks
+# (load 10 on 2 cores), every rollout had ended before its load and late_version_label
+# went uncaught.
 PROFILES = {
     "slow_validation": {"sim.generate_s": 0.01, "sim.train_s": 0.005, "sim.refit_s": 0.02, "sim.validate_s": 0.08},
-    "slow_generation": {"sim.generate_s": 0.08, "sim.train_s": 0.005, "sim.refit_s": 0.005, "sim.validate_s": 0.01},
+    "slow_generation": {"sim.generate_s": 0.2, "sim.train_s": 0.005, "sim.refit_s": 0.005, "sim.validate_s": 0.01},
     # Two turns around a tool that takes as long as a turn: the environments' steps are part of the rollouts.
     "multiturn": {"sim.generate_s": 0.04, "sim.train_s": 0.005, "sim.refit_s": 0.005, "sim.validate_s": 0.01,
                   "env.class": "pipeline.sim.env:SimToolEnv", "env.max_turns": 2,
