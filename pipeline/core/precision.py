@@ -54,7 +54,8 @@ def device_dtype(requested: str, key: str) -> str:
 
 def describe_cpu(requested: str, cpu_flags: tuple[str, ...]) -> str:
     """The run's line about this machine's bf16 units and what a CPU trainer here would use."""
-    found = f"bf16 units {', '.join(cpu_flags)}" if cpu_flags else f"no bf16 units (none of {', '.join(CPU_BF16_FLAGS)})"
+    found = (f"bf16 units {', '.join(cpu_flags)}" if cpu_flags
+             else f"no bf16 units (none of {', '.join(CPU_BF16_FLAGS)})")
     chosen = resolve_dtype(requested, cuda=False, cuda_bf16=False, cpu_flags=cpu_flags)
     how = f"auto -> {chosen}" if requested == "auto" else requested
     hint = "; training.dtype=auto would pick bf16" if requested == "fp32" and cpu_flags else ""

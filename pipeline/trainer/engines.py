@@ -23,7 +23,8 @@ def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngi
                         # The longest response a sample can have: Dr. GRPO's constant normaliser.
                         horizon=cfg.generation.max_new_tokens * cfg.env.max_turns)
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
-        return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage, dtype=device_dtype(t.dtype, "training.dtype"),
+        return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage,
+                                     dtype=device_dtype(t.dtype, "training.dtype"),
                                      micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch,
                                      grad_accum=t.grad_accum,
                                      lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
@@ -54,8 +55,8 @@ def critic_engine(cfg: Config, rank: int = 0, rendezvous=None):
     t, p = cfg.training, cfg.ppo
     with span("deepspeed.start"):  # deepspeed itself is imported in here, not at module level
         return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=t.zero_stage,
-                                     dtype=device_dtype(t.dtype, "training.dtype"), micro_batch_size=t.micro_batch_size,
-                                     max_tokens=t.max_tokens_per_micro_batch,
+                                     dtype=device_dtype(t.dtype, "training.dtype"),
+                                     micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch,
                                      grad_accum=t.grad_accum, lr=p.critic_lr, value_clip=p.value_clip,
                                      epochs=p.critic_epochs,
                                      optimizer=optimizer(cfg), seed=cfg.run.seed, rank=rank, rendezvous=rendezvous)
