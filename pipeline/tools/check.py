@@ -240,16 +240,21 @@ def versions_rise_by_one(events: list[dict], finished: bool) -> Iterator[Violati
                   for w, ends in refit_ends.items()}
     last_step = max((te.get("step") for te in train_ends if isinstance(te.get("step"), int)),
                     default=None)
+    loads_of_step: dict[tuple, list[dict]] = defaultdict(list)
+    for worker, ends in refit_ends.items():
+        for e in ends:
+            loads_of_step[(worker, e.get("step"))].append(e)
+    generators = generator_names(events)
     for te in train_ends:
         step = te.get("step")
-        for worker in generator_names(events):
+        for worker in generators:
             if not isinstance(step, int):
                 continue
             if worker in died_at and isinstance(died_at[worker], int) and step >= died_at[worker]:
                 continue
             if worker in restarted and (first_load.get(worker) is None or step < first_load[worker]):
                 continue
-            loaded = [e for e in refit_ends.get(worker, []) if e.get("step") == step]
+            loaded = loads_of_step.get((worker, step), [])
             # The last trained step of an unfinished run may still be refitting.
             if not loaded and (finished or step != last_step):
                 yield Violation(5, f"{worker} never loaded the weights of step {step} "

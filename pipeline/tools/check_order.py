@@ -16,10 +16,13 @@ finding is a note, not a violation: a clock skew, or a log from several hosts.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
+from pipeline.tools.check_chain import Candidates, chain_of, happened_before, has_clock
 
 
 @dataclass(frozen=True)
@@ -27,16 +30,6 @@ class Violation:
     invariant: int
     message: str
     events: tuple[dict, ...] = ()
-
-
-def happened_before(a: dict, b: dict) -> bool:
-    """A's vector clock is <= B's entry by entry, and they differ."""
-    va, vb = a["vc"], b["vc"]
-    return va != vb and all(vb.get(lane, 0) >= count for lane, count in va.items())
-
-
-def has_clock(e: dict) -> bool:
-    return isinstance(e.get("vc"), dict)
 
 
 class Judge:
@@ -159,8 +152,9 @@ def rollouts_clear_of_validations(events: list[dict], judge: Judge) -> None:
     E) on any worker, E happened before R or R before S."""
     validations = [(vs, judge.ended_by_death(vs, ve, "validation_end"))
                    for vs, ve in pair(events, "validation_start", "validation_end", by_worker_step)[0]]
+    index = Candidates(validations)
     for rs in of(events, "rollout_start"):
-        for vs, ve in validations:
+        for vs, ve in (validations[i] for i in index.against(rs, rs)):
             wall = (f"(wall clock: batch started {t_(rs['t'])}, validation {t_(vs['t'])} "
                     f"to {t_(end_t(ve))})")
             what = (f"batch {rs.get('batch')} started on {rs.get('worker')} and the validation of step "
@@ -182,11 +176,11 @@ def rollouts_clear_of_refits(events: list[dict], pairs: list[list], judge: Judge
     """Invariant 2, drain mode: on one generator, every rollout (start, end)
     and refit (start, end) are ordered: the rollout ended before the refit
     started, or started after it ended."""
-    refits: dict[str, list[list]] = defaultdict(list)
-    for fs, fe in pair(events, "refit_start", "refit_end", by_worker_step)[0]:
-        refits[fs.get("worker")].append([fs, judge.ended_by_death(fs, fe, "refit_end")])
+    refits = [(fs, judge.ended_by_death(fs, fe, "refit_end"))
+              for fs, fe in pair(events, "refit_start", "refit_end", by_worker_step)[0]]
+    index = Candidates(refits)
     for rs, re_ in pairs:
-        for fs, fe in refits.get(rs.get("worker"), []):
+        for fs, fe in (refits[i] for i in index.against(rs, re_, rs.get("worker"))):
             times = (f"(wall clock: rollout {t_(rs['t'])} to {t_(end_t(re_))}, refit {t_(fs['t'])} "
                      f"to {t_(end_t(fe))})")
             judge.order(
@@ -209,9 +203,9 @@ def rollouts_run_the_loaded_version(events: list[dict], judge: Judge) -> None:
     loads: dict[str, list[dict]] = defaultdict(list)
     for e in of(events, "refit_end"):
         loads[e.get("worker")].append(e)
+    latest = {worker: _Loads(mine, worker in judge.deaths) for worker, mine in loads.items()}
 
-    def mismatch(rs: dict, before: list[dict]) -> dict | None:
-        last = max(before, key=_step_key, default=None)
+    def mismatch(rs: dict, last: dict | None) -> dict | None:
         return last if last is not None and last.get("version") != rs.get("version") else None
 
     def claim(rs: dict, load: dict) -> str:
@@ -219,10 +213,10 @@ def rollouts_run_the_loaded_version(events: list[dict], judge: Judge) -> None:
                 f"{rs.get('version')}, but the last refit before it there (step {load.get('step')}, "
                 f"{t_(load['t'])}) loaded version {load.get('version')}")
     for rs in of(events, "rollout_start"):
-        mine = loads.get(rs.get("worker"), [])
-        wrong_by_wall = mismatch(rs, [e for e in mine if e["t"] <= rs["t"]])
-        if has_clock(rs) and all(has_clock(e) for e in mine):
-            wrong = mismatch(rs, [e for e in mine if judge.before(e, rs)])
+        mine = latest.get(rs.get("worker")) or _Loads([], False)
+        wrong_by_wall = mismatch(rs, mine.latest_by_time(rs["t"]))
+        if has_clock(rs) and mine.clocked:
+            wrong = mismatch(rs, mine.latest_before(rs, judge))
             if wrong is not None:
                 judge.fail(2, claim(rs, wrong) + " (by vector clock: the refits that are before it)", (wrong, rs))
             elif wrong_by_wall is not None:
@@ -234,6 +228,34 @@ def rollouts_run_the_loaded_version(events: list[dict], judge: Judge) -> None:
             if wrong_by_wall is not None:
                 judge.fail(2, claim(rs, wrong_by_wall) + " (by wall clock: an event has no vector clock)",
                            (wrong_by_wall, rs))
+
+
+class _Loads:
+    """One worker's refit_ends in time order, and the latest (by step) of any
+    first n of them: the last load before a rollout, by time or by clock,
+    without a pass over all of them for each rollout."""
+
+    def __init__(self, loads: list[dict], died: bool):
+        self.loads = sorted(loads, key=lambda e: e["t"])
+        self.times = [e["t"] for e in self.loads]
+        self.clocked = all(has_clock(e) for e in self.loads)
+        # A death orders the dead worker's loads before more than their clocks do.
+        self.chain = None if died else chain_of([(e, e) for e in self.loads])
+        self._latest: list[dict] = []
+        for e in self.loads:
+            best = self._latest[-1] if self._latest else None
+            self._latest.append(e if best is None or _step_key(e) > _step_key(best) else best)
+
+    def _first(self, n: int) -> dict | None:
+        return self._latest[n - 1] if n else None
+
+    def latest_by_time(self, t: float) -> dict | None:
+        return self._first(bisect.bisect_right(self.times, t))
+
+    def latest_before(self, rs: dict, judge: Judge) -> dict | None:
+        if self.chain is not None:
+            return self._first(self.chain.ends_before(rs))
+        return max((e for e in self.loads if judge.before(e, rs)), key=_step_key, default=None)
 
 
 def delivering_rollout(batch: str, ts: dict, starts: list[list], judge: Judge) -> list[dict] | None:
@@ -284,10 +306,11 @@ def tokens_follow_the_refits(events: list[dict], pairs: list[list], judge: Judge
     versions along a sample never decrease and none is older than the weights the
     batch started with; and of a refit installing V, the tokens before its
     position are older than V and those after are not."""
-    installs: dict[str, list[dict]] = defaultdict(list)
+    installs: dict[tuple, list[dict]] = defaultdict(list)   # (worker, batch) -> the refits it was in flight for
     for e in of(events, "refit_end"):
         if isinstance(e.get("positions"), dict):
-            installs[e.get("worker")].append(e)
+            for batch in e["positions"]:
+                installs[(e.get("worker"), batch)].append(e)
     for rs, re_ in pairs:
         runs = None if re_ is None or re_.get("failed") or re_.get("abandoned") else re_.get("token_versions")
         if not isinstance(runs, list):
@@ -302,7 +325,7 @@ def tokens_follow_the_refits(events: list[dict], pairs: list[list], judge: Judge
             elif versions and isinstance(start, int) and versions[0] < start:
                 judge.fail(2, f"{where}, sample {i}: its first token has version {versions[0]}, older than the "
                               f"version {start} the batch started with", (rs, re_))
-        for fe in installs.get(worker, []):
+        for fe in installs.get((worker, batch), []):
             at = fe["positions"].get(batch)
             if not isinstance(at, list) or len(at) != len(runs):
                 continue
@@ -323,9 +346,9 @@ def env_steps_inside_their_rollouts(events: list[dict], pairs: list[list], judge
     env.max_turns turns, and under refit_mode drain each is ordered with every
     validation on its worker (invariant 1: no part of a rollout runs during one)."""
     by_batch = {by_worker_batch(rs): (rs, re_) for rs, re_ in pairs}
-    validations: dict[str, list[tuple]] = defaultdict(list)
-    for vs, ve in pair(events, "validation_start", "validation_end", by_worker_step)[0]:
-        validations[vs.get("worker")].append((vs, judge.ended_by_death(vs, ve, "validation_end")))
+    validations = [(vs, judge.ended_by_death(vs, ve, "validation_end"))
+                   for vs, ve in pair(events, "validation_start", "validation_end", by_worker_step)[0]]
+    index = Candidates(validations)
     for e in events:
         if e.get("ev") not in ("env_step", "env_failed") or e.get("batch") == "val":
             continue
@@ -343,7 +366,7 @@ def env_steps_inside_their_rollouts(events: list[dict], pairs: list[list], judge
             judge.fail(2, f"{what} is turn {e['turn']}, beyond env.max_turns {max_turns}", (e,))
         if not drain:
             continue  # inflight: validation decodes beside the rollouts in flight, by design
-        for vs, ve in validations.get(e.get("worker"), []):
+        for vs, ve in (validations[i] for i in index.against(e, e, e.get("worker"))):
             judge.order(1, (vs, e, ve), lambda: judge.before(e, vs) or (ve is not None and judge.before(ve, e)),
                         wall_ok=not vs["t"] <= e["t"] <= end_t(ve),
                         message=(f"{what} and the validation of step {vs.get('step')} are not ordered: the step "
