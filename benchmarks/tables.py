@@ -369,6 +369,18 @@ def batching(r: dict) -> str:
             + ("met" if r["targets_met"]["pad_token_share"] else "missed") + ".")
 
 
+def trainer_efficiency(r: dict) -> str:
+    p = r["params"]
+    rows = [[c["size"], c["dtype"], c["ranks"], f"{c['worker_step_s']:.3g}", f"{c['bare_step_s']:.3g}",
+             f"{c['worker_over_bare']:.3f}", f"{min(c['ratios']):.3f}-{max(c['ratios']):.3f}",
+             f"{c['worker_tokens_per_s']:.0f}"] for c in r["cases"]]
+    head = (f"CPU, one thread per rank; {p['prompts']} prompts x {p['group_size']} samples, {p['prompt_len']}-token "
+            f"prompts, responses up to {p['response_len']} tokens, micro-batches of {p['micro_batch_size']}; "
+            f"median of {p['repeats']} timings of {p['steps']} steps per side. {machine(r)}\n\n")
+    return (head + md(["model", "dtype", "ranks", "worker step (s)", "bare loop step (s)", "worker / bare",
+                       "range", "worker tokens/s"], rows, text_cols=2) + "\n\nTargets:\n\n" + targets(r["targets"]))
+
+
 def soak(r: dict) -> str:
     p, t = r["params"], r["totals"]
     walls = [x["wall_s"] for x in r["runs"]]
@@ -415,6 +427,7 @@ SECTIONS = (
     ("refit", refit, "a refit, object store against collective, full against LoRA (`refit.py`)"),
     ("lora_trainer", lora_trainer, "trainer memory and step time, full against LoRA (`lora_trainer.py`)"),
     ("batching", batching, "padding and train-step time, rows against a token budget (`batching.py`)"),
+    ("trainer_efficiency", trainer_efficiency, "the DeepSpeed train step against a bare torch loop (`trainer_efficiency.py`)"),
     ("soak", soak, "faults under randomized schedules (`soak.py`)"),
     ("long_run", long_run, "memory, object store and step time over thousands of steps (`long_run.py`)"),
 )

@@ -205,3 +205,15 @@ def test_step_profile_reads_a_real_run(tmp_path):
     startup = run["startup_s"]
     assert 0 < startup["launch to train() (interpreter, imports, config)"] < startup["launch to first step"]
     assert {"gen0: import vllm", "gen0: vllm.start", "trainer: deepspeed.start", "driver: ray_init"} <= set(startup)
+
+
+def test_trainer_efficiency_quick_times_both_sides_at_one_and_two_ranks(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.trainer_efficiency", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"trainer_efficiency --quick failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads((tmp_path / "trainer_efficiency_quick.json").read_text())
+    assert result["benchmark"] == "trainer_efficiency" and result["quick"] is True
+    assert [(c["size"], c["dtype"], c["ranks"]) for c in result["cases"]] == [("tiny", "fp32", 1), ("tiny", "fp32", 2)]
+    for case in result["cases"]:
+        assert case["worker_step_s"] > 0 and case["bare_step_s"] > 0 and len(case["ratios"]) == 2, case
+    assert [t["met"] for t in result["targets"]] == [c["worker_over_bare"] <= 1.1 for c in result["cases"]]
