@@ -17,15 +17,16 @@ in the clock unless the graph (or a join) orders them.
 """
 from __future__ import annotations
 
+import heapq
 import json
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from dags.tokens import Clock
-from pipeline.core.jsonl import JsonLineError, json_lines
+from pipeline.core.jsonl import JsonLineError, json_lines, loads_interned
 
 
 class EventLog:
@@ -93,20 +94,22 @@ def _merge_into(vc: dict[str, int], clocks: Iterable[Clock]) -> None:
 
 
 def merge_events(run_dir: str | Path) -> Path:
-    """Merge events/*.jsonl into events.jsonl, ordered by time."""
+    """Merge events/*.jsonl into events.jsonl, ordered by time.
+
+    Streamed, a line at a time from each file: a day's log is gigabytes as
+    Python objects. Each process writes its times in order (EventLog.emit), so
+    the files are merged, not sorted; were a host's clock to step back, its
+    events would keep their own order there, and load_events sorts anyway."""
     run_dir = Path(run_dir)
-    records = []
-    for part in sorted((run_dir / "events").glob("*.jsonl")):
-        with open(part) as f:
-            for line in f:
-                if line.strip():
-                    records.append(json.loads(line))
-    records.sort(key=lambda r: r["t"])
     out = run_dir / "events.jsonl"
     tmp = out.with_suffix(".jsonl.tmp")
-    with open(tmp, "w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
+    with ExitStack() as stack:
+        parts = [stack.enter_context(open(p)) for p in sorted((run_dir / "events").glob("*.jsonl"))]
+        timed = [((json.loads(line)["t"], line if line.endswith("\n") else line + "\n")
+                  for line in part if line.strip()) for part in parts]
+        with open(tmp, "w") as f:
+            for _, line in heapq.merge(*timed, key=lambda pair: pair[0]):
+                f.write(line)
     tmp.replace(out)
     return out
 
@@ -141,7 +144,7 @@ def load_events(run_dir: str | Path) -> list[dict]:
     for path in files:
         with path.open(encoding="utf-8") as f:
             try:
-                for lineno, event in json_lines(f):
+                for lineno, event in json_lines(f, loads_interned):
                     if not isinstance(event, dict) or not isinstance(event.get("t"), (int, float)):
                         raise ValueError(f"{path}:{lineno}: expected a JSON object with a numeric 't'")
                     events.append(event)

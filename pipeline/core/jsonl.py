@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Iterator
+import sys
+from typing import Any, Callable, Iterable, Iterator
+
+# Each line's keys are new strings to json.loads; an event log repeats the same
+# few dozen (its fields, the vector clocks' lanes) on every line, and sharing
+# them halves what a long log takes in memory (a 2000-step sim log: 222 -> 116 MB).
+loads_interned: Callable[[str], Any] = json.JSONDecoder(
+    object_pairs_hook=lambda pairs: {sys.intern(k): v for k, v in pairs}).decode
 
 
 class JsonLineError(ValueError):
@@ -12,14 +19,14 @@ class JsonLineError(ValueError):
         self.line, self.column, self.msg = line, column, msg
 
 
-def json_lines(lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
+def json_lines(lines: Iterable[str], loads: Callable[[str], Any] = json.loads) -> Iterator[tuple[int, Any]]:
     """(line number, value) for each non-blank line of a JSONL text; a line that
     is not JSON raises JsonLineError with its position."""
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            yield n, json.loads(line)
+            yield n, loads(line)
         except json.JSONDecodeError as exc:
             raise JsonLineError(n, exc.colno, exc.msg) from None
 
