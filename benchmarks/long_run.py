@@ -13,6 +13,10 @@ role's RSS and the object store's use (pipeline/run/resources.py); from them:
   heap_trims          how often each trainer handed freed heap back (HeapCap, every 100
                       steps and whenever its RSS is over its slack)
   heap_floor_slope    the slope of the RSS right after each of those trims, in KB/step
+  low_slope           KB/step between the lowest RSS of the first and the last quarter
+                      after warm-up: a leak lifts the lows; a weight copy held at some
+                      samples and not at others moves only the fit
+  samples             about 50 points of each role's RSS (and the store's, the floors)
   violations          check-events on the run's log (invariant 7 included)
 
 Targets (issue "Long runs"): no role grows by more than 1 KB a step after
@@ -40,6 +44,7 @@ from benchmarks.harness import RESULTS, ROOT, machine_info, print_table, read_js
 MODEL = ROOT / "models" / "long_run_4m"
 MODEL_ARGS = ["--hidden", "256", "--layers", "4", "--heads", "8", "--intermediate", "1024"]
 SLOPE_TARGET_KB = 1.0
+SAMPLES = 50          # points of each role's RSS kept in the results file
 WARMUP_SHARE = 0.2    # vLLM's and DeepSpeed's first steps allocate what they keep; the slope starts after
 
 # name -> (recipe, overrides); the real cases add the model and the step count.
@@ -68,6 +73,26 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
+def low_slope(pts: list[tuple[int, float]]) -> float | None:
+    """KB/step between the lowest RSS of the first and of the last quarter of `pts`.
+    A process that holds a weight copy (17 MB) at some samples and not at others
+    moves a least-squares fit by several KB/step either way over 2000 steps; a
+    leak raises the lows as much as the rest."""
+    q = len(pts) // 4
+    if q < 2:
+        return None
+    first, last = pts[:q], pts[-q:]
+    lo0, lo1 = min(v for _, v in first), min(v for _, v in last)
+    mid0, mid1 = statistics.fmean(s for s, _ in first), statistics.fmean(s for s, _ in last)
+    return round((lo1 - lo0) / (mid1 - mid0) * 1024, 3) if mid1 > mid0 else None
+
+
+def thin(pts: list[tuple[int, float]], n: int = SAMPLES) -> list[list]:
+    """About n of the points, evenly spaced: the curve behind a slope."""
+    every = max(1, len(pts) // n)
+    return [[step, round(v, 1)] for step, v in pts[::every]]
+
+
 def analyse(run_dir: Path, max_age: int) -> dict:
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", -1) >= 0 and "step_time_s" in r]
     steps = [r["step"] for r in records]
@@ -79,7 +104,9 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         pts = [(r["step"], r[key]) for r in after if key in r]
         per_role[role] = {"start_mb": round(next(r[key] for r in records if key in r), 1),
                           "end_mb": round(pts[-1][1], 1),
-                          "slope_kb_per_step": round(slope(*map(list, zip(*pts))) * 1024, 3)}
+                          "slope_kb_per_step": round(slope(*map(list, zip(*pts))) * 1024, 3),
+                          "low_slope_kb_per_step": low_slope(pts),
+                          "samples": thin(pts)}
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
     trims, floors = {}, {}
     for e in events:
@@ -104,6 +131,8 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         # The RSS right after each trim after warm-up: what a trainer holds, the allocator's cache left out.
         "heap_floor_slope_kb_per_step": {w: round(slope(*map(list, zip(*pts))) * 1024, 3)
                                          for w, pts in floors.items() if len(pts) > 1},  # pipeline/core/memory.py HeapCap: the first one per trainer sets its floor
+        "heap_floors": {w: thin(pts) for w, pts in floors.items()},
+        "store_samples": thin([(r["step"], r["store_mb"]) for r in after if "store_mb" in r]),
         "store_peak_copies": round(max(store, default=0.0) / copy_mb, 3) if copy_mb else None,
         "store_spilled_mb": max((r.get("store_spilled_mb", 0.0) for r in records), default=0.0),
         "step_time_first10_s": round(first, 4), "step_time_last10_s": round(last, 4),
