@@ -75,7 +75,7 @@ class Bare:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from pipeline.trainer.deepspeed_base import collate
+        from pipeline.trainer.rows import collate
         self.torch, self.dtype = torch, dtype
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -114,7 +114,7 @@ def rank_main(rank: int, world_size: int, port: int, model_dir: str, dtype: str,
               warmup: int, out: mp.Queue) -> None:
     """One rank: build both sides, time them alternately, put rank 0's step times on `out`."""
     from pipeline.core.data_parallel import Batching, Rendezvous, table_shard
-    from pipeline.trainer.deepspeed_base import trajectory_rows
+    from pipeline.trainer.rows import trajectory_rows
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     table, advantages = batch()
     rendezvous = Rendezvous("127.0.0.1", port, world_size) if world_size > 1 else None

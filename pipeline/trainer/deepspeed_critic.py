@@ -12,7 +12,8 @@ import torch
 
 from pipeline.algos.ppo import value_loss
 from pipeline.core.data_parallel import Rendezvous, Shard
-from pipeline.trainer.deepspeed_base import DeepSpeedEngine, collate
+from pipeline.trainer.deepspeed_base import DeepSpeedEngine
+from pipeline.trainer.rows import collate
 from pipeline.trainer.optim import Optimizer
 
 
@@ -33,7 +34,7 @@ class ValueModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                use_cache=False).last_hidden_state
-        # Positions start .. L-2: the window of pipeline.trainer.deepspeed_base.collate.
+        # Positions start .. L-2: the window of pipeline.trainer.rows.collate.
         return self.value_head(hidden[:, start:-1]).squeeze(-1).float()
 
 

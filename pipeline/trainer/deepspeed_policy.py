@@ -17,7 +17,8 @@ import torch
 from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.weights import lora as adapters
 from pipeline.core.data_parallel import Rendezvous, Shard, batch_shards, row_lengths, trained_tokens
-from pipeline.trainer.deepspeed_base import DeepSpeedEngine, collate, full_params, trajectory_rows
+from pipeline.trainer.deepspeed_base import DeepSpeedEngine, full_params
+from pipeline.trainer.rows import collate, trajectory_rows
 from pipeline.trainer.optim import Optimizer
 from pipeline.inputs.models import TOKENIZER_FILES
 from pipeline.core.spans import span
@@ -86,7 +87,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
 
     def token_logprobs(self, model, batch: dict, entropy: bool = False):
         """`model`'s logprob of each token in a collated batch's response window
-        (pipeline.trainer.deepspeed_base.collate), at the sampling temperature;
+        (pipeline.trainer.rows.collate), at the sampling temperature;
         with `entropy`, (logprobs, each position's entropy), the entropy with a
         gradient only when the loss has an entropy bonus."""
         ids, start = batch["ids"], batch["start"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA
-from pipeline.trainer.deepspeed_base import collate
+from pipeline.trainer.rows import collate
 from pipeline.core.types import TRAJECTORY_SCHEMA
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from tests.support.training_helpers import make_table
 
-from pipeline.trainer.deepspeed_base import collate, ds_config, token_column, trajectory_rows
+from pipeline.trainer.deepspeed_base import ds_config
+from pipeline.trainer.rows import collate, token_column, trajectory_rows
 from pipeline.trainer.deepspeed_critic import DeepSpeedCriticEngine
 from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 from pipeline.trainer.optim import Optimizer
