@@ -10,8 +10,22 @@ mean would weigh a rank's tokens by its share of rows.
 """
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
+
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+
+
+def without_flight_recorder() -> None:
+    """Turn off torch's flight recorder for this process's process groups, unless
+    the user set TORCH_FR_BUFFER_SIZE. Before the first group is made: the
+    recorder reads it once. It keeps the last 2000 collectives of every gloo
+    or NCCL group, each with the Python stack that called it, to debug a
+    hang; in a trainer that is a few collectives a step, so RSS grows for the
+    first ~1000 steps (about 5 KB a step on the 4.2M model, measured with
+    memray) and each collective captures a stack."""
+    os.environ.setdefault(FLIGHT_RECORDER_ENV, "0")
 
 
 def free_port(host: str = "") -> int:

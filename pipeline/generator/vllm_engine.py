@@ -27,6 +27,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
+from pipeline.core.data_parallel import without_flight_recorder  # noqa: E402
 from pipeline.core.precision import request_amx  # noqa: E402
 from pipeline.weights import lora  # noqa: E402
 from pipeline.core.types import Completion, Prompt, greedy_all, sample_all  # noqa: E402
@@ -112,6 +113,8 @@ class VllmGenerationEngine:
         # vLLM made. Frozen first, they are skipped; they live as long as the
         # process anyway, which is what vLLM's own freeze assumes of them.
         gc.freeze()
+        # vLLM makes its process groups as it starts, before any weight-sync group.
+        without_flight_recorder()
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:

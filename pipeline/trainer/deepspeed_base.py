@@ -26,7 +26,7 @@ import torch
 
 from pipeline.trainer import finite
 from pipeline.trainer.optim import Optimizer, set_lr
-from pipeline.core.data_parallel import Batching, Rendezvous, Shard, free_port
+from pipeline.core.data_parallel import Batching, Rendezvous, Shard, free_port, without_flight_recorder
 from pipeline.inputs.models import check_model_files
 from pipeline.core.spans import span
 from pipeline.trainer.rows import collate, token_column, trajectory_rows
@@ -52,6 +52,7 @@ def _init_distributed(cuda: bool, rank: int, rendezvous: Rendezvous | None):
             warnings.warn(f"deepspeed {deepspeed.__version__} has no deepspeed.comm.torch.build_shm_op "
                           "(written for 0.19.8); the first start may compile a shared-memory op")
     if not torch.distributed.is_initialized():
+        without_flight_recorder()
         if rendezvous is None:
             rendezvous = Rendezvous("127.0.0.1", free_port("127.0.0.1"), 1)
         # A Ray actor sees only its own GPUs (CUDA_VISIBLE_DEVICES), so its device is 0.

@@ -90,3 +90,30 @@ def test_missing_model_dir_and_config(tmp_path, engine):
     with pytest.raises(ModelError, match="no config.json") as err:
         engine(str(tmp_path))
     assert str(tmp_path) in str(err.value)
+
+
+FLIGHT_RECORDER_PROBE = """
+import pickle
+import torch
+from pipeline.trainer.deepspeed_base import start_deepspeed
+start_deepspeed(1)
+for _ in range(5):
+    torch.distributed.all_reduce(torch.zeros(2))
+trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+print(len(trace.get("entries", [])))
+"""
+
+
+@pytest.mark.parametrize("env, kept", [({}, 0), ({"TORCH_FR_BUFFER_SIZE": "100"}, 5)])
+def test_the_trainers_process_group_keeps_no_flight_record_unless_asked(env, kept):
+    """torch's flight recorder would keep a trainer's last 2000 collectives, each with
+    its Python stack (pipeline.core.data_parallel.without_flight_recorder). Its own
+    process: the recorder reads its size once, at the process's first group."""
+    import os
+    import subprocess
+    import sys
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", FLIGHT_RECORDER_PROBE], capture_output=True, text=True,
+                          timeout=300, env={**base, "OMP_NUM_THREADS": "1", **env})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) == kept
