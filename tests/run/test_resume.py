@@ -10,7 +10,7 @@ import time
 
 import pytest
 import ray
-from test_controller import trajectories
+from tests.controller.test_controller import trajectories
 
 from dags.tokens import Resume, ValOut
 from pipeline.controller.controller import Controller

@@ -320,7 +320,7 @@ def test_an_engine_loaded_over_the_group_matches_transformers(procs, tiny_model,
     arena, with no staging copy): each time
     the cached prompt was stale before and every logprob matches transformers
     after."""
-    from test_vllm_generator import TOL
+    from tests.generator.test_vllm_generator import TOL
     rounds = [(1, 11), (2, 12), (3, 13)]
     addrs = procs.ctx.Queue()
     procs.start(_trainer, addrs, 2, str(tiny_model), rounds, str(tmp_path / "store"), None, 32 << 10, transport)
@@ -344,7 +344,7 @@ def test_an_engine_loaded_over_the_group_matches_transformers(procs, tiny_model,
 def test_the_fast_load_matches_transformers_with_tied_embeddings(tmp_path):
     """In process, the default load path: small layers kept plain and the
     lm_head tied to the embeddings; three loads in a row, each matching."""
-    from test_vllm_generator import LONG_PROMPT, TOL, draw, max_gap
+    from tests.generator.test_vllm_generator import LONG_PROMPT, TOL, draw, max_gap
 
     from pipeline.generator.vllm_engine import VllmGenerationEngine
     from pipeline.generator.refit_plan import RefitPlan
@@ -365,7 +365,7 @@ def test_the_fast_load_matches_transformers_with_tied_embeddings(tmp_path):
 
 def test_the_refit_benchmark_runs_quick(tmp_path):
     """benchmarks.refit --quick: every path ran, on the plan, and the JSON has its shape."""
-    from test_benchmarks import is_stat, run_quick
+    from tests.bench.test_benchmarks import is_stat, run_quick
     result = run_quick("refit", tmp_path, timeout=600)
     figures = result["figures"]
     full = ("object_store", "object_store_reload", "collective", "collective_socket")
