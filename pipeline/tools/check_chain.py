@@ -24,7 +24,6 @@ import math
 from typing import Sequence
 
 
-
 def happened_before(a: dict, b: dict) -> bool:
     """A's vector clock is <= B's entry by entry, and they differ."""
     va, vb = a["vc"], b["vc"]
@@ -53,7 +52,8 @@ class Chain:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def _count_ends_before(self, x: dict) -> int:
+    def ends_before(self, x: dict) -> int:
+        """How many intervals ended before x, by the clocks: they are the first ones."""
         lo, hi = 0, len(self)   # ends[:lo] happened before x; ends[hi:] did not
         while lo < hi:
             mid = (lo + hi) // 2
@@ -75,15 +75,11 @@ class Chain:
                 lo = mid + 1
         return lo
 
-    def ends_before(self, x: dict) -> int:
-        """How many intervals ended before x, by the clocks: they are the first ones."""
-        return self._count_ends_before(x)
-
     def candidates(self, x: dict, y: dict | None) -> set[int]:
         """The intervals that the clocks leave unordered with the query (x, y),
         or whose times overlap [x.t, y.t]: every other one ended before x and
         began after nothing of it, or began after y, by clock and by time."""
-        unordered = set(range(self._count_ends_before(x), self._first_start_after(y)))
+        unordered = set(range(self.ends_before(x), self._first_start_after(y)))
         lo_t, hi_t = x["t"], _end_t(y)
         if not self.times_rise:
             return unordered | {j for j in range(len(self))
