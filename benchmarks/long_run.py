@@ -13,9 +13,6 @@ role's RSS and the object store's use (pipeline/run/resources.py); from them:
   heap_trims          how often each trainer handed freed heap back (HeapCap, every 100
                       steps and whenever its RSS is over its slack)
   heap_floor_slope    the slope of the RSS right after each of those trims, in KB/step
-  low_slope           KB/step between the lowest RSS of the first and the last quarter
-                      after warm-up: a leak lifts the lows; a weight copy held at some
-                      samples and not at others moves only the fit
   samples             about 50 points of each role's RSS (and the store's, the floors)
   violations          check-events on the run's log (invariant 7 included)
 
@@ -73,20 +70,6 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
-def low_slope(pts: list[tuple[int, float]]) -> float | None:
-    """KB/step between the lowest RSS of the first and of the last quarter of `pts`.
-    A process that holds a weight copy (17 MB) at some samples and not at others
-    moves a least-squares fit by several KB/step either way over 2000 steps; a
-    leak raises the lows as much as the rest."""
-    q = len(pts) // 4
-    if q < 2:
-        return None
-    first, last = pts[:q], pts[-q:]
-    lo0, lo1 = min(v for _, v in first), min(v for _, v in last)
-    mid0, mid1 = statistics.fmean(s for s, _ in first), statistics.fmean(s for s, _ in last)
-    return round((lo1 - lo0) / (mid1 - mid0) * 1024, 3) if mid1 > mid0 else None
-
-
 def thin(pts: list[tuple[int, float]], n: int = SAMPLES) -> list[list]:
     """About n of the points, evenly spaced: the curve behind a slope."""
     every = max(1, len(pts) // n)
@@ -105,9 +88,10 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         per_role[role] = {"start_mb": round(next(r[key] for r in records if key in r), 1),
                           "end_mb": round(pts[-1][1], 1),
                           "slope_kb_per_step": round(slope(*map(list, zip(*pts))) * 1024, 3),
-                          "low_slope_kb_per_step": low_slope(pts),
                           "samples": thin(pts)}
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    # Only these two kinds are read here; check-events below reads the whole log itself.
+    with open(run_dir / "events.jsonl") as f:
+        events = [json.loads(line) for line in f if '"heap_trimmed"' in line or '"weights_put"' in line]
     trims, floors = {}, {}
     for e in events:
         if e.get("ev") == "heap_trimmed":

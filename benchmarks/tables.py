@@ -399,16 +399,14 @@ def long_run(r: dict) -> str:
                            sorted(c["roles"].items(), key=lambda kv: -kv[1]["slope_kb_per_step"]))
         copies = f" = {c['store_peak_mb'] / c['weight_copy_mb']:.3f} copies" if c["weight_copy_mb"] else ""
         bound = f" (bound {c['store_bound_mb']:.2f} MB)" if c["store_bound_mb"] else ""
-        lows = [v["low_slope_kb_per_step"] for v in c["roles"].values() if v.get("low_slope_kb_per_step") is not None]
-        rows.append([name, slopes, f"{max(lows):.1f}" if lows else "-", f"{c['store_peak_mb']:.2f} MB{copies}{bound}",
+        rows.append([name, slopes, f"{c['store_peak_mb']:.2f} MB{copies}{bound}",
                      ", ".join(k for k, v in c["targets_met"].items() if not v) or "none",
                      c["steps"], f"{c['store_spilled_mb']:.0f}", f"{c['last_over_first']:.2f}", c["violations"]])
     m = r["model"]
     head = (f"Model `{m['path']}` (`build-tiny {' '.join(m['build'])}`); RSS slopes fitted after the first "
             f"{r['warmup_share'] * 100:.0f} % of steps. {machine(r)}\n\n")
-    return head + md(["case", "RSS slope per role (KB/step)", "largest low slope", "store peak", "targets missed",
-                      "steps",
-                      "spilled MB", "last / first 10 % step time", "violations"], rows, text_cols=5)
+    return head + md(["case", "RSS slope per role (KB/step)", "store peak", "targets missed", "steps",
+                      "spilled MB", "last / first 10 % step time", "violations"], rows, text_cols=4)
 
 
 SECTIONS = (

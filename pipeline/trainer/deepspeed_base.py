@@ -31,6 +31,7 @@ from pipeline.inputs.models import check_model_files
 from pipeline.core.spans import span
 from pipeline.trainer.rows import collate, token_column, trajectory_rows
 
+
 def _init_distributed(cuda: bool, rank: int, rendezvous: Rendezvous | None):
     """Import deepspeed and join its process group: world size 1 on a free local
     port, or rank `rank` of `rendezvous`."""

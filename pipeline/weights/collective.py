@@ -51,7 +51,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.core.data_parallel import without_flight_recorder
 from pipeline.weights import arena
 
 # Every tensor starts aligned in its bucket, as in the flat buffer, so any dtype can view it.
@@ -138,7 +137,6 @@ def join(host: str, port: int, rank: int, world_size: int, backend: str = "gloo"
         store.set_timeout(timeout)
     else:
         store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    without_flight_recorder()
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     # Bind to the interface that reaches rank 0, not whatever the hostname resolves to.

@@ -61,7 +61,6 @@ def test_no_skew_of_one_workers_clock_moves_the_verdict(kw, waits_left_out, work
         assert verdict == []
 
 
-
 @pytest.mark.parametrize("seed", range(4))
 def test_the_chains_find_every_pair_that_comparing_all_pairs_finds(seed):
     """The checker judges a rollout only against the validations and refits its
