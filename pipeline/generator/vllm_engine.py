@@ -1,25 +1,20 @@
 """GenerationEngine on an in-process vLLM `LLM` (CPU build or CUDA wheel).
 
-The engine lives inside a generator actor, so vLLM must not fork its own
-engine-core process: on CPU that costs cores we do not have, and an in-process
-engine can be driven from the actor's threads. The environment variables below
-must be set before vllm is imported, so this module sets them (setdefault: a
-caller's explicit choice wins) before its vllm import.
+The engine lives inside a generator actor (pipeline/core/vllm_env.py sets
+vLLM's environment for that before vllm is imported, so it comes first).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin cores other workers share
-
-import contextlib  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Iterable, Mapping, Sequence  # noqa: E402
+from pipeline.core.vllm_env import kv_cache_bytes  # first: it sets vLLM's environment
 
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
@@ -379,17 +374,6 @@ def _reuse_freed_memory() -> None:
         return  # not glibc: its allocator has its own policy
     libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD: blocks up to 1 GiB come from the heap
     libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD: up to 1 GiB free at the heap's top is kept
-
-
-def kv_cache_bytes(config: dict, max_model_len: int, seqs: int, dtype: str) -> int:
-    """Bytes of keys and values for `seqs` sequences of max_model_len tokens, at least 16 MiB."""
-    text = config.get("text_config") or config
-    heads = text.get("num_attention_heads", 1)
-    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // heads
-    per_token = 2 * text.get("num_hidden_layers", 1) * text.get("num_key_value_heads", heads) * head_dim
-    kind = getattr(torch, str(dtype), None)
-    width = torch.finfo(kind).bits // 8 if isinstance(kind, torch.dtype) else 4  # "auto": assume fp32
-    return max(per_token * width * max_model_len * seqs, 16 * 2**20)
 
 
 def _token_versions(spans: Any, n: int) -> tuple[int, ...]:

@@ -1,0 +1,24 @@
+"""What every in-process vLLM engine of a run needs (a generator's, a judge's),
+before vllm is imported: no engine-core process of its own (on CPU it would
+cost cores we do not have, and an in-process engine is driven from the actor's
+threads), no pinning of cores that other workers share. setdefault: a
+caller's explicit choice wins. And the KV cache's size on a CPU, which vLLM
+would otherwise make 4 GiB, allocated and zeroed at start-up."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def kv_cache_bytes(config: dict, max_model_len: int, seqs: int, dtype: str) -> int:
+    """Bytes of keys and values for `seqs` sequences of max_model_len tokens, at least 16 MiB."""
+    import torch
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads", 1)
+    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // heads
+    per_token = 2 * text.get("num_hidden_layers", 1) * text.get("num_key_value_heads", heads) * head_dim
+    kind = getattr(torch, str(dtype), None)
+    width = torch.finfo(kind).bits // 8 if isinstance(kind, torch.dtype) else 4  # "auto": assume fp32
+    return max(per_token * width * max_model_len * seqs, 16 * 2**20)
