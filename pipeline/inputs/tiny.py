@@ -110,6 +110,7 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -118,7 +119,8 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
                      vocab_size: int = 384, max_positions: int = 512,
                      tie_embeddings: bool = False, init_std: float = 0.02,
                      corpus: str | Path = TOKENIZER_CORPUS, chat_template: bool = False,
-                     architecture: str = "llama", kv_heads: int | None = None) -> Path:
+                     architecture: str = "llama", kv_heads: int | None = None,
+                     experts: int = 4, experts_per_token: int = 2) -> Path:
     """Build and save a random tiny Llama and its tokenizer into `out_dir`.
 
     head_dim defaults to 32 rather than hidden // heads (16) because vLLM's CPU
@@ -127,7 +129,9 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
     transformers compute the same logprobs. `chat_template`: the tokenizer
     gets TINY_CHAT_TEMPLATE, for chat-format datasets. `architecture`: one of
     ARCHITECTURES, the families users train (Qwen2: q/k/v biases; Qwen3: q/k
-    norms); `kv_heads` < heads: grouped-query attention.
+    norms; Qwen3-MoE: Qwen3 with `experts` MLPs of `intermediate` width in
+    every layer, `experts_per_token` of them routed to each token);
+    `kv_heads` < heads: grouped-query attention.
     """
     import torch
     import transformers
@@ -156,7 +160,9 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
         initializer_range=init_std,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie_embeddings,
-        dtype="float32", architectures=[model_class])
+        dtype="float32", architectures=[model_class],
+        **(dict(num_experts=experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=intermediate)
+           if architecture == "qwen3_moe" else {}))
     # Seed a private generator state, not the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

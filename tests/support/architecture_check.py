@@ -24,6 +24,8 @@ FAMILIES = {
     # Qwen2's head size is hidden / heads in vLLM: 64 / 2 = 32, a size vLLM's CPU attention has.
     "qwen2_tied": dict(architecture="qwen2", heads=2, kv_heads=1, tie_embeddings=True),
     "qwen3": dict(architecture="qwen3", heads=4, kv_heads=2),
+    # Its refit goes through vLLM's reload_weights, which repacks the CPU experts (vllm_engine.py).
+    "qwen3_moe": dict(architecture="qwen3_moe", heads=4, kv_heads=2),
 }
 PROMPTS = [Prompt("a", tiny_prompt("a"), "a"), Prompt("b", tiny_prompt("7"), "7")]
 

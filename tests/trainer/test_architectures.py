@@ -1,10 +1,10 @@
 """The model families users train, each a random tiny model built with
 transformers: Llama with grouped-query attention, Qwen2 with tied embeddings
-and q/k/v biases, Qwen3 with q/k norms. For each: vLLM's logprobs are the
-trainer's at age 0 (the IS weight is 1), before and after a refit with the
-weights the trainer exports, and the trainer's checkpoint loads in
-transformers with the trainer's logprobs. Each family runs in a process of its
-own (tests/support/architecture_check.py)."""
+and q/k/v biases, Qwen3 with q/k norms, Qwen3-MoE (4 experts, 2 a token).
+For each: vLLM's logprobs are the trainer's at age 0 (the IS weight is 1),
+before and after a refit with the weights the trainer exports, and the
+trainer's checkpoint loads in transformers with the trainer's logprobs. Each
+family runs in a process of its own (tests/support/architecture_check.py)."""
 from __future__ import annotations
 
 import json
