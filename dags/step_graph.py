@@ -3,6 +3,10 @@
     plan -> [top-up rounds] -> sample -> [train sub-graph] -> validation_gate -> refit[g] -> validate[g]
          -> resume -> collect[g]
 
+and, for each rollout batch that collect started, once it is finished:
+
+    rollout -> [score] -> put          (the delivery graph; sample takes what put buffered)
+
 The train sub-graph fans out to the policy's data-parallel ranks (train[r],
 each on its shard of the batch) and joins them in train_done, which passes one
 TrainOut on; with one rank and GRPO it is the single `train` node.
@@ -121,6 +125,16 @@ def build_finish_graph(workers: Workers) -> StepGraph:
     weight sync only: a collective sync's group cannot take a new member mid-run.)"""
     with InputNode() as inputs:
         return graph_of(ordering_subgraph(workers, inputs[0], inputs[1]))
+
+
+def build_delivery_graph(controller: Any, reward_model: Any = None) -> StepGraph:
+    """A finished rollout batch's way into the buffer, run once per batch by the
+    generator that rolled it out: the reward model scores it (when the run has
+    one) and only its scored Rollout reaches the controller's put, so no sample
+    can take a batch the model has not scored."""
+    with InputNode() as rollout:
+        scored = [("score", reward_model.score.bind(rollout))] if reward_model is not None else []
+        return graph_of([*scored, ("put", controller.put.bind(scored[0][1] if scored else rollout))])
 
 
 def build_relaunch_graph(workers: Workers, generator: int) -> StepGraph:

@@ -142,6 +142,20 @@ class Ticket:
 
 
 @dataclass(frozen=True)
+class Rollout:
+    """A finished rollout batch on its way to the buffer (the delivery graph):
+    as its generator made it, then as the reward model scored it. The table
+    goes by value: a batch's trajectories are small, and Ray moves a large
+    argument through the object store by itself."""
+    step: int                      # the batch's target step
+    batch_id: str
+    version: int                   # the weights it was launched with
+    table: Any                     # pyarrow Table, pipeline.core.types.TRAJECTORY_SCHEMA
+    prompts: tuple[Any, ...] = ()  # the launch's Prompts, one per group of table rows
+    clock: Clock = ()
+
+
+@dataclass(frozen=True)
 class RelaunchPlan:
     """The relaunch graph's input: a replaced generator takes over its dead predecessor's batches."""
     generator: int

@@ -1,7 +1,13 @@
 """Rules between keys, checked once every key has its value."""
 from __future__ import annotations
 
-from pipeline.config.sections import Config, ConfigError, InjectConfig
+import re
+import string
+
+from pipeline.config.sections import Config, ConfigError, InjectConfig, RewardModelConfig
+
+# What a judge's template may fill in (pipeline/reward_model/judge.py).
+JUDGE_FIELDS = ("prompt", "completion", "answer")
 
 
 def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
@@ -16,7 +22,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
     env = cfg.env
     if cfg.backend == "real":
         needed = [("model.path", cfg.model.path), ("data.train", cfg.data.train)]
-        if not env.class_:  # an environment scores its own samples
+        if not env.class_ and not cfg.reward_model.kind:  # an environment, or a reward model, scores the samples
             needed.append(("data.reward", cfg.data.reward))
         for key, value in needed:
             if not value:
@@ -103,6 +109,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
                                     ("env.args", env.args, {})):
             if value != default:
                 raise fail(key, f"{value!r} needs an environment; set env.class (module:Class)")
+    _check_reward_model(cfg, fail)
     lora = cfg.training.lora
     if lora.rank and cfg.backend != "real":
         raise fail("training.lora.rank", f"{lora.rank} puts peft adapters on a model; it needs backend 'real'")
@@ -117,3 +124,42 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         raise fail("run.name", f"{name!r} must be a non-empty name without '/' or '\\', "
                    "other than '.' and '..'")
     return cfg
+
+
+def _check_reward_model(cfg: Config, fail) -> None:
+    rm, default = cfg.reward_model, RewardModelConfig()
+    if not rm.kind:
+        changed = next((k for k in vars(rm) if getattr(rm, k) != getattr(default, k)), None)
+        if changed:
+            raise fail(f"reward_model.{changed}", "is set, but reward_model.kind is empty (no reward model); set "
+                       "kind: classifier or judge")
+        if cfg.inject.fault == "score_exit":
+            raise fail("inject.fault", "score_exit ends the reward model's process; set reward_model.kind")
+        return
+    if cfg.backend == "real" and not rm.path:
+        raise fail("reward_model.path", f"not set; reward_model.kind {rm.kind!r} needs the model's directory")
+    if cfg.env.class_:
+        raise fail("reward_model.kind", f"{rm.kind!r} scores single-turn completions, but env.class "
+                   f"{cfg.env.class_!r} gives the rewards; leave reward_model.kind empty")
+    judge_keys = ("template", "output_regex", "score_pattern", "max_new_tokens")
+    if rm.kind == "classifier":
+        changed = next((k for k in judge_keys if getattr(rm, k) != getattr(default, k)), None)
+        if changed:
+            raise fail(f"reward_model.{changed}", "is a judge's setting; reward_model.kind is 'classifier'")
+        return
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(rm.template) if name is not None}
+    except ValueError as exc:
+        raise fail("reward_model.template", f"{rm.template!r} is not a format string ({exc}); write a literal "
+                   "brace as {{ or }}") from None
+    unknown = sorted(n for n in names if n not in JUDGE_FIELDS)
+    if unknown:
+        raise fail("reward_model.template", f"has the field(s) {', '.join('{' + n + '}' for n in unknown)}; it may "
+                   f"use {', '.join('{' + f + '}' for f in JUDGE_FIELDS)} (a literal brace is {{{{ or }}}})")
+    if "completion" not in names:
+        raise fail("reward_model.template", "has no {completion} field: the judge would never see what it scores")
+    for key, pattern in (("score_pattern", rm.score_pattern), ("output_regex", rm.output_regex)):
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise fail(f"reward_model.{key}", f"{pattern!r} is not a regular expression: {exc}") from None

@@ -188,8 +188,35 @@ class PpoConfig:
 
 
 @dataclass(frozen=True)
+class RewardModelConfig:
+    """A model that scores every rollout on an actor of its own, between the
+    rollout's end and the buffer (dags/step_graph.py build_delivery_graph):
+    a sequence classifier, or an LLM judge on a vLLM engine of its own. Its
+    weights never change. The reward is data.reward's (if set) plus weight x
+    its score."""
+    kind: Literal["", "classifier", "judge"] = _key(
+        "", "classifier: AutoModelForSequenceClassification with one label, its logit the score; judge: a causal "
+        "LM served by vLLM that answers `template`, its score parsed by `score_pattern`; empty: none")
+    path: str = _key("", "the reward model's HF directory (backend real)")
+    weight: float = _key(1.0, "the reward is data.reward's (0 when unset) + weight x the model's score")
+    batch_size: int = _key(16, "classifier: samples per forward (like lengths together); judge: prompts per "
+                           "generate call", ge=1)
+    dtype: Literal["fp32", "bf16", "auto"] = _key(
+        "fp32", "the reward model's dtype; auto: bf16 where its device has it (as training.dtype auto)")
+    template: str = _key(
+        "Question: {prompt}\nAnswer: {completion}\nRate the answer from 0 (wrong) to 9 (right). Rating: ",
+        "judge: the prompt it answers; {prompt}, {completion} and {answer} (the row's reference) are filled in, "
+        "then the judge's chat template applied if it has one")
+    output_regex: str = _key("", "judge: constrain the answer to this regex (vLLM structured outputs), so it "
+                             "always parses; empty: free text")
+    score_pattern: str = _key(r"-?\d+(?:\.\d+)?", "judge: the score is the first match in the answer (its first "
+                              "group if it has one); no match is that sample's reward failure")
+    max_new_tokens: int = _key(8, "judge: longest answer", ge=1)
+
+
+@dataclass(frozen=True)
 class FaultConfig:
-    max_restarts: int = _key(2, "restarts per generator before the run stops", ge=0)
+    max_restarts: int = _key(2, "restarts per generator, and of the reward model, before the run stops", ge=0)
     max_reward_failures: int = _key(0, "samples whose reward may raise before the run stops", ge=0)
     max_nonfinite_steps: int = _key(3, "optimizer steps in a row skipped for a non-finite loss or gradient norm "
                                     "that stop the run", ge=1)
@@ -214,6 +241,7 @@ class ResourcesConfig:
     generator: RoleResources = RoleResources()
     critic: RoleResources = RoleResources()
     controller: RoleResources = RoleResources()
+    reward_model: RoleResources = RoleResources()
 
 
 @dataclass(frozen=True)
@@ -254,6 +282,7 @@ class SimConfig:
     train_s: float = _key(0.05, "one train step's time", ge=0)
     refit_s: float = _key(0.01, "one weight load's time", ge=0)
     validate_s: float = _key(0.02, "one validation's time", ge=0)
+    score_s: float = _key(0.01, "reward_model.kind set: the simulated reward model's time per batch", ge=0)
     jitter: float = _key(0.0, "relative spread of every latency", ge=0, le=1)
     num_val_prompts: int = _key(8, "validation prompts", ge=1)
     flat_share: float = _key(1.0, "share of prompts whose samples all score the same; the others' rewards "
@@ -285,12 +314,14 @@ class InjectConfig:
     it out. *_exit ends the worker's process as a crash or an OOM kill would;
     *_hang waits until the run's deadlines catch it."""
     fault: Literal["", "train_raise", "train_hang", "train_exit", "generate_raise", "generate_hang",
-                   "generate_exit", "reward_raise", "train_nonfinite"] = _key(
+                   "generate_exit", "reward_raise", "train_nonfinite", "score_exit"] = _key(
         "", "inject this fault after `after` good calls (train_nonfinite: every later step's loss is NaN, "
         "on every rank)")
-    after: int = _key(0, "good calls before the fault (reward_raise: every N-th sample raises)", ge=0)
+    after: int = _key(0, "good calls before the fault (reward_raise: every N-th sample raises; "
+                       "score_exit: the reward model's process exits on its N+1-th batch)", ge=0)
     worker: int = _key(0, "generator index that generate_* faults hit, trainer rank that train_* faults hit", ge=0)
-    incarnations: int = _key(1, "a replaced generator faults again only while its restart count is below this",
+    incarnations: int = _key(1, "a replaced generator (or a restarted reward model) faults again only while its "
+                               "restart count is below this",
                              ge=1)
 
 
@@ -306,6 +337,7 @@ class Config:
     validation: ValidationConfig = ValidationConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
     algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = _key(
         "grpo", "the advantage estimator (pipeline/algos/advantages.py): grpo, dr_grpo (no std division), rloo "
         "(leave-one-out), reinforce_pp (batch-normalised), or ppo (GAE with a critic)")

@@ -29,6 +29,7 @@ from dags.tokens import (
     Launch,
     RelaunchPlan,
     Resume,
+    Rollout,
     StepPlan,
     Ticket,
     TrainOut,
@@ -235,16 +236,18 @@ class Controller(Actor):
     def clear_interrupt(self) -> None:
         self.buffer.clear_interrupt()
 
-    def put(self, batch_id: str, version: int, table: pa.Table, clock: Clock = ()) -> None:
-        """A rollout's batch; `clock`: its rollout_end's, kept with it for `sample`."""
+    def put(self, rollout: Rollout) -> None:
+        """A finished rollout batch, scored (the delivery graph's last node); its
+        clock, its generator's or its reward model's, is kept with it for `sample`."""
+        table = rollout.table
         failed = [e for e in table.column("reward_error").to_pylist() if e]
         if failed:
             self.reward_failures += len(failed)
             limit = self.cfg.fault.max_reward_failures
             if self.reward_failures > limit:
-                self.buffer.fatal(f"the reward function failed on {self.reward_failures} samples, more than "
+                self.buffer.fatal(f"the reward failed on {self.reward_failures} samples, more than "
                                   f"fault.max_reward_failures ({limit}); the last: {failed[-1]}")
-        self.buffer.put(batch_id, version, table, clock)
+        self.buffer.put(rollout.batch_id, rollout.version, table, rollout.clock)
 
     def rollout_failed(self, batch_id: str, reason: str, clock: Clock = ()) -> None:
         self.buffer.fail(batch_id, reason, clock)

@@ -23,6 +23,9 @@ class Prompt:
     # A turn after the first of a multi-turn sample: the context as tokens (text
     # is not re-encoded, so the model sees exactly the tokens it will be trained on).
     token_ids: tuple[int, ...] = ()
+    # A chat-format prompt's messages as JSON (the system prompt included), "" for
+    # text: a reward model renders the conversation with its own chat template.
+    messages: str = ""
 
     def __post_init__(self):
         # A checkpoint's round trip (Arrow, JSON) hands lists back: equal prompts stay equal.

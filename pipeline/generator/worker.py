@@ -18,8 +18,9 @@ import time
 import pyarrow as pa
 import ray
 
-from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Ticket, TrainOut, ValOut
-from pipeline.algos.groups import flat_group_indices
+from dags.step_graph import build_delivery_graph
+from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Rollout, Ticket, TrainOut, ValOut
+from pipeline.algos.groups import fill_failed_rewards, flat_group_indices
 from pipeline.generator.engine_loop import EngineLoop, InFlight
 from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.weights import packing
@@ -27,6 +28,8 @@ from pipeline.generator.engines import generation_engine, reward_function, val_p
 from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
 from pipeline.config import Config
 from pipeline.core import memory, spans
+from pipeline.core.graph_calls import submit
+from pipeline.algos.rewards import combine
 
 
 def generator_name(index: int, incarnation: int = 0) -> str:
@@ -43,10 +46,11 @@ class GeneratorWorker(Actor):
         self._puts: list = []   # the controller's answers to batches put, not yet checked (the loop's)
 
     def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, incarnation: int = 0,
-                  start_weights: tuple = (), after: Clock = ()) -> Clock:
+                  start_weights: tuple = (), after: Clock = (), reward_model=None) -> Clock:
         """`start_weights`: (ObjectRef of (version, state),) when starting mid-run (a
         restart, a resume); the load is logged as this worker's refit to that version.
-        `after`: the caller's clock (it holds the trainer's, from current_weights)."""
+        `after`: the caller's clock (it holds the trainer's, from current_weights).
+        `reward_model`: the run's reward model actor, which scores each batch before the buffer takes it."""
         one_thread()
         spans.take()
         if self._loop is not None:
@@ -62,7 +66,12 @@ class GeneratorWorker(Actor):
         self.heap = memory.HeapCap()
         self.log.emit("worker_start", **whereabouts(), incarnation=incarnation, generator=self.index)
         self.engine = generation_engine(cfg, self.index, incarnation)
-        self.reward_fn = None if cfg.env.class_ else reward_function(cfg)  # an environment scores itself
+        # An environment scores itself; a reward model alone needs no function here.
+        self.reward_fn = None if cfg.env.class_ or not (cfg.data.reward or cfg.backend == "sim") else \
+            reward_function(cfg)
+        self.reward_model = reward_model
+        self.delivery = build_delivery_graph(controller, reward_model)
+        self.scored_here = reward_model is None
         self.val_prompts = val_prompts(cfg)[self.index::cfg.generation.num_generators]
         self.controller = controller
         self.version, self._loaded_step = 0, None
@@ -168,6 +177,11 @@ class GeneratorWorker(Actor):
         completions = self._loop.call("greedy", self.val_prompts, self.cfg.run.deadline_s,
                                       f"the validation of step {ready.step}")
         scored = [self._score(p, c) for p, c in zip(self.val_prompts, completions)]
+        if self.reward_model is not None:
+            # The weights validated cannot change before this node returns: the model's score goes with them.
+            model = ray.get(self.reward_model.score_texts.remote(self.val_prompts, [c.text for c in completions]),
+                            timeout=self.cfg.run.deadline_s)
+            scored = [combine(r, m, self.cfg.reward_model.weight, "the reward model") for r, m in zip(scored, model)]
         rewards = [r for r, error in scored if not error]
         self.log.emit("validation_end", step=ready.step, version=self.version)
         return ValOut(self.log.worker, ready.step, self.version, True,
@@ -219,15 +233,19 @@ class GeneratorWorker(Actor):
             self._loop.error = self._loop.error or f"batch {launch.batch_id}: {type(exc).__name__}: {exc}"
             self._fail(batch, f"failed: {type(exc).__name__}: {exc}")
             return
+        # The rewards as scored here, for the checker's invariant 8 (dynamic sampling); a
+        # reward model's score_end lists them instead.
+        flat = {"flat_groups": flat_group_indices(table.column("reward").to_pylist(), group)} if self.scored_here \
+            else {}
         # Logged and put with the version it was launched with: its oldest token is no older.
         self.log.emit("rollout_end", step=launch.target, version=batch.version, batch=launch.batch_id,
                       target=launch.target, spans=profile, token_versions=_runs(table),
-                      turns=[c.turns for c in completions],
-                      # The rewards as scored here, for the checker's invariant 8 (dynamic sampling).
-                      flat_groups=flat_group_indices(table.column("reward").to_pylist(), group))
+                      turns=[c.turns for c in completions], **flat)
         # Not waited for here: the loop would wait out the round trip, and sample
-        # waits for the batch anyway. _check_puts reads the answers.
-        self._puts.append(self.controller.put.remote(launch.batch_id, batch.version, table, self.log.now()))
+        # waits for the batch anyway. _check_puts reads the answers of the puts.
+        rollout = Rollout(launch.target, launch.batch_id, batch.version, table, tuple(launch.prompts),
+                          self.log.now())
+        self._puts.append(submit(self.delivery, (rollout,))[-1])
 
     def _fail(self, batch: InFlight, reason: str) -> None:
         launch = batch.launch
@@ -251,6 +269,8 @@ class GeneratorWorker(Actor):
             if not math.isfinite(completion.reward):  # finite turn rewards that overflowed in their sum
                 return 0.0, f"prompt {prompt.id}: environment rewards sum to {completion.reward}"
             return completion.reward, ""
+        if self.reward_fn is None:
+            return 0.0, ""  # the reward model's score is the whole reward
         try:
             reward = float(self.reward_fn(prompt, completion.text))
         except Exception as exc:  # a user's reward function: any error marks this one sample
@@ -260,28 +280,19 @@ class GeneratorWorker(Actor):
             return 0.0, f"prompt {prompt.id}: reward function returned {reward}"
         return reward, ""
 
-    def _group_rewards(self, launch: Launch, version: int, prompt: Prompt,
-                       group: list[Completion]) -> tuple[list[float], list[str]]:
-        """A sample whose reward raised is scored with the mean of its group's
-        good rewards: its advantage is then zero, so it teaches nothing, and
-        the rest of the group keeps its ranking."""
-        scored = [self._score(prompt, c) for c in group]
-        good = [r for r, error in scored if not error]
-        fill = sum(good) / len(good) if good else 0.0
-        for _, error in scored:
-            if error:
-                self.log.emit("reward_failed", step=launch.target, version=version, batch=launch.batch_id,
-                              reason=error)
-        return [fill if error else r for r, error in scored], [error for _, error in scored]
-
     def _table(self, launch: Launch, version: int, groups: list[list[Completion]]) -> pa.Table:
+        """The batch's trajectories, scored: a sample whose reward failed gets its
+        group's mean (pipeline/algos/groups.py), here or, with a reward model,
+        once the model has scored it too (pipeline/reward_model/scoring.py)."""
         rows = [(prompt, c) for prompt, group in zip(launch.prompts, groups) for c in group]
-        rewards, errors = [], []
         with spans.span("reward"):
-            for prompt, group in zip(launch.prompts, groups):
-                r, e = self._group_rewards(launch, version, prompt, group)
-                rewards += r
-                errors += e
+            scored = [self._score(prompt, c) for prompt, c in rows]
+        errors = [error for _, error in scored]
+        for error in filter(None, errors):
+            self.log.emit("reward_failed", step=launch.target, version=version, batch=launch.batch_id, reason=error)
+        rewards = [r for r, _ in scored]
+        if self.scored_here:
+            rewards = fill_failed_rewards(rewards, [bool(e) for e in errors], self.cfg.schedule.group_size)
         n = len(rows)
         with spans.span("table"):
             return pa.table({

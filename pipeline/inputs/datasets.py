@@ -23,6 +23,7 @@ minutes into the run; this finds it before any worker starts.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,10 +178,14 @@ class ChatTemplate:
     system_prompt: str = ""   # data.system_prompt: first, in every chat prompt that has no system message
     model: str = ""           # for the error of a tokenizer without a template
 
-    def render(self, messages: list[dict]) -> tuple[str, tuple[int, ...]]:
+    def conversation(self, messages: list[dict]) -> list[dict]:
         if self.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return [{"role": "system", "content": self.system_prompt}, *messages]
+        return messages
+
+    def render(self, messages: list[dict]) -> tuple[str, tuple[int, ...]]:
+        text = self.tokenizer.apply_chat_template(self.conversation(messages), add_generation_prompt=True,
+                                                  tokenize=False)
         return text, tuple(self.tokenizer(text, add_special_tokens=False).input_ids)
 
 
@@ -225,6 +230,7 @@ def _load(path: str | Path, kind: str, chat: ChatTemplate | None = None,
     prompts = []
     for i in range(len(data.rows)):
         token_ids: tuple[int, ...] = ()
+        conversation = ""
         if not is_gsm8k and isinstance(data.rows[i].get("prompt"), list):
             messages = _messages(data, i)
             if check_only:
@@ -238,6 +244,7 @@ def _load(path: str | Path, kind: str, chat: ChatTemplate | None = None,
                                     "'chat_template'); give the prompts as text, or a model that has one")
             else:
                 text, token_ids = chat.render(messages)
+                conversation = json.dumps(chat.conversation(messages))
         else:
             text = _text(data, i, text_name)
         answer = _ground_truth(data, i) if verl_answer else _text(data, i, "answer")
@@ -257,7 +264,7 @@ def _load(path: str | Path, kind: str, chat: ChatTemplate | None = None,
                 raise data.error(i, f"{data.noun} 'answer' ends in '#### {final}', "
                                  "which is not a number") from None
             text, answer = GSM8K_TEMPLATE.format(question=text.strip()), final
-        prompts.append(Prompt(id=pid, text=text, answer=answer, token_ids=token_ids))
+        prompts.append(Prompt(id=pid, text=text, answer=answer, token_ids=token_ids, messages=conversation))
     return prompts, data.where
 
 

@@ -137,6 +137,26 @@ def check_model_loads(path: str | Path, *, tokenizer_dir: str | Path | None = No
 DEFAULT_MAX_MODEL_LEN = 512
 
 
+def check_reward_model(path: str | Path, kind: str) -> None:
+    """A reward model's config.json fits its kind (reward_model.kind): a
+    classifier is a *ForSequenceClassification with one label (its logit is
+    the score); a judge is a causal LM that vLLM serves."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    if kind == "classifier":
+        if not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ModelError(f"model directory {str(path)!r}: a classifier reward model is a sequence classifier "
+                             f"(save one with AutoModelForSequenceClassification); its architectures are "
+                             f"{architectures}")
+        labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+        if labels != 1:
+            raise ModelError(f"model directory {str(path)!r}: a classifier reward model has one label (its logit "
+                             f"is the score); this one has {labels}")
+    elif not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
+        raise ModelError(f"model directory {str(path)!r}: a judge is a causal language model that generates its "
+                         f"verdict; its architectures are {architectures}")
+
+
 def context_length(path: str | Path, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> int:
     """The tokens a generator's vLLM engine holds per sequence, prompt and
     completion together: max_model_len capped at the model's

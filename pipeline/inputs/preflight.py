@@ -25,7 +25,8 @@ def preflight(cfg: Config) -> Future | None:
     if cfg.backend == "sim":
         return None
     from pipeline.inputs.datasets import DataError, check_prompts, run_prompts
-    from pipeline.inputs.models import ModelError, check_model_files, check_model_loads, context_length
+    from pipeline.inputs.models import (
+        ModelError, check_model_files, check_model_loads, check_reward_model, context_length)
     from pipeline.inputs.rewards import RewardError, load_reward
 
     def check(key: str, fn: Callable, *args, **kwargs):
@@ -38,14 +39,18 @@ def preflight(cfg: Config) -> Future | None:
     models = [("model.path", cfg.model.path, None)]
     if cfg.algorithm == "ppo" and cfg.ppo.critic_model:
         models.append(("ppo.critic_model", cfg.ppo.critic_model, cfg.model.path))
+    if cfg.reward_model.kind:
+        models.append(("reward_model.path", cfg.reward_model.path, None))
     for key, path, tokenizer_dir in models:
         check(key, check_model_files, path, own_tokenizer=tokenizer_dir is None)
+    if cfg.reward_model.kind:
+        check("reward_model.path", check_reward_model, cfg.reward_model.path, cfg.reward_model.kind)
     # Empty files are DataErrors inside check_prompts. data.val is read whenever it is
     # set: the generators load it at start-up even when no validation is scheduled.
     check("data.train", check_prompts, cfg.data.train, kind="train")
     if cfg.data.val:
         check("data.val", check_prompts, cfg.data.val, kind="val")
-    if not cfg.env.class_:  # an environment's steps give the rewards (config.py checked its class)
+    if cfg.data.reward:  # else an environment's steps give the rewards, or a reward model
         check("data.reward", load_reward, cfg.data.reward)
 
     context, new = context_length(cfg.model.path), cfg.generation.max_new_tokens

@@ -120,7 +120,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
                      tie_embeddings: bool = False, init_std: float = 0.02,
                      corpus: str | Path = TOKENIZER_CORPUS, chat_template: bool = False,
                      architecture: str = "llama", kv_heads: int | None = None,
-                     experts: int = 4, experts_per_token: int = 2) -> Path:
+                     experts: int = 4, experts_per_token: int = 2, classifier: bool = False) -> Path:
     """Build and save a random tiny Llama and its tokenizer into `out_dir`.
 
     head_dim defaults to 32 rather than hidden // heads (16) because vLLM's CPU
@@ -131,7 +131,9 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
     ARCHITECTURES, the families users train (Qwen2: q/k/v biases; Qwen3: q/k
     norms; Qwen3-MoE: Qwen3 with `experts` MLPs of `intermediate` width in
     every layer, `experts_per_token` of them routed to each token);
-    `kv_heads` < heads: grouped-query attention.
+    `kv_heads` < heads: grouped-query attention. `classifier`: the same body
+    with a one-label score head (AutoModelForSequenceClassification), the
+    layout of a reward model (reward_model.kind classifier).
     """
     import torch
     import transformers
@@ -146,6 +148,8 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
     # The HF vocab must be the tokenizer's real length: vLLM pads internally
     # and reload_weights expects the unpadded [len(tokenizer), hidden] shapes.
     config_class, model_class = ARCHITECTURES[architecture]
+    if classifier:
+        model_class = model_class.replace("ForCausalLM", "ForSequenceClassification")
     if architecture != "llama":
         # As AutoTokenizer loads it beside this model type: transformers picks the family's
         # tokenizer class (Qwen2's adds <|endoftext|>), and vLLM and the trainer load that one.
@@ -160,16 +164,17 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
         initializer_range=init_std,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie_embeddings,
-        dtype="float32", architectures=[model_class],
+        dtype="float32", architectures=[model_class], **({"num_labels": 1} if classifier else {}),
         **(dict(num_experts=experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=intermediate)
            if architecture == "qwen3_moe" else {}))
     # Seed a private generator state, not the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, model_class)(config).to(torch.float32)
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if not classifier:  # a causal LM generates
+        model.generation_config.bos_token_id = tokenizer.bos_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -39,11 +39,13 @@ from pipeline.run.pool import (
     Workers,
     actor_names,
     begin_run,
+    end_run,
     generator_index,
     replace_generator,
     start_workers,
     stop_workers,
 )
+from pipeline.reward_model.worker import NAME as REWARD_MODEL
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied
 from pipeline.run.trace import write_trace
 
@@ -55,7 +57,9 @@ def validation_due(step: int, cfg: Config) -> bool:
 
 
 def graph_actor_count(cfg: Config) -> int:
-    return 1 + cfg.training.ranks + cfg.generation.num_generators + cfg.critic_actors
+    """The run's actors: those of the step graph, and the reward model of the delivery graph."""
+    return (1 + cfg.training.ranks + cfg.generation.num_generators + cfg.critic_actors
+            + (1 if cfg.reward_model.kind else 0))
 
 
 def resolve_dag_mode(cfg: Config, cores: float) -> str:
@@ -168,7 +172,9 @@ class Execution:
                 index = generator_index(died.worker, self.workers, self.incarnations)
                 collective = self.cfg.generation.weight_sync == "collective"
                 if index is None or runner.mode == "compiled" or collective:
-                    why = ("the run cannot go on without it" if index is None
+                    why = (f"Ray restarted it up to fault.max_restarts ({self.cfg.fault.max_restarts}) times"
+                           if died.worker.startswith(REWARD_MODEL) else
+                           "the run cannot go on without it" if index is None
                            else "generator restarts need run.dag_mode classic" if runner.mode == "compiled"
                            else "generator restarts need generation.weight_sync object_store (a collective "
                                 "sync's process group cannot take a new member)")
@@ -294,7 +300,7 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
             f"max_age={cfg.schedule.max_age} generators={cfg.generation.num_generators} run_dir={run_dir}")
         log.emit("run_start", max_age=cfg.schedule.max_age, steps=cfg.run.steps, start_step=start, dag_mode=mode,
                  refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm,
-                 top_up_rounds=cfg.dynamic_sampling.max_rounds,
+                 top_up_rounds=cfg.dynamic_sampling.max_rounds, reward_model=cfg.reward_model.kind or None,
                  env_max_turns=cfg.env.max_turns if cfg.env.class_ else None)
         execution = Execution(cfg, workers, mode, run_dir, t0, log, step_runner, say)
         prologue = execution.run("prologue_runner", StepPlan(start - 1, cfg.validation.at_start and start == 0))
@@ -325,6 +331,9 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
                                                             cfg.run.startup_deadline_s))
         summary["accounting"] = ray.get(execution.workers.controller.finish.remote(log.now()),
                                         timeout=cfg.run.deadline_s)
+        # After the last batch it scored: its weights' digest again, for invariant 9.
+        log.merge(*ray.get([m.finish.remote(log.now()) for m in execution.workers.reward_models],
+                           timeout=cfg.run.startup_deadline_s))
         summary["generator_restarts"] = dict(sorted((generator_name(i), n) for i, n in execution.incarnations.items()))
     except BaseException as exc:
         summary["error"] = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
@@ -339,6 +348,8 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
             execution.close(step_runner, failed)
         if own_workers and workers is not None and not failed:
             stop_workers(workers)
+        elif workers is not None:
+            end_run(workers)
         if own_workers and workers is None and placement is not None:
             placement.remove()  # the actors never started
         progress.close()
@@ -367,6 +378,8 @@ def _write_summary(run_dir: Path, summary: dict, t0: float, totals: RunTotals, c
         "training_backend": "sim" if cfg.backend == "sim" else "deepspeed",
         "cpu_bf16": list(cpu_bf16_flags()),  # the driver's machine
         "training_dtype": _trained_dtype(run_dir),
+        # Ray restarts a dead reward model in place; each incarnation logged on its own.
+        "reward_model_restarts": max(len(list((run_dir / "events").glob(f"{REWARD_MODEL}*.jsonl"))) - 1, 0),
     })
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 

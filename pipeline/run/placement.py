@@ -2,7 +2,7 @@
 
 Bundle order is fixed, so an actor's bundle index follows from its role alone:
 
-    controller | trainer ranks | critic ranks (PPO) | generator 0: T bundles | generator 1: T ...
+    controller | trainer ranks | critic ranks (PPO) | generator 0: T bundles | generator 1: T ... | reward model
 
 with T = generation.tensor_parallel_size. A generator actor sits in the first of
 its T bundles; vLLM's tensor-parallel workers (one per bundle, T > 1 only) take
@@ -32,7 +32,7 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True)
 class Bundle:
-    role: str        # controller, trainer, critic, generator
+    role: str        # controller, trainer, critic, generator, reward_model
     index: int       # rank or generator index within the role
     tp_rank: int     # a generator's tensor-parallel rank; 0 for the other roles
     resources: dict  # what the bundle reserves, as Ray's placement_group takes it
@@ -46,7 +46,8 @@ def _counts(cfg: Config) -> dict[str, int]:
     """Actors per role, in bundle order."""
     return {"controller": 1, "trainer": cfg.training.ranks,
             "critic": cfg.critic_actors,
-            "generator": cfg.generation.num_generators}
+            "generator": cfg.generation.num_generators,
+            "reward_model": 1 if cfg.reward_model.kind else 0}
 
 
 def bundles(cfg: Config) -> list[Bundle]:

@@ -25,6 +25,7 @@ from pipeline.core.data_parallel import rank_name
 from pipeline.config import Config
 from pipeline.inputs.models import ModelError
 from pipeline.core.events import EventLog
+from pipeline.reward_model.worker import reward_model_name, start_reward_model
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, task_error
 
 
@@ -35,6 +36,7 @@ class Workers:
     generators: tuple        # refit, validate, collect
     critics: tuple = ()      # PPO only: critic_values, advantages (rank 0), critic_train, one per rank
     placement: Any = None    # pipeline.run.placement.Placement, or None: plain fractional CPUs
+    reward_models: tuple = ()  # the run's reward model (reward_model.kind), started per run by begin_run
 
     def first(self, num_generators: int) -> "Workers":
         return replace(self, generators=self.generators[:num_generators])
@@ -49,8 +51,14 @@ class Workers:
         named = {"controller": self.controller,
                  **{rank_name("trainer", r, len(self.trainers)): t for r, t in enumerate(self.trainers)},
                  **{name_of(i): g for i, g in enumerate(self.generators)},
-                 **{rank_name("critic", r, len(self.critics)): c for r, c in enumerate(self.critics)}}
+                 **{rank_name("critic", r, len(self.critics)): c for r, c in enumerate(self.critics)},
+                 **{reward_model_name(0): m for m in self.reward_models}}
         return named
+
+    @property
+    def reward_model(self) -> Any:
+        """The actor that scores each batch before the buffer takes it, or None."""
+        return self.reward_models[0] if self.reward_models else None
 
 
 def _options(placement, role: str, index: int = 0) -> dict:
@@ -81,6 +89,13 @@ def start_workers(num_generators: int, critics: int = 0, trainers: int = 1, plac
 def stop_workers(workers: Workers) -> None:
     for actor in workers.actors().values():
         ray.kill(actor)
+    end_run(workers)
+
+
+def end_run(workers: Workers) -> None:
+    """What begin_run started for one run alone: the reward model (killed twice is harmless)."""
+    for actor in workers.reward_models:
+        ray.kill(actor, no_restart=True)
     if workers.placement is not None:
         workers.placement.remove()
 
@@ -107,25 +122,35 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
                          f"recipe asks {cfg.training.ranks} (training.ranks) and {critics} "
                          "(ppo.critic_ranks with algorithm ppo)")
     restore = (lambda part: str(ckpt / part)) if ckpt is not None else (lambda part: None)
-    setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, restore("controller"),
-                                              train_prompts),
-             *(t.begin_run.remote(cfg, str(run_dir), t0, restore("trainer_state"), start_step, meet)
-               for t, meet in zip(used.trainers, _meeting(used.trainers, cfg))),
-             *(c.begin_run.remote(cfg, str(run_dir), t0, restore("critic_state"), meet)
-               for c, meet in zip(used.critics, _meeting(used.critics, cfg)))]
-    if ckpt is None:
-        # A fresh run's generators start from the model directory, as the trainer does: all start at once.
-        setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, (), log.now())
-                  for g in used.generators]
-        log.merge(*_wait(setup, cfg))
-    else:
-        log.merge(*_wait(setup, cfg))
-        _, weights, clock = ray.get(used.trainers[0].current_weights.remote())
-        log.merge(clock)
-        log.merge(*_wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights, log.now())
-                          for g in used.generators], cfg))
-    if cfg.generation.weight_sync == "collective":
-        _form_weight_sync(used, cfg)
+    if cfg.reward_model.kind:
+        # Per run: its model is the recipe's. It loads beside the other workers; generators only hold its handle.
+        rm = start_reward_model(cfg, str(run_dir), t0, _options(used.placement, "reward_model"))
+        used = replace(used, reward_models=(rm,))
+    try:
+        setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, restore("controller"),
+                                                  train_prompts),
+                 *(t.begin_run.remote(cfg, str(run_dir), t0, restore("trainer_state"), start_step, meet)
+                   for t, meet in zip(used.trainers, _meeting(used.trainers, cfg))),
+                 *(c.begin_run.remote(cfg, str(run_dir), t0, restore("critic_state"), meet)
+                   for c, meet in zip(used.critics, _meeting(used.critics, cfg))),
+                 *(m.ready.remote() for m in used.reward_models)]
+        if ckpt is None:
+            # A fresh run's generators start from the model directory, as the trainer does: all start at once.
+            setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, (), log.now(), used.reward_model)
+                      for g in used.generators]
+            log.merge(*_wait(setup, cfg))
+        else:
+            log.merge(*_wait(setup, cfg))
+            _, weights, clock = ray.get(used.trainers[0].current_weights.remote())
+            log.merge(clock)
+            log.merge(*_wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights, log.now(),
+                                                 used.reward_model)
+                              for g in used.generators], cfg))
+        if cfg.generation.weight_sync == "collective":
+            _form_weight_sync(used, cfg)
+    except BaseException:
+        end_run(used)  # a reward model started for this run alone
+        raise
     return used
 
 
@@ -179,7 +204,7 @@ def replace_generator(workers: Workers, index: int, died: WorkerDied, incarnatio
     version, weights, clock = ray.get(workers.trainers[0].current_weights.remote(), timeout=cfg.run.deadline_s)
     log.merge(clock)
     log.merge(*_wait([actor.begin_run.remote(cfg, str(run_dir), t0, workers.controller, incarnation, weights,
-                                             log.now())], cfg))
+                                             log.now(), workers.reward_model)], cfg))
     incarnations[index] = incarnation
     workers = workers.replace_generator(index, actor)
     relaunch = GraphRunner(build_relaunch_graph(workers, index), "classic", cfg.run.deadline_s,

@@ -265,3 +265,28 @@ class SimCriticEngine:
     def load_state(self, path: str) -> None:
         state = _read_state(path)
         self.updates, self.estimate = int(state["updates"]), float(state["estimate"])
+
+
+class SimRewardModel:
+    """The reward model of backend sim: sim_reward again, sim.score_s per batch.
+    inject.fault score_exit ends the process on batch inject.after + 1, as an
+    OOM kill would (while its restart count is below inject.incarnations)."""
+
+    def __init__(self, cfg: SimConfig, *, seed: int, inject: InjectConfig = InjectConfig(), faulty: bool = False):
+        self.latency = _Latency(cfg, seed)
+        self.score_s = cfg.score_s
+        self.inject, self.faulty = inject, faulty
+        self.calls = 0
+
+    def score(self, prompts: list[Prompt], completions: list[str]) -> list[tuple[float, str]]:
+        if self.faulty:
+            _maybe_fault(self.inject, "score", self.calls)
+        self.calls += 1
+        self.latency.spend(self.score_s)
+        return [(sim_reward(p, c), "") for p, c in zip(prompts, completions, strict=True)]
+
+    def digest(self) -> str:
+        return "sim"
+
+    def close(self) -> None:
+        pass

@@ -1,9 +1,9 @@
 """Invariant 8: with dynamic sampling, no step trains on a flat group, and
 the extra launches stay within their bound.
 
-The evidence is the generators', not the controller's: each rollout_end lists
+The evidence is the scorers', not the controller's: each rollout_end lists
 the groups of its batch whose rewards were all equal (`flat_groups`), as the
-generator scored them. The controller's sample logs every group it left out
+generator scored them, or the reward model's score_end does, when the run has one. The controller's sample logs every group it left out
 (`group_drop`, with a reason). A batch trained at step s whose flat group was
 not dropped is a violation, as is a launch of round k > the run's
 `top_up_rounds` (run_start) or any top-up round in a run without them.
@@ -25,7 +25,8 @@ def flat_groups_never_trained(events: list[dict], run_start: dict | None) -> Ite
     if not rounds:
         return
     flat: dict[str, tuple[dict, set]] = {}
-    for e in of(events, "rollout_end"):
+    # A reward model's score_end (after its rollout_end) lists the groups as they were trained.
+    for e in [*of(events, "rollout_end"), *of(events, "score_end")]:
         if not e.get("failed") and not e.get("abandoned") and isinstance(e.get("flat_groups"), list):
             flat[e.get("batch")] = (e, set(e["flat_groups"]))
     dropped: dict[tuple, set] = defaultdict(set)   # (step, batch) -> groups left out

@@ -21,7 +21,7 @@ LAYERS = [
     ["pipeline.inputs"],
     ["pipeline.sim"],
     ["pipeline.weights"],
-    ["pipeline.controller", "pipeline.generator", "pipeline.trainer"],
+    ["pipeline.controller", "pipeline.generator", "pipeline.trainer", "pipeline.reward_model"],
     ["pipeline.run"],
     ["pipeline.tools"],
     ["pipeline.__main__"],

@@ -124,7 +124,7 @@ def test_reward_failures_are_counted_then_stop_the_run(tmp_path, ray_session):
 
     strict = sim_config(tmp_path, "s", run__steps=4, inject__fault="reward_raise", inject__after=7,
                         fault__max_reward_failures=2)
-    with pytest.raises(PipelineError, match=r"reward function failed on \d+ samples, more than "
+    with pytest.raises(PipelineError, match=r"reward failed on \d+ samples, more than "
                                              r"fault.max_reward_failures \(2\)"):
         train(strict, quiet=True)
 

@@ -12,7 +12,7 @@ import pytest
 import ray
 from tests.controller.test_controller import trajectories
 
-from dags.tokens import Resume, ValOut
+from dags.tokens import Resume, Rollout, ValOut
 from pipeline.controller.controller import Controller
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.config import load_config
@@ -233,7 +233,7 @@ class Schedule:
         """Their rollouts end, generated with the version they were (re)launched at."""
         for launch in launches:
             version = self.versions[launch.batch_id]
-            self.controller.put(launch.batch_id, version, trajectories(launch, version))
+            self.controller.put(Rollout(launch.target, launch.batch_id, version, trajectories(launch, version)))
 
     def step(self, step: int) -> list:
         """Train step `step` on what has arrived, then launch as its resume does."""
