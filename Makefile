@@ -25,6 +25,10 @@ models/tiny/config.json: | $(STAMP)
 models/tiny_chat/config.json: | $(STAMP)
 	$(PY) -m pipeline build-tiny --out models/tiny_chat --chat-template
 
+# A classifier fitted to the tiny task's reward, for reward_model.kind classifier (examples/tiny_reward_model.yaml).
+models/tiny_rm/config.json: | $(STAMP)
+	$(PY) -m pipeline build-tiny --out models/tiny_rm --reward-model
+
 # The tiny model warmed up on a multi-turn env's format (pipeline/trainer/warmup.py;
 # steps and prompts default to the env class's measured warmup_steps/warmup_prompts).
 models/tiny_tool/config.json: models/tiny/config.json data/tool_train.jsonl data/tool_val.jsonl | $(STAMP)
@@ -35,10 +39,10 @@ models/tiny_game/config.json: models/tiny/config.json data/game_train.jsonl data
 	$(PY) -m pipeline warmup --model models/tiny --env pipeline.envs.digit_game:DigitGuessEnv \
 		--data data/game_train.jsonl --val data/game_val.jsonl --out models/tiny_game --seed 0
 
-# The model the recipe names, when it is one of those built here (models/tiny*).
-RECIPE_MODEL := $(filter models/tiny%,$(shell sed -n 's/^  path: *//p' $(RECIPE) 2>/dev/null | head -1))
+# The models the recipe names (policy, reward model), when they are ones built here (models/tiny*).
+RECIPE_MODELS := $(filter models/tiny%,$(shell sed -n 's/^  path: *//p' $(RECIPE) 2>/dev/null))
 
-train: setup models/tiny/config.json $(RECIPE_MODEL:%=%/config.json)
+train: setup models/tiny/config.json $(RECIPE_MODELS:%=%/config.json)
 	$(PY) -m pipeline train --config $(RECIPE)
 
 test: setup

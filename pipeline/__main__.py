@@ -29,7 +29,16 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _build_tiny(args: argparse.Namespace) -> int:
-    from pipeline.inputs.tiny import main
+    from pipeline.inputs.tiny import main, model_digest
+    if args.reward_model:
+        import torch
+        from pipeline.inputs.tiny_reward_model import build_tiny_reward_model
+        torch.set_num_threads(1)
+        fit = build_tiny_reward_model(args.out, seed=args.seed)
+        print(f"built the tiny reward model in {args.out}: held-out squared error {fit['held_out_mse']:.4f} "
+              f"(reward variance {fit['reward_var']:.3f}), correlation {fit['correlation']:.3f} "
+              f"(sha256 {model_digest(args.out)[:12]})")
+        return 0
     return main(["--out", args.out, "--seed", str(args.seed), *(["--chat-template"] if args.chat_template else [])])
 
 
@@ -75,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", action="store_true", help="give the tokenizer a chat template "
                    "(for chat-format datasets: examples/gsm8k_chat.yaml)")
+    p.add_argument("--reward-model", action="store_true", help="build a classifier fitted to the tiny task's reward "
+                   "(examples/tiny_reward_model.yaml)")
     p.set_defaults(func=_build_tiny)
     p = sub.add_parser("warmup", help="supervised warm-up of a model on an environment's expert transcripts")
     from pipeline.trainer.warmup import add_arguments

@@ -102,6 +102,8 @@ def check_schedule(tmp_path, pool, runner, s: dict):
                      sim__jitter=s["jitter"], generation__refit_mode=s["refit_mode"],
                      sim__response_len=s["response_len"], sim__tail_ratio=10,
                      dynamic_sampling__max_rounds=s.get("rounds", 0), sim__flat_share=s.get("flat_share", 1.0),
+                     **({"reward_model__kind": "classifier", "sim__score_s": s["score_ms"] / 1000}
+                        if "score_ms" in s else {}),
                      **({} if s["turns"] is None else {
                          "env__class": "pipeline.sim.env:SimToolEnv", "env__max_turns": 3,
                          "env__args": f"{{turns: {s['turns']}, max_turns: 3, latency_s: {s['tool_ms'] / 1000}, "
@@ -153,6 +155,27 @@ def test_dynamic_sampling_holds_the_invariants_over_random_schedules(tmp_path, s
                 if m["step"] >= 0:
                     assert m["informative_groups"] <= s["prompts"], (s, m)
                     assert m["rows"] if m["informative_groups"] else m.get("update_skipped_flat") == 1.0, (s, m)
+        prop()
+    finally:
+        runner.close()
+
+
+# A reward model between every rollout and the buffer (invariant 9), single-turn, with and
+# without dynamic sampling's rounds (whose flat groups it then decides). 2 x 8 schedules.
+@pytest.mark.parametrize("mode", ["classic", "compiled"])
+def test_a_reward_model_holds_the_invariants_over_random_schedules(tmp_path, sim_pool, mode):
+    workers = sim_pool.first(2)
+    runner = GraphRunner(build_step_graph(workers, top_up_rounds=1), mode, first_deadline_s=60)
+    try:
+        @settings(max_examples=8, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+        @given(schedules, st.integers(0, 30), st.sampled_from([0.5, 1.0]))
+        def prop(s, score_ms, flat_share):
+            run_dir = check_schedule(tmp_path, workers, runner, {**s, "generators": 2, "turns": None, "rounds": 1,
+                                                                 "flat_share": flat_share, "score_ms": score_ms})
+            events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+            trained = {b for e in events if e["ev"] == "train_start" for b in e["batches"]}
+            assert trained <= {e["batch"] for e in events if e["ev"] == "score_end"}
         prop()
     finally:
         runner.close()

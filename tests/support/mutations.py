@@ -4,7 +4,8 @@ Each mutation removes one ordering guarantee: an edge of the graph, the
 drain a generator does before it loads new weights, or the engine's labelling
 of each token with the weights that sampled it; or the one resource bound the
 log proves, the weight copies in the object store (a trainer that keeps them all); or dynamic
-sampling's filter (a sample that trains flat groups). They are built here, in
+sampling's filter (a sample that trains flat groups); or the reward model's
+edge (a generator that puts its batches unscored). They are built here, in
 the tests, from the public pieces of dags/step_graph.py; production code
 builds none of them. Some need a generator without one of its own guards
 (collect refuses a version it does not hold, or rollouts still in flight):
@@ -27,7 +28,7 @@ import ray
 import ray.cloudpickle
 from ray.dag import InputNode
 
-from dags.step_graph import StepGraph, build_step_graph, graph_of
+from dags.step_graph import StepGraph, build_delivery_graph, build_step_graph, graph_of
 from dags.tokens import Gate, Refitted, Resume, StepPlan, Ticket, ValOut
 from pipeline.controller.controller import Controller
 from pipeline.generator.worker import GeneratorWorker
@@ -48,14 +49,17 @@ class MutantGenerator(GeneratorWorker):
     trainer = None
     late_label = False
     early_delivery = False
+    skip_scoring = False
 
     def configure(self, skip_drain: bool = False, trainer=None, late_label: bool = False,
-                  early_delivery: bool = False) -> None:
+                  early_delivery: bool = False, skip_scoring: bool = False) -> None:
         self.skip_drain, self.trainer, self.late_label = skip_drain, trainer, late_label
-        self.early_delivery = early_delivery
+        self.early_delivery, self.skip_scoring = early_delivery, skip_scoring
 
     def begin_run(self, *args, **kwargs):
         clock = super().begin_run(*args, **kwargs)
+        if self.skip_scoring:  # deliver_unscored: the delivery graph without its score node
+            self.delivery = build_delivery_graph(self.controller)
         if self.late_label:
             label_a_step_late(self.engine)
         if self.early_delivery:
@@ -270,6 +274,9 @@ MUTATIONS: dict[str, Mutation] = {
     "train_flat_groups": Mutation(functools.partial(build_step_graph, top_up_rounds=1), expect=8,
                                   controller_configure={"keep_flat": True},
                                   overrides=("dynamic_sampling.max_rounds=1", "sim.flat_share=0.5")),
+    # A run with a reward model whose generators put their batches without it.
+    "deliver_unscored": Mutation(build_step_graph, expect=9, configure={"skip_scoring": True},
+                                 overrides=("reward_model.kind=classifier",)),
 }
 # Mutations that the multi-turn profile (tests/tools/test_mutations.py) runs too; the
 # last one needs environments to mean anything.
@@ -278,6 +285,6 @@ MULTITURN = ("refit_without_drain", "validate_not_before_resume", "deliver_befor
 # late harms only tokens in flight at a load: under drain none are, and the
 # validation after the refit takes the late step before any rollout can.
 ONE_MODE_ONLY = {"refit_without_drain": "drain", "late_version_label": "inflight", "hoard_weights": "drain",
-                 "train_flat_groups": "drain"}
+                 "train_flat_groups": "drain", "deliver_unscored": "drain"}
 
 UNMUTATED = Mutation(build_step_graph, expect=0)
