@@ -26,6 +26,8 @@ this project; its figures are recorded below with how they were taken.
         --steps 60 --result seeds_algos     # the presets: 7 x 2 modes x 5 seeds, ~34 min on 2 cores
     .venv/bin/python -m benchmarks.seeds --algorithms gspo cispo --steps 60 --result seeds_algos --merge
         # adds runs to an existing result (each run records the commit it ran at)
+    .venv/bin/python -m benchmarks.seeds --algorithms reward_model --steps 60 --result seeds_reward_model
+        # a fitted classifier's score as the reward (built here, as make builds models/tiny_rm)
 
 The result is written after every run, so a benchmark stopped half-way keeps what it measured.
 """
@@ -105,6 +107,12 @@ def main(argv: list[str] | None = None) -> dict:
     runs_dir = args.keep_runs or (tmp / "runs")
     model = build_tiny_model(tmp / "tiny")
     digest = model_digest(model)
+    per_recipe: dict[str, list[str]] = {}
+    if "reward_model" in algorithms:
+        from pipeline.inputs.tiny_reward_model import build_tiny_reward_model
+        fit = build_tiny_reward_model(tmp / "tiny_rm")
+        per_recipe["reward_model"] = [f"reward_model.path={tmp / 'tiny_rm'}"]
+        info["reward_model"] = {"sha256": model_digest(tmp / "tiny_rm"), **fit}
     planned = {(a, MODES[m], s) for a in algorithms for m in modes for s in seeds}
     earlier = (args.out or RESULTS) / f"{args.result}.json"
     runs: list[dict] = []
@@ -134,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
             for max_age in modes:
                 for seed in seeds:
                     sample_load(info)
-                    run = learning_run(algorithm, max_age, seed, steps, val_period, model, runs_dir, args.set)
+                    run = learning_run(algorithm, max_age, seed, steps, val_period, model, runs_dir,
+                                       [*args.set, *per_recipe.get(algorithm, [])])
                     runs.append({**run, "git_commit": info["git_commit"], "git_dirty": info["git_dirty"]})
                     print(f"{algorithm} {run['mode']} seed {seed}: final val {run['final_val']}, "
                           f"steps to {REWARD_BAR} {run['steps_to_0.7']}, {run['wall_s']} s", flush=True)

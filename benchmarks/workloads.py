@@ -26,6 +26,8 @@ RECIPES = {"grpo": ROOT / "examples" / "tiny_grpo.yaml", "ppo": ROOT / "examples
 # The algorithm presets (docs/algorithms.md), for `benchmarks.seeds --result seeds_algos`.
 PRESETS = ("dr_grpo", "rloo", "reinforce_pp", "dapo", "gspo", "cispo", "ppo_epochs")
 RECIPES.update({name: ROOT / "examples" / f"tiny_{name}.yaml" for name in PRESETS})
+# A reward model's score as the whole reward (benchmarks.seeds builds the classifier it names).
+RECIPES["reward_model"] = ROOT / "examples" / "tiny_reward_model.yaml"
 MODES = {0: "sync", 1: "async"}           # schedule.max_age -> name
 # A learning run's figures (benchmarks.seeds): steps until the 3-step running mean of
 # the training reward reaches 0.7, and the first greedy validation >= 0.9.
