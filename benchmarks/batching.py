@@ -1,6 +1,8 @@
 """Padding and train-step time by micro-batching: `training.micro_batch_size`
 rows in table order against a token budget (`training.max_tokens_per_micro_batch`,
-rows of like length together; pipeline/core/data_parallel.py `Batching`).
+rows of like length together; pipeline/core/data_parallel.py `Batching`), and
+against packing (`training.packing`: a micro-batch's rows in one sequence,
+position ids restarting per row, no padding) under the same budgets.
 
 The batch is GRPO-shaped (16 prompts x 4 samples) with long-tailed lengths:
 prompts of 16-48 tokens, responses lognormal (median 48 tokens, sigma 0.7,
@@ -8,7 +10,7 @@ prompts of 16-48 tokens, responses lognormal (median 48 tokens, sigma 0.7,
 own `pad_token_share` and loss, and the median time of a DeepSpeed policy
 update (CPU, fp32, one thread, ZeRO 0) on one model, all in one process, so
 the ratios are of one run. Target (issue "Fast at real sizes"): a token
-budget leaves at most 5 % of the positions to padding.
+budget leaves at most 5 % of the positions to padding; packing leaves none.
 
     .venv/bin/python -m benchmarks.batching            # the 1M model, 5 updates each
     .venv/bin/python -m benchmarks.batching --quick    # the tiny model, 2 updates each
@@ -45,7 +47,7 @@ def long_tailed_table(seed: int = 0):
     return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
 
 
-def measure(model_dir: Path, table, micro_batch_size: int, max_tokens: int, steps: int) -> dict:
+def measure(model_dir: Path, table, micro_batch_size: int, max_tokens: int, steps: int, packing: bool = False) -> dict:
     import torch
 
     from pipeline.algos.advantages import grpo_advantages
@@ -53,7 +55,9 @@ def measure(model_dir: Path, table, micro_batch_size: int, max_tokens: int, step
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     torch.set_num_threads(1)
     engine = DeepSpeedPolicyEngine(str(model_dir), micro_batch_size=micro_batch_size, max_tokens=max_tokens,
-                                   lr=1e-4, group_size=GROUP)
+                                   lr=1e-4, group_size=GROUP, packing=packing)
+    if packing and not engine.batching.packed:
+        raise RuntimeError(f"packing fell back: {engine.packing_off}")
     advantages = grpo_advantages(table, GROUP)
     times, metrics = [], {}
     try:
@@ -63,8 +67,9 @@ def measure(model_dir: Path, table, micro_batch_size: int, max_tokens: int, step
             times.append(time.perf_counter() - t0)
     finally:
         engine.close()
-    chunks = Batching(micro_batch_size, max_tokens).split(row_lengths(table))
-    return {"micro_batch_size": micro_batch_size, "max_tokens": max_tokens, "micro_batches": len(chunks),
+    chunks = Batching(micro_batch_size, max_tokens, packing).split(row_lengths(table))
+    return {"micro_batch_size": micro_batch_size, "max_tokens": max_tokens, "packing": packing,
+            "micro_batches": len(chunks),
             "pad_token_share": metrics["pad_token_share"], "loss": metrics["loss"],
             "step_s": statistics.median(times[1:] or times), "steps": steps}
 
@@ -86,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(k * mean) for k in (4, 8, 16)]
     with tempfile.TemporaryDirectory() as tmp:
         model = build_sized_model(Path(tmp), size)
-        cases = [measure(model, table, 8, 0, steps)] + [measure(model, table, 8, b, steps) for b in budgets]
+        cases = ([measure(model, table, 8, 0, steps)] + [measure(model, table, 8, b, steps) for b in budgets]
+                 + [measure(model, table, 8, b, steps, packing=True) for b in budgets])
     rows_case = cases[0]
     for c in cases:
         c["step_over_rows"] = c["step_s"] / rows_case["step_s"]
@@ -98,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                                      "mean": mean}},
               "cases": cases, "targets": {"pad_token_share_max": PAD_TARGET},
               "targets_met": {"pad_token_share": best <= PAD_TARGET}}
-    print_table(["micro_batch_size", "max_tokens", "micro-batches", "pad share", "step s", "vs rows", "loss diff"],
-                [[c["micro_batch_size"], c["max_tokens"] or "-", c["micro_batches"], c["pad_token_share"],
+    print_table(["micro_batch_size", "max_tokens", "packing", "micro-batches", "pad share", "step s", "vs rows",
+                 "loss diff"],
+                [[c["micro_batch_size"], c["max_tokens"] or "-", c["packing"], c["micro_batches"], c["pad_token_share"],
                   c["step_s"], c["step_over_rows"], c["loss_diff"]] for c in cases],
                 title=f"batching ({size} model, {len(lengths)} rows of {min(lengths)}-{max(lengths)} tokens)")
     print(f"targets: pad_token_share <= {PAD_TARGET} under a budget: {result['targets_met']['pad_token_share']} "

@@ -358,13 +358,14 @@ def lora_trainer(r: dict) -> str:
 
 def batching(r: dict) -> str:
     p, lengths = r["params"], r["params"]["lengths"]
-    rows = [[c["micro_batch_size"], c["max_tokens"] or "off", c["micro_batches"], f"{c['pad_token_share']:.3f}",
-             f"{c['step_s']:.3g}", f"{c['step_over_rows']:.2f}", f"{c['loss_diff']:.2g}"] for c in r["cases"]]
+    rows = [[c["micro_batch_size"], c["max_tokens"] or "off", "on" if c.get("packing") else "off", c["micro_batches"],
+             f"{c['pad_token_share']:.3f}", f"{c['step_s']:.3g}", f"{c['step_over_rows']:.2f}", f"{c['loss_diff']:.2g}"]
+            for c in r["cases"]]
     head = (f"DeepSpeed policy engine, CPU, fp32, ZeRO 0, one rank, the {p['size']} model; {p['steps']} GRPO updates "
             f"on {p['rows']} rows of {lengths['min']}-{lengths['max']} tokens (median {lengths['median']:.0f}). "
             f"{machine(r)}\n\n")
-    return (head + md(["micro_batch_size", "max_tokens_per_micro_batch", "micro-batches", "pad_token_share",
-                       "step (s)", "step / rows' step", "loss diff"], rows, text_cols=0)
+    return (head + md(["micro_batch_size", "max_tokens_per_micro_batch", "packing", "micro-batches",
+                       "pad_token_share", "step (s)", "step / rows' step", "loss diff"], rows, text_cols=0)
             + f"\n\nTarget: pad_token_share <= {r['targets']['pad_token_share_max']} under a budget: "
             + ("met" if r["targets_met"]["pad_token_share"] else "missed") + ".")
 
@@ -426,7 +427,7 @@ SECTIONS = (
     ("multiturn", multiturn, "multi-turn rollouts with a tool, async against sync (`multiturn.py`)"),
     ("refit", refit, "a refit, object store against collective, full against LoRA (`refit.py`)"),
     ("lora_trainer", lora_trainer, "trainer memory and step time, full against LoRA (`lora_trainer.py`)"),
-    ("batching", batching, "padding and train-step time, rows against a token budget (`batching.py`)"),
+    ("batching", batching, "padding and train-step time: rows, a token budget, packing (`batching.py`)"),
     ("trainer_efficiency", trainer_efficiency, "the DeepSpeed train step against a bare torch loop (`trainer_efficiency.py`)"),
     ("soak", soak, "faults under randomized schedules (`soak.py`)"),
     ("long_run", long_run, "memory, object store and step time over thousands of steps (`long_run.py`)"),

@@ -149,6 +149,10 @@ class TrainingConfig:
     max_tokens_per_micro_batch: int = _key(
         0, "a token budget per forward/backward instead of micro_batch_size rows: rows longest first, as many "
         "as fit once padded to the longest (pad_token_share shows the padding left); 0 = off", ge=0)
+    packing: bool = _key(
+        False, "pack a micro-batch's rows into one sequence without padding, position ids restarting per row (rows "
+        "in order, their tokens within max_tokens_per_micro_batch, or micro_batch_size rows); each engine checks "
+        "at start that its model's attention keeps packed rows apart, else pads")
     grad_accum: int = _key(1, "DeepSpeed's nominal accumulation (train_batch_size = micro x accum)", ge=1)
     lr: float = _key(1e-4, "policy learning rate (AdamW)", gt=0)
     weight_decay: float = _key(0.0, "AdamW's decoupled weight decay (policy and critic)", ge=0)

@@ -61,18 +61,35 @@ class Batching:
     table order, or with `max_tokens` (training.max_tokens_per_micro_batch) by
     a token budget: rows longest first, each micro-batch as many as fit
     `max_tokens` once padded to its longest row (a row over the budget alone).
-    Rows of like length share a micro-batch, so little of a forward is padding;
-    the loss is the batch's token mean either way (each micro-batch divides by
-    the batch's tokens), the same up to the order of the float sums."""
+    Rows of like length share a micro-batch, so little of a forward is padding.
+    `packed` (training.packing, where the model keeps packed rows apart): a
+    micro-batch is rows in table order whose tokens together fit `max_tokens`
+    (or `micro_batch_size` rows without a budget), run as one sequence without
+    padding. The loss is the batch's token mean either way (each micro-batch
+    divides by the batch's tokens), the same up to the order of the float sums."""
     micro_batch_size: int
     max_tokens: int = 0
+    packed: bool = False
 
     def split(self, lengths: list[int]) -> list[list[int]]:
         """Row indices of each micro-batch, for rows of `lengths` tokens (prompt + response)."""
         n = len(lengths)
+        if self.packed:
+            chunks: list[list[int]] = []
+            total = 0
+            for i, length in enumerate(lengths):
+                fits = (total + length <= self.max_tokens if self.max_tokens
+                        else len(chunks[-1]) < self.micro_batch_size) if chunks else False
+                if fits:
+                    chunks[-1].append(i)
+                    total += length
+                else:
+                    chunks.append([i])
+                    total = length
+            return chunks
         if not self.max_tokens:
             return [list(range(i, min(i + self.micro_batch_size, n))) for i in range(0, n, self.micro_batch_size)]
-        chunks: list[list[int]] = []
+        chunks = []
         for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
             # Longest first: a micro-batch's first row is its widest, so width x rows is its padded size.
             if chunks and lengths[chunks[-1][0]] * (len(chunks[-1]) + 1) <= self.max_tokens:
@@ -107,8 +124,8 @@ def batch_shards(response_lengths: list[int], group_size: int, world_size: int,
         stop = start + (groups // world_size + (rank < groups % world_size)) * group_size
         bounds.append((start, stop))
         start = stop
-    if batching.max_tokens and lengths is None:
-        raise ValueError("a token budget (training.max_tokens_per_micro_batch) needs the rows' lengths")
+    if (batching.max_tokens or batching.packed) and lengths is None:
+        raise ValueError("a token budget (training.max_tokens_per_micro_batch) or packing needs the rows' lengths")
     widths = lengths if lengths is not None else [0] * rows
     micro = max(len(batching.split(widths[start:stop])) for start, stop in bounds)
     tokens, seqs = sum(response_lengths), sum(n > 0 for n in response_lengths)
@@ -125,7 +142,7 @@ def table_shard(table, group_size: int, rank: int, world_size: int, batching: Ba
     """Rank `rank`'s Shard of a trajectory table (pyarrow), or None when it is alone."""
     if world_size == 1:
         return None
-    lengths = row_lengths(table) if batching.max_tokens else None  # only a token budget reads them
+    lengths = row_lengths(table) if batching.max_tokens or batching.packed else None  # only they read them
     return batch_shards(trained_tokens(table), group_size, world_size, batching, lengths)[rank]
 
 

@@ -50,6 +50,8 @@ class CriticWorker(Actor):
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         spans.take()
         self.engine = critic_engine(cfg, self.rank, rendezvous)
+        self.batching = getattr(self.engine, "batching", Batching(cfg.training.micro_batch_size,
+                                                                   cfg.training.max_tokens_per_micro_batch))
         if restore_dir is not None:
             self.engine.load_state(restore_dir)
         # One step's batch, from critic_values to critic_train of that step.
@@ -66,8 +68,7 @@ class CriticWorker(Actor):
 
     def _shard(self, table: pa.Table) -> Shard | None:
         return table_shard(table, self.cfg.schedule.group_size, self.rank, self.world_size,
-                           Batching(self.cfg.training.micro_batch_size,
-                                     self.cfg.training.max_tokens_per_micro_batch))
+                           self.batching)
 
     @node("critic_values")
     def critic_values(self, batch: Batch) -> Values:

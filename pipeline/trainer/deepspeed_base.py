@@ -15,6 +15,7 @@ import abc
 import contextlib
 import datetime
 import importlib
+import json
 import math
 import os
 import random
@@ -29,7 +30,7 @@ from pipeline.trainer.optim import Optimizer, set_lr
 from pipeline.core.data_parallel import Batching, Rendezvous, Shard, free_port, without_flight_recorder
 from pipeline.inputs.models import check_model_files
 from pipeline.core.spans import span
-from pipeline.trainer.rows import collate, token_column, trajectory_rows
+from pipeline.trainer.rows import collate, packing_gap, token_column, trajectory_rows
 
 
 def _init_distributed(cuda: bool, rank: int, rendezvous: Rendezvous | None):
@@ -187,13 +188,14 @@ class DeepSpeedEngine(abc.ABC):
 
     def __init__(self, model_path: str, *, zero_stage: int, dtype: str, micro_batch_size: int,
                  grad_accum: int, lr: float, seed: int, optimizer: Optimizer, num_threads: int | None,
-                 rank: int = 0, rendezvous: Rendezvous | None = None, max_tokens: int = 0):
+                 rank: int = 0, rendezvous: Rendezvous | None = None, max_tokens: int = 0,
+                 packing: bool = False):
         self.ds_config = ds_config(micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=lr,
                                    optimizer=optimizer, zero_stage=zero_stage, dtype=dtype)
         self.lr, self.optimizer = lr, optimizer
         self.model_path = check_model_files(model_path, own_tokenizer=False)
         self.zero_stage, self.dtype, self.micro_batch_size = zero_stage, dtype, micro_batch_size
-        self.batching = Batching(micro_batch_size, max_tokens)
+        self.batching = Batching(micro_batch_size, max_tokens, packing)
         self.deepspeed = start_deepspeed(num_threads, rank, rendezvous)
         self.rank, self.world_size = rank, torch.distributed.get_world_size()
         # Every rank starts from the same weights (DeepSpeed does not broadcast them).
@@ -201,10 +203,22 @@ class DeepSpeedEngine(abc.ABC):
         torch.manual_seed(seed)
         self.engine = initialize(self.deepspeed, self._build_model(), self.ds_config)
         self.device = self.engine.device
+        self.packing_off = ""   # why training.packing fell back to padded micro-batches, if it did
+        if packing:
+            vocab = json.loads((self.model_path / "config.json").read_text())["vocab_size"]
+            gap, leak = packing_gap(self._window_outputs, self.device, vocab)
+            if not gap <= 0.1 * leak:
+                self.batching = Batching(micro_batch_size, max_tokens)
+                self.packing_off = (f"this model's attention does not keep packed rows apart (a probe {gap:.2g} off "
+                                    f"its padded forward, {leak:.2g} when rows see each other); padded instead")
 
     @abc.abstractmethod
     def _build_model(self) -> torch.nn.Module:
         """The module to train, in eval mode (no dropout), fp32 before deepspeed casts it."""
+
+    @abc.abstractmethod
+    def _window_outputs(self, batch: dict) -> torch.Tensor:
+        """The model's per-position outputs over a collated batch's response window (logprobs, values)."""
 
     @abc.abstractmethod
     def _loss(self, batch: dict, shard: Shard) -> tuple[torch.Tensor, dict[str, float]]:
@@ -268,15 +282,16 @@ class DeepSpeedEngine(abc.ABC):
             # (deepspeed's own counter would step every grad_accum micro-batches).
             self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
             with span("train.collate"):
-                batch = collate([rows[i] for i in idx] if idx is not None else rows[:1], self.device, token_keys)
+                batch = collate([rows[i] for i in idx] if idx is not None else rows[:1], self.device, token_keys,
+                                self.batching.packed)
             # Dividing every micro-batch by the batch's token count makes their sum
             # the batch's token mean, whatever the split (a short last chunk too).
             loss, m = self._loss(batch, shard)
             if idx is None:
                 loss, m = loss * 0.0, {}
             else:
-                positions += batch["attn"].numel()
-                pads += batch["attn"].numel() - int(batch["attn"].sum())
+                positions += batch["forward_positions"]
+                pads += batch["pad_positions"]
             with span("train.backward"):
                 # DeepSpeed averages gradients over the ranks; the sum is what one process would have.
                 self.engine.backward(loss * self.world_size, scale_wrt_gas=False)

@@ -13,7 +13,7 @@ import torch
 from pipeline.algos.ppo import value_loss
 from pipeline.core.data_parallel import Rendezvous, Shard
 from pipeline.trainer.deepspeed_base import DeepSpeedEngine
-from pipeline.trainer.rows import collate
+from pipeline.trainer.rows import collate, pack_window
 from pipeline.trainer.optim import Optimizer
 
 
@@ -31,11 +31,17 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               use_cache=False).last_hidden_state
-        # Positions start .. L-2: the window of pipeline.trainer.rows.collate.
-        return self.value_head(hidden[:, start:-1]).squeeze(-1).float()
+    def forward(self, batch: dict, probe: bool = False) -> torch.Tensor:
+        """V of every position of a collated batch's response window (pipeline.trainer.rows.collate).
+        `probe`: the hidden state's mean instead, for the packing check (the head starts at zero)."""
+        head = (lambda h: h.mean(-1, keepdim=True)) if probe else self.value_head
+        if "positions" in batch:
+            hidden = self.backbone(input_ids=batch["ids"], position_ids=batch["positions"],
+                                   use_cache=False).last_hidden_state
+            return pack_window(head(hidden[0, batch["keep"]]).squeeze(-1).float(), batch)
+        hidden = self.backbone(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False).last_hidden_state
+        # Positions start .. L-2: the window.
+        return head(hidden[:, batch["start"]:-1]).squeeze(-1).float()
 
 
 class DeepSpeedCriticEngine(DeepSpeedEngine):
@@ -54,13 +60,14 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
                  micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
                  value_clip: float = 0.2, epochs: int = 1, seed: int = 0, optimizer: Optimizer = Optimizer(),
                  num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None,
-                 max_tokens: int = 0):
+                 max_tokens: int = 0, packing: bool = False):
         self.value_clip = value_clip
         # The learning-rate schedule counts batches: epochs optimizer steps make one.
         self.epochs = self.updates_per_batch = epochs
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
                          grad_accum=grad_accum, lr=lr, seed=seed, optimizer=optimizer,
-                         num_threads=num_threads, rank=rank, rendezvous=rendezvous, max_tokens=max_tokens)
+                         num_threads=num_threads, rank=rank, rendezvous=rendezvous, max_tokens=max_tokens,
+                         packing=packing)
 
     def _build_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -85,17 +92,19 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
         out: list[list[float]] = [[] for _ in rows]
         with torch.no_grad():
             for idx in chunks:
-                batch = collate([rows[i] for i in idx], self.device, token_keys={})
-                v = self.engine(batch["ids"], batch["attn"], batch["start"])
+                batch = collate([rows[i] for i in idx], self.device, {}, self.batching.packed)
+                v = self.engine(batch)
                 for j, i in enumerate(idx):  # a token budget takes rows out of table order
                     out[i] = v[j][batch["mask"][j]].tolist()
             for _ in range(extra):
-                batch = collate(rows[:1], self.device, token_keys={})
-                self.engine(batch["ids"], batch["attn"], batch["start"])
+                self.engine(collate(rows[:1], self.device, {}, self.batching.packed))
         return out
 
+    def _window_outputs(self, batch: dict) -> torch.Tensor:
+        return self.engine(batch, probe=True)
+
     def _loss(self, batch: dict, shard: Shard) -> tuple[torch.Tensor, dict[str, float]]:
-        v = self.engine(batch["ids"], batch["attn"], batch["start"])
+        v = self.engine(batch)
         return value_loss(v, batch["old"], batch["returns"], batch["train_mask"], clip=self.value_clip,
                           num_tokens=max(shard.batch_tokens, 1))
 

@@ -18,7 +18,7 @@ from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.weights import lora as adapters
 from pipeline.core.data_parallel import Rendezvous, Shard, batch_shards, row_lengths, trained_tokens
 from pipeline.trainer.deepspeed_base import DeepSpeedEngine, full_params
-from pipeline.trainer.rows import collate, trajectory_rows
+from pipeline.trainer.rows import collate, pack_window, trajectory_rows
 from pipeline.trainer.optim import Optimizer
 from pipeline.inputs.models import TOKENIZER_FILES
 from pipeline.core.spans import span
@@ -44,7 +44,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                  loss_options: dict | None = None, lora=None, seed: int = 0, temperature: float = 1.0,
                  optimizer: Optimizer = Optimizer(), epochs: int = 1, mini_batches: int = 1, group_size: int = 1,
                  num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None,
-                 max_tokens: int = 0):
+                 max_tokens: int = 0, packing: bool = False):
         self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
         # A KL reference for the loss (kl_coef) or for the rewards (reference_logprobs).
         self.reference = kl_coef > 0 if reference is None else reference
@@ -60,7 +60,8 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         self.temperature = temperature
         super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
                          grad_accum=grad_accum, lr=lr, seed=seed, optimizer=optimizer,
-                         num_threads=num_threads, rank=rank, rendezvous=rendezvous, max_tokens=max_tokens)
+                         num_threads=num_threads, rank=rank, rendezvous=rendezvous, max_tokens=max_tokens,
+                         packing=packing)
         if self.ref is not None:
             self.ref.to(self.device)
 
@@ -87,25 +88,40 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
 
     def token_logprobs(self, model, batch: dict, entropy: bool = False):
         """`model`'s logprob of each token in a collated batch's response window
-        (pipeline.trainer.rows.collate), at the sampling temperature;
-        with `entropy`, (logprobs, each position's entropy), the entropy with a
-        gradient only when the loss has an entropy bonus."""
-        ids, start = batch["ids"], batch["start"]
-        out = model(input_ids=ids, attention_mask=batch["attn"], use_cache=False,
-                    logits_to_keep=ids.shape[1] - start)
-        logits = out.logits[:, :-1].float() / self.temperature
-        targets = ids[:, start + 1:]
+        (pipeline.trainer.rows.collate, padded or packed), at the sampling
+        temperature; with `entropy`, (logprobs, each position's entropy), the
+        entropy with a gradient only when the loss has an entropy bonus."""
+        ids = batch["ids"]
+        if "positions" in batch:
+            # Packed: the logits of the kept positions only, [K, V]; laid out in the window below.
+            out = model(input_ids=ids, position_ids=batch["positions"], use_cache=False, logits_to_keep=batch["keep"])
+            logits, targets = out.logits[0].float() / self.temperature, batch["targets"]
+        else:
+            start = batch["start"]
+            out = model(input_ids=ids, attention_mask=batch["attn"], use_cache=False,
+                        logits_to_keep=ids.shape[1] - start)
+            logits, targets = out.logits[:, :-1].float() / self.temperature, ids[:, start + 1:]
         logp = torch.log_softmax(logits, dim=-1)
         lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         if not entropy:
-            return lp
+            return self._in_window(lp, batch)
         if torch.is_grad_enabled() and self.entropy_coef > 0:
-            return lp, -(logp.exp() * logp).sum(dim=-1)
-        # Only a metric: a few positions at a time, so that p * log p never holds a
-        # second (batch, length, vocabulary) tensor beside logp (150k-token vocabularies).
-        with torch.no_grad():
-            ent = torch.cat([-(part.exp() * part).sum(dim=-1) for part in logp.split(ENTROPY_CHUNK, dim=1)], dim=1)
-        return lp, ent
+            ent = -(logp.exp() * logp).sum(dim=-1)
+        else:
+            # Only a metric: a few positions at a time, so that p * log p never holds a
+            # second (batch, length, vocabulary) tensor beside logp (150k-token vocabularies).
+            with torch.no_grad():
+                dim = logp.dim() - 2
+                ent = torch.cat([-(part.exp() * part).sum(dim=-1) for part in logp.split(ENTROPY_CHUNK, dim=dim)],
+                                dim=dim)
+        return self._in_window(lp, batch), self._in_window(ent, batch)
+
+    def _window_outputs(self, batch: dict) -> torch.Tensor:
+        return self.token_logprobs(self.engine, batch)
+
+    @staticmethod
+    def _in_window(values: torch.Tensor, batch: dict) -> torch.Tensor:
+        return pack_window(values, batch) if "positions" in batch else values
 
     def _loss(self, batch: dict, shard: Shard) -> tuple[torch.Tensor, dict[str, float]]:
         with span("train.forward"):
@@ -136,7 +152,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         rows = trajectory_rows(table)
         out: list[list[float]] = [[] for _ in rows]
         for idx in self._chunks(rows):
-            batch = collate([rows[i] for i in idx], self.device, {})
+            batch = collate([rows[i] for i in idx], self.device, {}, self.batching.packed)
             lp = self._reference(batch)
             for j, i in enumerate(idx):  # a token budget takes rows out of table order
                 out[i] = lp[j][batch["mask"][j]].float().tolist()
@@ -196,7 +212,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         (ZeRO-3) pair up."""
         for idx in self._lockstep_chunks(rows, shard):
             chunk = [rows[i] for i in idx] if idx is not None else rows[:1]
-            batch = collate(chunk, self.device, {})
+            batch = collate(chunk, self.device, {}, self.batching.packed)
             lp = self.token_logprobs(self.engine, batch)
             if idx is None:
                 continue

@@ -26,6 +26,7 @@ def training_engine(cfg: Config, rank: int = 0, rendezvous=None) -> TrainingEngi
         return DeepSpeedPolicyEngine(cfg.model.path, zero_stage=t.zero_stage,
                                      dtype=device_dtype(t.dtype, "training.dtype"),
                                      micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch,
+                                     packing=t.packing,
                                      grad_accum=t.grad_accum,
                                      lr=t.lr, clip_eps=g.clip_eps, kl_coef=g.kl_coef, is_clip=g.is_clip,
                                      reference=g.kl_coef > 0 or cfg.reinforce_pp.kl_coef > 0,
@@ -57,6 +58,7 @@ def critic_engine(cfg: Config, rank: int = 0, rendezvous=None):
         return DeepSpeedCriticEngine(p.critic_model or cfg.model.path, zero_stage=t.zero_stage,
                                      dtype=device_dtype(t.dtype, "training.dtype"),
                                      micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch,
+                                     packing=t.packing,
                                      grad_accum=t.grad_accum, lr=p.critic_lr, value_clip=p.value_clip,
                                      epochs=p.critic_epochs,
                                      optimizer=optimizer(cfg), seed=cfg.run.seed, rank=rank, rendezvous=rendezvous)

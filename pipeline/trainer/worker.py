@@ -38,6 +38,9 @@ class TrainerWorker(Actor):
         self.log = reopen_log(self, run_dir, rank_name("trainer", self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         self.engine = training_engine(cfg, self.rank, rendezvous)
+        # The engine's own: training.packing falls back to padding where its model does not keep rows apart.
+        self.batching = getattr(self.engine, "batching", Batching(cfg.training.micro_batch_size,
+                                                                   cfg.training.max_tokens_per_micro_batch))
         if restore_dir is not None:
             self.engine.load_state(restore_dir)
         self.version = start_version
@@ -54,7 +57,8 @@ class TrainerWorker(Actor):
             if self.rank == 0:
                 self._hold(start_version, self._put(start_version, exported))
         # training.dtype as this rank resolved it (auto: by its own device).
-        self.log.emit("worker_ready", spans=spans.take(), dtype=getattr(self.engine, "dtype", None))
+        self.log.emit("worker_ready", spans=spans.take(), dtype=getattr(self.engine, "dtype", None),
+                      packing=self.batching.packed, packing_off=getattr(self.engine, "packing_off", "") or None)
         return self.log.now()
 
     def current_weights(self) -> tuple[int, tuple, Clock]:
@@ -191,8 +195,7 @@ class TrainerWorker(Actor):
     def _train_shard(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
         """This rank's update: its whole prompt groups of the batch (all of it when alone)."""
         shard = table_shard(table, self.cfg.schedule.group_size, self.rank, self.world_size,
-                            Batching(self.cfg.training.micro_batch_size,
-                                     self.cfg.training.max_tokens_per_micro_batch))
+                            self.batching)
         if shard is None:
             return self.engine.train_step(table, advantages)
         return {**self.engine.train_step(table, advantages, shard), "shard_rows": float(shard.stop - shard.start)}

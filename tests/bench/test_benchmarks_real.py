@@ -85,10 +85,11 @@ def test_batching_quick_a_budget_keeps_the_loss_and_cuts_the_padding(tmp_path):
     result = json.loads((tmp_path / "batching.json").read_text())
     assert result["benchmark"] == "batching" and result["params"]["quick"] is True
     rows, *budgets = result["cases"]
-    assert rows["max_tokens"] == 0 and rows["micro_batches"] == 8 and len(budgets) == 3
+    assert rows["max_tokens"] == 0 and rows["micro_batches"] == 8 and len(budgets) == 6
     for case in budgets:
         assert case["pad_token_share"] < rows["pad_token_share"] / 2, case
         assert case["loss_diff"] < 1e-6, case  # the batch's token mean, whatever the grouping
+    assert [c["pad_token_share"] for c in budgets if c["packing"]] == [0.0] * 3
     assert isinstance(result["targets_met"]["pad_token_share"], bool)
 
 

@@ -56,6 +56,17 @@ def test_a_token_budget_groups_rows_of_like_length_longest_first():
     assert all(max(lengths[i] for i in c) * len(c) <= 64 or len(c) == 1 for c in chunks)
 
 
+def test_packing_takes_rows_in_order_while_their_tokens_fit():
+    lengths = [4, 9, 5, 8, 6, 7, 30]
+    # Table order; a micro-batch takes rows while their sum fits 20 (a longer row alone).
+    assert Batching(2, max_tokens=20, packed=True).split(lengths) == [[0, 1, 2], [3, 4], [5], [6]]
+    # No budget: micro_batch_size rows each, as unpacked.
+    assert Batching(3, packed=True).split(lengths) == [[0, 1, 2], [3, 4, 5], [6]]
+    shards = batch_shards([1] * 10, 2, 2, Batching(2, max_tokens=20, packed=True), [4, 5, 6, 7, 8, 9, 7, 8, 9, 10])
+    # Rank 0: 4+5+6 | 7+8 | 9; rank 1: 7+8 | 9+10.
+    assert {s.micro_batches for s in shards} == {3}
+
+
 def test_every_rank_runs_as_many_micro_batches_as_the_busiest_rank_needs_under_a_budget():
     # Rank 0's rows [4, 5, 6, 7, 8, 9] -> [9, 8] [7, 6] [5, 4]; rank 1's [7, 8, 9, 10] -> [10, 9] [8, 7].
     lengths = [4, 5, 6, 7, 8, 9, 7, 8, 9, 10]
@@ -65,12 +76,13 @@ def test_every_rank_runs_as_many_micro_batches_as_the_busiest_rank_needs_under_a
         batch_shards([1] * 10, 2, 2, Batching(2, max_tokens=20))
 
 
-def _cfg(model, tmp_path, ranks: int, micro: int, zero: int, budget: int = 0):
+def _cfg(model, tmp_path, ranks: int, micro: int, zero: int, budget: int = 0, packing: bool = False):
     return load_config(None, [
         "backend=real", f"model.path={model}", "data.train=data/tiny_train.jsonl",
         "data.reward=pipeline.inputs.rewards:tiny_reward", f"run.output_dir={tmp_path}", "schedule.group_size=2",
         f"training.ranks={ranks}", f"training.micro_batch_size={micro}", f"training.zero_stage={zero}",
-        f"training.max_tokens_per_micro_batch={budget}", "training.lr=1e-3"])
+        f"training.max_tokens_per_micro_batch={budget}", f"training.packing={str(packing).lower()}",
+        "training.lr=1e-3"])
 
 
 def _step(cfg, table, tmp_path) -> tuple[dict, list[dict]]:
@@ -95,15 +107,17 @@ def _step(cfg, table, tmp_path) -> tuple[dict, list[dict]]:
 # ZeRO-3 runs with a token budget (training.max_tokens_per_micro_batch): its every forward
 # gathers with the other rank's, so the ranks' micro-batch counts must pair up, zero-weight
 # ones included (ZeRO-3 in row micro-batches: test_two_zero3_ranks_resume_from_a_checkpoint).
-@pytest.mark.parametrize("zero,budget", [(0, 0), (2, 0), (3, 20)])
+# ZeRO-3 with packing: rank 0's 9+8 | 7+6 | 5+4 tokens... in order, 4+5 | 6+7 | 8+9 packed.
+@pytest.mark.parametrize("zero,budget,packing", [(0, 0, False), (2, 0, False), (3, 20, False), (3, 20, True)])
 @pytest.mark.real
-def test_two_ranks_take_the_single_process_step(model_dir, tmp_path, ray_session, zero, budget):  # noqa: F811
+def test_two_ranks_take_the_single_process_step(model_dir, tmp_path, ray_session, zero, budget,  # noqa: F811
+                                                packing):
     # 5 groups of 2 with different lengths: rank 0 gets 3 groups (6 rows in micro-batches
     # of 2 = 3), rank 1 gets 2 groups and one zero-weight micro-batch. With the budget of
     # 20 tokens: rank 0's rows of 9, 8 | 7, 6 | 5, 4 tokens, rank 1's 10, 9 | 8, 7 and one zero-weight.
     table = make_table(groups=5, group_size=2)
     one, one_metrics = _step(_cfg(model_dir, tmp_path / "one", 1, 4, zero), table, tmp_path / "one")
-    two, two_metrics = _step(_cfg(model_dir, tmp_path / "two", 2, 2, zero, budget), table, tmp_path / "two")
+    two, two_metrics = _step(_cfg(model_dir, tmp_path / "two", 2, 2, zero, budget, packing), table, tmp_path / "two")
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
     assert worst <= TOLERANCE, f"2 ranks differ from 1 by {worst:.3g}"
     moved = max((one[k] - v).abs().max().item() for k, v in _initial(model_dir).items())

@@ -194,6 +194,42 @@ def test_a_token_budget_takes_the_same_step_with_less_padding(model_dir):
     rows_engine.close(), budget_engine.close()
 
 
+def test_packed_rows_take_the_same_step_without_padding(model_dir):
+    """training.packing: each micro-batch's rows in one sequence, position ids
+    restarting per row, no padding: the same step, logprobs and KL reference as
+    2-row padded micro-batches, to float order."""
+    table = make_table(responses=[[5] * n for n in (2, 12, 3, 11, 4, 10)])
+    rows_engine = make_engine(model_dir, micro_batch_size=2, kl_coef=0.1)
+    packed_engine = make_engine(model_dir, micro_batch_size=2, max_tokens=40, kl_coef=0.1, packing=True)
+    assert packed_engine.batching.packed and packed_engine.packing_off == ""
+    ref_rows, ref_packed = rows_engine.reference_logprobs(table), packed_engine.reference_logprobs(table)
+    assert [len(r) for r in ref_packed] == [2, 12, 3, 11, 4, 10]
+    assert max(abs(a - b) for r, q in zip(ref_rows, ref_packed) for a, b in zip(r, q)) < 1e-5
+    by_rows, by_packed = grpo_step(rows_engine, table), grpo_step(packed_engine, table)
+    assert by_packed["loss"] == pytest.approx(by_rows["loss"], abs=1e-6)
+    assert by_packed["grad_norm"] == pytest.approx(by_rows["grad_norm"], rel=1e-5)
+    assert by_packed["entropy"] == pytest.approx(by_rows["entropy"], rel=1e-5)
+    assert max_diff(weights(rows_engine), weights(packed_engine)) < 1e-5
+    assert by_packed["pad_token_share"] == 0.0 < by_rows["pad_token_share"]
+    rows_engine.close(), packed_engine.close()
+
+
+def test_packing_falls_back_to_padding_where_attention_sees_across_rows(model_dir, monkeypatch):
+    """A model whose attention would let packed rows see each other (here: position ids that never
+    restart, so transformers sees one sequence) is trained padded, and says why."""
+    import pipeline.trainer.rows as rows
+
+    def leaky(rows_, lens, device):
+        out = packed(rows_, lens, device)
+        return {**out, "positions": torch.arange(out["ids"].shape[1]).unsqueeze(0)}
+    packed = rows._packed
+    monkeypatch.setattr(rows, "_packed", leaky)
+    engine = make_engine(model_dir, micro_batch_size=2, packing=True)
+    assert not engine.batching.packed and "does not keep packed rows apart" in engine.packing_off
+    assert grpo_step(engine, make_table())["pad_token_share"] > 0
+    engine.close()
+
+
 def test_dtype_auto_trains_in_what_this_machine_has(model_dir):
     """training.dtype auto through the trainer's own engine builder: bf16 on a
     CPU with AMX-BF16 or AVX-512 BF16 (or a GPU with bf16), fp32 elsewhere."""
