@@ -110,6 +110,9 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
             if value != default:
                 raise fail(key, f"{value!r} needs an environment; set env.class (module:Class)")
     _check_reward_model(cfg, fail)
+    if v.reward and (cfg.backend != "real" or env.class_):
+        raise fail("validation.reward", "scores single-turn validations on the real stack; " + (
+            "an environment scores its own (env.class is set)" if env.class_ else "backend is 'sim'"))
     lora = cfg.training.lora
     if lora.rank and cfg.backend != "real":
         raise fail("training.lora.rank", f"{lora.rank} puts peft adapters on a model; it needs backend 'real'")

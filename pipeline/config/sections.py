@@ -52,6 +52,8 @@ class ValidationConfig:
     period: int = _key(0, "validate after every period-th step; 0 = never", ge=0)
     at_start: bool = _key(False, "validate the initial weights")
     at_end: bool = _key(False, "validate after the last step")
+    reward: str = _key("", "validation's reward as module:function (a verifier while training on a reward model's "
+                       "score, say); empty: the training reward (data.reward's plus the reward model's)")
 
 
 @dataclass(frozen=True)

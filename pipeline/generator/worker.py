@@ -25,6 +25,7 @@ from pipeline.generator.engine_loop import EngineLoop, InFlight
 from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.weights import packing
 from pipeline.generator.engines import generation_engine, reward_function, val_prompts
+from pipeline.inputs.rewards import load_reward
 from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
 from pipeline.config import Config
 from pipeline.core import memory, spans
@@ -69,6 +70,7 @@ class GeneratorWorker(Actor):
         # An environment scores itself; a reward model alone needs no function here.
         self.reward_fn = None if cfg.env.class_ or not (cfg.data.reward or cfg.backend == "sim") else \
             reward_function(cfg)
+        self.val_reward_fn = load_reward(cfg.validation.reward) if cfg.validation.reward else None
         self.reward_model = reward_model
         self.delivery = build_delivery_graph(controller, reward_model)
         self.scored_here = reward_model is None
@@ -176,8 +178,8 @@ class GeneratorWorker(Actor):
         # before this node returns, and no rollout starts before resume.
         completions = self._loop.call("greedy", self.val_prompts, self.cfg.run.deadline_s,
                                       f"the validation of step {ready.step}")
-        scored = [self._score(p, c) for p, c in zip(self.val_prompts, completions)]
-        if self.reward_model is not None:
+        scored = [self._score(p, c, self.val_reward_fn) for p, c in zip(self.val_prompts, completions)]
+        if self.reward_model is not None and self.val_reward_fn is None:
             # The weights validated cannot change before this node returns: the model's score goes with them.
             model = ray.get(self.reward_model.score_texts.remote(self.val_prompts, [c.text for c in completions]),
                             timeout=self.cfg.run.deadline_s)
@@ -261,18 +263,20 @@ class GeneratorWorker(Actor):
             self._puts.remove(ref)
         ray.get(done)
 
-    def _score(self, prompt: Prompt, completion: Completion) -> tuple[float, str]:
-        """(reward, why it failed or ""): the environment's sum of turn rewards, or data.reward's."""
+    def _score(self, prompt: Prompt, completion: Completion, reward_fn=None) -> tuple[float, str]:
+        """(reward, why it failed or ""): the environment's sum of turn rewards, or
+        `reward_fn`'s (validation.reward), or data.reward's."""
         if completion.reward is not None:
             if completion.error:
                 return 0.0, f"prompt {prompt.id}: {completion.error}"
             if not math.isfinite(completion.reward):  # finite turn rewards that overflowed in their sum
                 return 0.0, f"prompt {prompt.id}: environment rewards sum to {completion.reward}"
             return completion.reward, ""
-        if self.reward_fn is None:
+        reward_fn = reward_fn or self.reward_fn
+        if reward_fn is None:
             return 0.0, ""  # the reward model's score is the whole reward
         try:
-            reward = float(self.reward_fn(prompt, completion.text))
+            reward = float(reward_fn(prompt, completion.text))
         except Exception as exc:  # a user's reward function: any error marks this one sample
             return 0.0, f"prompt {prompt.id}: {type(exc).__name__}: {exc}"
         if not math.isfinite(reward):

@@ -52,6 +52,8 @@ def preflight(cfg: Config) -> Future | None:
         check("data.val", check_prompts, cfg.data.val, kind="val")
     if cfg.data.reward:  # else an environment's steps give the rewards, or a reward model
         check("data.reward", load_reward, cfg.data.reward)
+    if cfg.validation.reward:
+        check("validation.reward", load_reward, cfg.validation.reward)
 
     context, new = context_length(cfg.model.path), cfg.generation.max_new_tokens
     if new >= context:

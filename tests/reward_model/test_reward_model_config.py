@@ -44,6 +44,13 @@ def test_each_bad_setting_names_its_key(overrides, message):
         load_config(None, [*REAL, *overrides])
 
 
+def test_a_validation_reward_of_its_own_needs_the_real_single_turn_stack():
+    cfg = load_config(None, [*REAL, "validation.reward=pipeline.inputs.rewards:gsm8k_reward"])
+    assert cfg.validation.reward == "pipeline.inputs.rewards:gsm8k_reward"
+    with pytest.raises(ConfigError, match="validation.reward: .*backend is 'sim'"):
+        load_config(None, ["validation.reward=pipeline.inputs.rewards:gsm8k_reward"])
+
+
 def test_the_score_exit_fault_needs_a_reward_model():
     with pytest.raises(ConfigError, match="inject.fault: score_exit ends the reward model's process"):
         load_config(None, ["inject.fault=score_exit"])

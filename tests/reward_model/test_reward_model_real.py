@@ -60,7 +60,9 @@ def test_a_chat_prompt_reaches_the_classifier_in_its_own_template(classifier):
 @pytest.mark.parametrize("kind", ["classifier", "judge"])
 def test_a_run_scores_every_batch_with_its_reward_model(tmp_path, ray_session, tiny_model, classifier, kind):
     judge = build_tiny_model(tmp_path / "judge", seed=5, chat_template=True) if kind == "judge" else None
-    overrides = {"classifier": ["reward_model.kind=classifier", f"reward_model.path={classifier}", "data.reward="],
+    # The classifier's run validates by the task's rule (validation.reward), the judge's by its training reward.
+    overrides = {"classifier": ["reward_model.kind=classifier", f"reward_model.path={classifier}", "data.reward=",
+                                "validation.reward=pipeline.inputs.rewards:tiny_reward"],
                  "judge": ["reward_model.kind=judge", f"reward_model.path={judge}", "reward_model.weight=0.1",
                            "reward_model.output_regex='[0-9]'", "reward_model.max_new_tokens=2"]}[kind]
     cfg = load_config("examples/tiny_grpo.yaml", [
@@ -81,6 +83,9 @@ def test_a_run_scores_every_batch_with_its_reward_model(tmp_path, ray_session, t
     if kind == "judge":
         # tiny_reward in [0, 1] plus 0.1 x a digit: every sample got a rating.
         assert all(0.0 <= m["reward_mean"] <= 1.9 for m in metrics if m["step"] >= 0)
+    else:
+        # tiny_reward of greedy completions: a fraction of 16 characters, never the classifier's raw logit.
+        assert all(0.0 <= m["val_reward"] <= 1.0 for m in metrics if "val_reward" in m)
 
 
 @pytest.mark.parametrize("kind,needle", [
