@@ -370,6 +370,21 @@ def batching(r: dict) -> str:
             + ("met" if r["targets_met"]["pad_token_share"] else "missed") + ".")
 
 
+def vs_trl_scale(r: dict) -> str:
+    p = r["params"]
+    rows = [[c["size"], c["dtype"], f"{c['trl']['step_time_s']:.3g}", f"{c['async']['step_time_s']:.3g}",
+             f"{c['sync']['step_time_s']:.3g}", f"{c['async_over_trl']:.2f}", f"{c['sync_over_trl']:.2f}",
+             f"{c['trl']['tokens_per_s']:.0f}", f"{c['async']['tokens_per_s']:.0f}", f"{c['sync']['tokens_per_s']:.0f}",
+             f"{c['async']['train_s']:.3g}", f"{c['async']['generation_s']:.3g}", f"{c['async']['efficiency']:.2f}"]
+            for c in r["cases"]]
+    head = (f"TRL GRPOTrainer against dagrl async and sync, {p['prompts']} prompts x {p['group_size']} samples, "
+            f"{p['max_new_tokens']}-token completions, {p['steps']} steps each (median of steps 1..), one torch "
+            f"thread a process; the CPU's bf16 units: {', '.join(p['cpu_bf16']) or 'none'}. {machine(r)}\n\n")
+    return (head + md(["model", "dtype", "TRL step (s)", "async (s)", "sync (s)", "async / TRL", "sync / TRL",
+                       "TRL tok/s", "async tok/s", "sync tok/s", "async train (s)", "async generation (s)",
+                       "async efficiency"], rows) + "\n\nTargets:\n\n" + targets(r["targets"]))
+
+
 def trainer_efficiency(r: dict) -> str:
     p = r["params"]
     rows = [[c["size"], c["dtype"], c["ranks"], f"{c['worker_step_s']:.3g}", f"{c['bare_step_s']:.3g}",
@@ -428,6 +443,7 @@ SECTIONS = (
     ("refit", refit, "a refit, object store against collective, full against LoRA (`refit.py`)"),
     ("lora_trainer", lora_trainer, "trainer memory and step time, full against LoRA (`lora_trainer.py`)"),
     ("batching", batching, "padding and train-step time: rows, a token budget, packing (`batching.py`)"),
+    ("vs_trl_scale", vs_trl_scale, "dagrl against TRL's GRPOTrainer at 4M and 33M parameters (`vs_trl_scale.py`)"),
     ("trainer_efficiency", trainer_efficiency, "the DeepSpeed train step against a bare torch loop (`trainer_efficiency.py`)"),
     ("soak", soak, "faults under randomized schedules (`soak.py`)"),
     ("long_run", long_run, "memory, object store and step time over thousands of steps (`long_run.py`)"),

@@ -63,6 +63,8 @@ def parse_args():
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: TRL's bf16 mixed precision (autocast over fp32 weights), as dagrl's training.dtype bf16")
     return p.parse_args()
 
 
@@ -131,7 +133,7 @@ def main():
         # dagrl's AdamW: no weight decay, gradient clipping at 1.0.
         weight_decay=0.0, max_grad_norm=1.0,
         gradient_accumulation_steps=1, max_steps=args.steps, seed=args.seed,
-        use_vllm=False, use_cpu=True, bf16=False, fp16=False,
+        use_vllm=False, use_cpu=True, bf16=args.dtype == "bf16", fp16=False,
         logging_steps=1, report_to="none", save_strategy="no",
         dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
     )

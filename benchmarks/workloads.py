@@ -132,11 +132,13 @@ def build_model(out_dir: Path) -> Path:
     return build_tiny_model(out_dir / "model")
 
 
-def run_recipe(out_dir: Path, name: str, max_age: int, steps: int, seed: int, extra: list[str]) -> dict:
-    """One `python -m pipeline train` process of examples/tiny_grpo.yaml on out_dir/model,
-    without validation or checkpoints; returns its run directory and launch time."""
+def run_recipe(out_dir: Path, name: str, max_age: int, steps: int, seed: int, extra: list[str],
+               model: Path | None = None) -> dict:
+    """One `python -m pipeline train` process of examples/tiny_grpo.yaml on `model`
+    (default out_dir/model), without validation or checkpoints; returns its run
+    directory and launch time."""
     cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(RECIPES["grpo"]),
-           f"model.path={out_dir / 'model'}", f"run.output_dir={out_dir}", f"run.name={name}",
+           f"model.path={model or out_dir / 'model'}", f"run.output_dir={out_dir}", f"run.name={name}",
            f"run.steps={steps}", f"run.seed={seed}", f"schedule.max_age={max_age}", "run.checkpoint_every=0",
            "validation.period=0", "validation.at_end=false", "metrics.progress=false", *extra]
     launched = time.time()

@@ -28,6 +28,7 @@ from pipeline.weights import lora  # noqa: E402
 from pipeline.core.types import Completion, Prompt, greedy_all, sample_all  # noqa: E402
 from pipeline.inputs.models import DEFAULT_MAX_MODEL_LEN, ModelError, check_model_dir  # noqa: E402
 from pipeline.core.spans import span  # noqa: E402
+from pipeline.generator.cpu_moe import repack_experts_on_reload  # noqa: E402
 
 
 class VllmGenerationEngine:
@@ -125,7 +126,7 @@ class VllmGenerationEngine:
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self._plan: Any = None  # RefitPlan after the first load; False: this model needs reload_weights
         self._plan_off = ""
-        if _repack_experts_on_reload(self._model()[0]):
+        if repack_experts_on_reload(self._model()[0]):
             # A copy into the experts' weights would leave them unpacked; reload_weights runs their repacking.
             self._plan, self._plan_off = False, "CPU MoE experts are repacked after each load"
         self._probe()
@@ -377,48 +378,6 @@ def _reuse_freed_memory() -> None:
         return  # not glibc: its allocator has its own policy
     libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD: blocks up to 1 GiB come from the heap
     libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD: up to 1 GiB free at the heap's top is kept
-
-
-def _repack_experts_on_reload(model: Any) -> int:
-    """Make each of vLLM's CPU MoE layers repack its experts' weights after every
-    load, not only the first; returns how many layers there are.
-
-    On CPU vLLM keeps the experts' weights prepacked into its grouped-gemm
-    layout (CPUUnquantizedExperts.process_weights_after_loading), in tensors of
-    the checkpoint's shape. A refit wrote the checkpoint's layout into them and
-    nothing packed it: UnquantizedFusedMoEMethod runs the experts' post-load
-    step only while it has no kernel yet (the first load), and a load through
-    the model's loaders (RefitPlan.record) runs no post-load step at all. The
-    kernel then read unpacked weights as packed: on a tiny Qwen3-MoE, logprobs
-    0.04 off the trainer's after a refit of unchanged weights, 5e-7 (as before
-    any refit) with the experts packed again."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    n = 0
-    for module in model.modules() if model is not None else ():
-        method = getattr(module, "quant_method", None)
-        if isinstance(getattr(getattr(method, "moe_kernel", None), "fused_experts", None), CPUUnquantizedExperts):
-            method.__class__ = _repacking_method(type(method))
-            n += 1
-    return n
-
-
-_REPACKING: dict = {}
-
-
-def _repacking_method(cls: type) -> type:
-    """`cls` (vLLM's unquantized MoE method) with a post-load step that, on a
-    weight update too, runs the experts' own (padding and prepacking)."""
-    if getattr(cls, "repacks_on_reload", False):
-        return cls
-    if cls not in _REPACKING:
-        def process_weights_after_loading(self, layer):
-            update = self.moe_kernel is not None
-            cls.process_weights_after_loading(self, layer)
-            if update:
-                self.moe_kernel.fused_experts.process_weights_after_loading(layer)
-        _REPACKING[cls] = type(f"Repacking{cls.__name__}", (cls,), {
-            "repacks_on_reload": True, "process_weights_after_loading": process_weights_after_loading})
-    return _REPACKING[cls]
 
 
 def _token_versions(spans: Any, n: int) -> tuple[int, ...]:

@@ -28,7 +28,8 @@ class ClassifierScorer:
         self.model.requires_grad_(False)
         pad = self.model.config.pad_token_id
         if pad is None:
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            tok = self.tokenizer
+            pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
             if pad is None:
                 raise ModelError(f"model directory {path!r}: neither its config nor its tokenizer names a pad "
                                  "or end-of-text token, which batching needs")

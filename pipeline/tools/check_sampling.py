@@ -3,8 +3,9 @@ the extra launches stay within their bound.
 
 The evidence is the scorers', not the controller's: each rollout_end lists
 the groups of its batch whose rewards were all equal (`flat_groups`), as the
-generator scored them, or the reward model's score_end does, when the run has one. The controller's sample logs every group it left out
-(`group_drop`, with a reason). A batch trained at step s whose flat group was
+generator scored them, or the reward model's score_end does, when the run has
+one. The controller's sample logs every group it left out (`group_drop`, with
+a reason). A batch trained at step s whose flat group was
 not dropped is a violation, as is a launch of round k > the run's
 `top_up_rounds` (run_start) or any top-up round in a run without them.
 """

@@ -107,6 +107,21 @@ def test_soak_quick(tmp_path):
     assert totals["restarts"] >= 3 and totals["reward_failures"] > 0
 
 
+def test_vs_trl_scale_efficiency_is_the_longer_side_plus_the_refit_over_the_step():
+    """benchmarks.vs_trl_scale's reading of a dagrl run, on made-up metrics: step 0
+    is left out; efficiency = (max(generation, training) + refit) / step time."""
+    from benchmarks.vs_trl_scale import dagrl_figures
+    m = [{"step": 0, "step_time_s": 9.0, "generator_idle": 0.0, "train_s": 1.0, "refit_s": 0.1, "wait_s": 8.0,
+          "response_tokens": 100},
+         {"step": 1, "step_time_s": 2.0, "generator_idle": 0.5, "train_s": 1.8, "refit_s": 0.1, "wait_s": 0.0,
+          "response_tokens": 100},   # generation 1.0 s: training is the longer side, (1.8 + 0.1) / 2
+         {"step": 2, "step_time_s": 2.0, "generator_idle": 0.0, "train_s": 1.0, "refit_s": 0.2, "wait_s": 0.3,
+          "response_tokens": 100}]   # generation 2.0 s: (2.0 + 0.2) / 2
+    f = dagrl_figures(m)
+    assert f["step_time_s"] == 2.0 and f["tokens_per_s"] == 50.0 and f["generation_s"] == 1.5
+    assert f["efficiency"] == round((0.95 + 1.1) / 2, 3)
+
+
 def test_vs_trl_figures_from_step_times():
     """benchmarks.vs_trl's reading of a run, on made-up step times: start-up is
     launch to the first step, time to 0.7 runs from the first step's start to the
