@@ -5,11 +5,13 @@ examples/tiny_reward_model.yaml learns from a learned reward, as a run with a
 real reward model would.
 
 The completions mix what a policy emits on the way: random tokens of the
-vocabulary (a random policy), and runs of the two characters with spaces and
-strays at every share of matches (a learning one). Measured here (2 cores,
+vocabulary (a random policy), and runs of either character, the asked one or
+the other, with spaces and strays at every share (a learning one, and one
+that ignores the prompt). Measured here (2 cores,
 one thread, seed 0): 400 steps of 64 in about 25 s, then on 256 held-out
-completions a squared error of 0.0021 against a reward variance of 0.127
-(correlation 0.994).
+completions a squared error of 0.0034 against a reward variance of 0.096
+(correlation 0.984); 16 copies of the asked character score 0.95-0.99, of
+the other one -0.02-0.00.
 """
 from __future__ import annotations
 
@@ -26,13 +28,16 @@ STRAYS = (" ", ":", "a")
 def made_up_sample(rng: random.Random, tokenizer) -> tuple[str, float]:
     """(the classifier's input text, tiny_reward of its completion) for one made-up completion."""
     target = rng.choice(TINY_ALPHABET)
-    if rng.random() < 0.4:
+    if rng.random() < 0.3:
         ids = [rng.randrange(len(tokenizer.all_special_ids), len(tokenizer)) for _ in range(rng.randint(1, 16))]
         completion = tokenizer.decode(ids, skip_special_tokens=True)
     else:
+        # Runs of the target and, as often, of the other character: a classifier that never saw
+        # "1111" under "repeat: 0 ..." scored it high, and the policy learned to ignore the prompt.
+        main = target if rng.random() < 0.5 else rng.choice([c for c in TINY_ALPHABET if c != target])
         share = rng.random()
         choices = [*TINY_ALPHABET, *STRAYS]
-        completion = "".join(target if rng.random() < share else rng.choice(choices)
+        completion = "".join(main if rng.random() < share else rng.choice(choices)
                              for _ in range(rng.randint(1, 24)))
     prompt = tiny_prompt(target)
     return prompt + completion, tiny_reward(Prompt("made-up", prompt, target), completion)
