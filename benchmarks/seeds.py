@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
     digest = model_digest(model)
     per_recipe: dict[str, list[str]] = {}
     if "reward_model" in algorithms:
+        import torch
         from pipeline.inputs.tiny_reward_model import build_tiny_reward_model
+        torch.set_num_threads(1)  # as `build-tiny --reward-model` fits it (two threads on two busy cores crawl)
         fit = build_tiny_reward_model(tmp / "tiny_rm")
         per_recipe["reward_model"] = [f"reward_model.path={tmp / 'tiny_rm'}"]
         info["reward_model"] = {"sha256": model_digest(tmp / "tiny_rm"), **fit}
