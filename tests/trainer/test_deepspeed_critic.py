@@ -55,37 +55,25 @@ def test_critic_value_alignment(model_dir):
     e.close()
 
 
-def test_critic_values_keep_table_order_under_a_token_budget(model_dir):
-    # The budget runs the rows longest first; each row's values must come back in its place.
+@pytest.mark.parametrize("batching", [{"max_tokens": 24}, {"packing": True}])
+def test_critic_values_and_step_under_a_token_budget_or_packing_match_row_micro_batches(model_dir, batching):
+    # The budget runs the rows longest first, packing as one sequence; each row's values must come back in its place.
     table = make_table(responses=[[5] * n for n in (2, 12, 3, 11, 4, 10)])
-    rows_engine, budget_engine = critic(model_dir, micro_batch_size=2), critic(model_dir, max_tokens=24)
-    for e in (rows_engine, budget_engine):
+    rows_engine, engine = critic(model_dir, micro_batch_size=2), critic(model_dir, **batching)
+    assert engine.batching.packed == batching.get("packing", False)
+    for e in (rows_engine, engine):
         with torch.no_grad():
             torch.manual_seed(1)
             e.engine.module.value_head.weight.normal_(std=0.1)
-    by_rows, by_budget = rows_engine.values(table), budget_engine.values(table)
-    assert [len(v) for v in by_budget] == [2, 12, 3, 11, 4, 10]
-    assert max(abs(a - b) for r, q in zip(by_rows, by_budget) for a, b in zip(r, q)) < 1e-5
-    rows_engine.close(), budget_engine.close()
-
-
-def test_packed_critic_values_and_step_match_padded_ones(model_dir):
-    table = make_table(responses=[[5] * n for n in (2, 12, 3, 11, 4, 10)])
-    rows_engine, packed_engine = critic(model_dir, micro_batch_size=2), critic(model_dir, packing=True)
-    assert packed_engine.batching.packed
-    for e in (rows_engine, packed_engine):
-        with torch.no_grad():
-            torch.manual_seed(1)
-            e.engine.module.value_head.weight.normal_(std=0.1)
-    by_rows, by_packed = rows_engine.values(table), packed_engine.values(table)
-    assert [len(v) for v in by_packed] == [2, 12, 3, 11, 4, 10]
-    assert max(abs(a - b) for r, q in zip(by_rows, by_packed) for a, b in zip(r, q)) < 1e-5
+    by_rows, other = rows_engine.values(table), engine.values(table)
+    assert [len(v) for v in other] == [2, 12, 3, 11, 4, 10]
+    assert max(abs(a - b) for r, q in zip(by_rows, other) for a, b in zip(r, q)) < 1e-5
     targets = pa.table({"advantages": [[0.0] * len(v) for v in by_rows], "returns": [[1.0] * len(v) for v in by_rows],
                         "values": by_rows}, schema=ADVANTAGE_SCHEMA)
-    m_rows, m_packed = rows_engine.train_step(table, targets), packed_engine.train_step(table, targets)
-    assert m_packed["value_loss"] == pytest.approx(m_rows["value_loss"], abs=1e-6)
-    assert m_packed["grad_norm"] == pytest.approx(m_rows["grad_norm"], rel=1e-5)
-    rows_engine.close(), packed_engine.close()
+    m_rows, m_other = rows_engine.train_step(table, targets), engine.train_step(table, targets)
+    assert m_other["value_loss"] == pytest.approx(m_rows["value_loss"], abs=1e-6)
+    assert m_other["grad_norm"] == pytest.approx(m_rows["grad_norm"], rel=1e-5)
+    rows_engine.close(), engine.close()
 
 
 def test_critic_learns_fixed_returns(model_dir):

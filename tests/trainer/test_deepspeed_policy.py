@@ -175,43 +175,30 @@ def test_pad_token_share_counts_the_padding_the_micro_batches_ran_on(model_dir, 
     engine.close()
 
 
-def test_a_token_budget_takes_the_same_step_with_less_padding(model_dir):
-    """Rows by length into micro-batches of at most 24 padded tokens take the step
-    that 2-row micro-batches in table order take: the loss is the batch's token
-    mean either way; per-row outputs (the KL reference's logprobs) stay in table order."""
+@pytest.mark.parametrize("batching", [{"max_tokens": 24}, {"max_tokens": 40, "packing": True}])
+def test_a_token_budget_or_packing_takes_the_same_step_with_less_padding(model_dir, batching):
+    """Rows by length into micro-batches of at most 24 padded tokens, or packed
+    into sequences of at most 40 without padding (position ids restarting per
+    row), take the step that 2-row micro-batches in table order take: the loss
+    is the batch's token mean either way; per-row outputs (the KL reference's
+    logprobs) stay in table order."""
     # Long-tailed responses in table order: 2, 12, 3, 11, 4, 10 tokens after 2-4 prompt tokens.
     table = make_table(responses=[[5] * n for n in (2, 12, 3, 11, 4, 10)])
     rows_engine = make_engine(model_dir, micro_batch_size=2, kl_coef=0.1)
-    budget_engine = make_engine(model_dir, micro_batch_size=2, max_tokens=24, kl_coef=0.1)
-    ref_rows, ref_budget = rows_engine.reference_logprobs(table), budget_engine.reference_logprobs(table)
-    assert [len(r) for r in ref_budget] == [2, 12, 3, 11, 4, 10]
-    assert max(abs(a - b) for r, q in zip(ref_rows, ref_budget) for a, b in zip(r, q)) < 1e-5
-    by_rows, by_budget = grpo_step(rows_engine, table), grpo_step(budget_engine, table)
-    assert by_budget["loss"] == pytest.approx(by_rows["loss"], abs=1e-6)
-    assert by_budget["grad_norm"] == pytest.approx(by_rows["grad_norm"], rel=1e-5)
-    assert max_diff(weights(rows_engine), weights(budget_engine)) < 1e-5
-    assert by_budget["pad_token_share"] < by_rows["pad_token_share"] / 2, (by_budget, by_rows)
-    rows_engine.close(), budget_engine.close()
-
-
-def test_packed_rows_take_the_same_step_without_padding(model_dir):
-    """training.packing: each micro-batch's rows in one sequence, position ids
-    restarting per row, no padding: the same step, logprobs and KL reference as
-    2-row padded micro-batches, to float order."""
-    table = make_table(responses=[[5] * n for n in (2, 12, 3, 11, 4, 10)])
-    rows_engine = make_engine(model_dir, micro_batch_size=2, kl_coef=0.1)
-    packed_engine = make_engine(model_dir, micro_batch_size=2, max_tokens=40, kl_coef=0.1, packing=True)
-    assert packed_engine.batching.packed and packed_engine.packing_off == ""
-    ref_rows, ref_packed = rows_engine.reference_logprobs(table), packed_engine.reference_logprobs(table)
-    assert [len(r) for r in ref_packed] == [2, 12, 3, 11, 4, 10]
-    assert max(abs(a - b) for r, q in zip(ref_rows, ref_packed) for a, b in zip(r, q)) < 1e-5
-    by_rows, by_packed = grpo_step(rows_engine, table), grpo_step(packed_engine, table)
-    assert by_packed["loss"] == pytest.approx(by_rows["loss"], abs=1e-6)
-    assert by_packed["grad_norm"] == pytest.approx(by_rows["grad_norm"], rel=1e-5)
-    assert by_packed["entropy"] == pytest.approx(by_rows["entropy"], rel=1e-5)
-    assert max_diff(weights(rows_engine), weights(packed_engine)) < 1e-5
-    assert by_packed["pad_token_share"] == 0.0 < by_rows["pad_token_share"]
-    rows_engine.close(), packed_engine.close()
+    engine = make_engine(model_dir, micro_batch_size=2, kl_coef=0.1, **batching)
+    assert engine.batching.packed == batching.get("packing", False) and engine.packing_off == ""
+    ref_rows, ref = rows_engine.reference_logprobs(table), engine.reference_logprobs(table)
+    assert [len(r) for r in ref] == [2, 12, 3, 11, 4, 10]
+    assert max(abs(a - b) for r, q in zip(ref_rows, ref) for a, b in zip(r, q)) < 1e-5
+    by_rows, other = grpo_step(rows_engine, table), grpo_step(engine, table)
+    assert other["loss"] == pytest.approx(by_rows["loss"], abs=1e-6)
+    assert other["grad_norm"] == pytest.approx(by_rows["grad_norm"], rel=1e-5)
+    assert other["entropy"] == pytest.approx(by_rows["entropy"], rel=1e-5)
+    assert max_diff(weights(rows_engine), weights(engine)) < 1e-5
+    assert other["pad_token_share"] < by_rows["pad_token_share"] / 2, (other, by_rows)
+    if engine.batching.packed:
+        assert other["pad_token_share"] == 0.0
+    rows_engine.close(), engine.close()
 
 
 def test_packing_falls_back_to_padding_where_attention_sees_across_rows(model_dir, monkeypatch):
