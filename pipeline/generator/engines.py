@@ -51,12 +51,16 @@ def vllm_llm_kwargs(cfg: Config) -> dict:
     return {"tensor_parallel_size": tp, "distributed_executor_backend": "ray"} if tp > 1 else {}
 
 
-def reward_function(cfg: Config) -> Callable[[Prompt, str], float]:
+def reward_function(cfg: Config) -> Callable[[Prompt, str], float] | None:
+    """data.reward's function (on backend sim, the simulator's); None where an
+    environment scores its samples, or a reward model scores them alone."""
+    if cfg.env.class_:
+        return None
     if cfg.backend == "sim":
         from pipeline.sim.engines import faulty_sim_reward, sim_reward
         return faulty_sim_reward(cfg.inject) if cfg.inject.fault == "reward_raise" else sim_reward
     from pipeline.inputs.rewards import load_reward
-    return load_reward(cfg.data.reward)
+    return load_reward(cfg.data.reward) if cfg.data.reward else None
 
 
 def val_prompts(cfg: Config) -> list[Prompt]:

@@ -67,9 +67,7 @@ class GeneratorWorker(Actor):
         self.heap = memory.HeapCap()
         self.log.emit("worker_start", **whereabouts(), incarnation=incarnation, generator=self.index)
         self.engine = generation_engine(cfg, self.index, incarnation)
-        # An environment scores itself; a reward model alone needs no function here.
-        self.reward_fn = None if cfg.env.class_ or not (cfg.data.reward or cfg.backend == "sim") else \
-            reward_function(cfg)
+        self.reward_fn = reward_function(cfg)
         self.val_reward_fn = load_reward(cfg.validation.reward) if cfg.validation.reward else None
         self.reward_model = reward_model
         self.delivery = build_delivery_graph(controller, reward_model)
@@ -287,7 +285,7 @@ class GeneratorWorker(Actor):
     def _table(self, launch: Launch, version: int, groups: list[list[Completion]]) -> pa.Table:
         """The batch's trajectories, scored: a sample whose reward failed gets its
         group's mean (pipeline/algos/groups.py), here or, with a reward model,
-        once the model has scored it too (pipeline/reward_model/scoring.py)."""
+        once the model has scored it too (pipeline/algos/rewards.py)."""
         rows = [(prompt, c) for prompt, group in zip(launch.prompts, groups) for c in group]
         with spans.span("reward"):
             scored = [self._score(prompt, c) for prompt, c in rows]

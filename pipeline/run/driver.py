@@ -331,9 +331,10 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
                                                             cfg.run.startup_deadline_s))
         summary["accounting"] = ray.get(execution.workers.controller.finish.remote(log.now()),
                                         timeout=cfg.run.deadline_s)
-        # After the last batch it scored: its weights' digest again, for invariant 9.
-        log.merge(*ray.get([m.finish.remote(log.now()) for m in execution.workers.reward_models],
-                           timeout=cfg.run.startup_deadline_s))
+        if execution.workers.reward_model is not None:
+            # After the last batch it scored: its weights' digest again, for invariant 9.
+            log.merge(ray.get(execution.workers.reward_model.finish.remote(log.now()),
+                              timeout=cfg.run.startup_deadline_s))
         summary["generator_restarts"] = dict(sorted((generator_name(i), n) for i, n in execution.incarnations.items()))
     except BaseException as exc:
         summary["error"] = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"

@@ -36,7 +36,7 @@ class Workers:
     generators: tuple        # refit, validate, collect
     critics: tuple = ()      # PPO only: critic_values, advantages (rank 0), critic_train, one per rank
     placement: Any = None    # pipeline.run.placement.Placement, or None: plain fractional CPUs
-    reward_models: tuple = ()  # the run's reward model (reward_model.kind), started per run by begin_run
+    reward_model: Any = None  # scores each batch before the buffer takes it (reward_model.kind); begin_run's, per run
 
     def first(self, num_generators: int) -> "Workers":
         return replace(self, generators=self.generators[:num_generators])
@@ -52,13 +52,8 @@ class Workers:
                  **{rank_name("trainer", r, len(self.trainers)): t for r, t in enumerate(self.trainers)},
                  **{name_of(i): g for i, g in enumerate(self.generators)},
                  **{rank_name("critic", r, len(self.critics)): c for r, c in enumerate(self.critics)},
-                 **{reward_model_name(0): m for m in self.reward_models}}
+                 **({reward_model_name(0): self.reward_model} if self.reward_model is not None else {})}
         return named
-
-    @property
-    def reward_model(self) -> Any:
-        """The actor that scores each batch before the buffer takes it, or None."""
-        return self.reward_models[0] if self.reward_models else None
 
 
 def _options(placement, role: str, index: int = 0) -> dict:
@@ -89,15 +84,14 @@ def start_workers(num_generators: int, critics: int = 0, trainers: int = 1, plac
 def stop_workers(workers: Workers) -> None:
     for actor in workers.actors().values():
         ray.kill(actor)
-    end_run(workers)
+    if workers.placement is not None:
+        workers.placement.remove()
 
 
 def end_run(workers: Workers) -> None:
-    """What begin_run started for one run alone: the reward model (killed twice is harmless)."""
-    for actor in workers.reward_models:
-        ray.kill(actor, no_restart=True)
-    if workers.placement is not None:
-        workers.placement.remove()
+    """What begin_run started for one run alone: the reward model."""
+    if workers.reward_model is not None:
+        ray.kill(workers.reward_model, no_restart=True)
 
 
 def actor_names(workers: Workers, incarnations: dict[int, int]) -> dict[str, object]:
@@ -125,7 +119,7 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
     if cfg.reward_model.kind:
         # Per run: its model is the recipe's. It loads beside the other workers; generators only hold its handle.
         rm = start_reward_model(cfg, str(run_dir), t0, _options(used.placement, "reward_model"))
-        used = replace(used, reward_models=(rm,))
+        used = replace(used, reward_model=rm)
     try:
         setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, restore("controller"),
                                                   train_prompts),
@@ -133,7 +127,7 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
                    for t, meet in zip(used.trainers, _meeting(used.trainers, cfg))),
                  *(c.begin_run.remote(cfg, str(run_dir), t0, restore("critic_state"), meet)
                    for c, meet in zip(used.critics, _meeting(used.critics, cfg))),
-                 *(m.ready.remote() for m in used.reward_models)]
+                 *([used.reward_model.ready.remote()] if used.reward_model is not None else [])]
         if ckpt is None:
             # A fresh run's generators start from the model directory, as the trainer does: all start at once.
             setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, (), log.now(), used.reward_model)
