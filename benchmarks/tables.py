@@ -430,6 +430,8 @@ SECTIONS = (
     ("seeds_lora", seeds, "learning on every seed, LoRA (`seeds.py --algorithms grpo_lora ppo_lora`)"),
     ("seeds_bf16", seeds, "learning on every seed, full fine-tunes trained in bf16 (`seeds.py --set training.dtype=bf16`)"),
     ("seeds_algos", seeds, "learning on every seed, the algorithm presets (`seeds.py --algorithms dr_grpo rloo ...`)"),
+    ("seeds_reward_model", seeds, "learning on every seed from a reward model's score "
+                                  "(`seeds.py --algorithms reward_model`)"),
     ("tool_seeds", tool_seeds, "the multi-turn recipes across seeds (`tool_seeds.py`)"),
     ("vs_trl", vs_trl, "against TRL's GRPOTrainer (`vs_trl.py`)"),
     ("step_profile", step_profile, "where a step and the start-up go (`step_profile.py`)"),
