@@ -14,13 +14,18 @@ import time
 import pyarrow as pa
 import pytest
 
-from dags.tokens import Gate, RelaunchPlan, StepPlan, TrainOut, ValOut
+from dags.tokens import Gate, RelaunchPlan, Rollout, StepPlan, TrainOut, ValOut
 from pipeline.controller.controller import Controller
 from pipeline.core.node import NodeError
 from pipeline.core.types import TRAJECTORY_SCHEMA
 from pipeline.config import load_config
 
 pytestmark = pytest.mark.sim
+
+
+def put(controller, batch_id: str, version: int, table, clock=()) -> None:
+    """A finished batch as a generator's delivery graph hands it to the controller's put."""
+    controller.put(Rollout(table.column("target")[0].as_py(), batch_id, version, table, (), clock))
 
 
 def trajectories(launch, version: int, reward_errors: int = 0) -> pa.Table:
@@ -172,7 +177,7 @@ def test_sample_hands_the_step_its_batches_through_the_object_store(start, ray_s
     c = start()
     launches = c.resume(*vals(-1, 0)).launches
     for launch in launches:
-        c.put(launch.batch_id, 0, trajectories(launch, 0), clock=((f"gen{launch.generator}/rollouts", 3),))
+        put(c, launch.batch_id, 0, trajectories(launch, 0), clock=((f"gen{launch.generator}/rollouts", 3),))
     batch = c.sample(StepPlan(0, False))
     assert (batch.step, batch.batch_ids, batch.versions) == (0, ("t0.g0", "t0.g1"), (0, 0))
     table = ray_session.get(batch.table_ref[0])
@@ -196,11 +201,11 @@ def test_a_failed_rollout_is_dropped_and_a_step_without_batches_names_it(start):
 def test_the_run_stops_at_the_first_reward_failure_past_the_limit(start):
     c = start("fault.max_reward_failures=2", "generation.num_generators=1")
     (t0, t1) = c.resume(*vals(-1, 0, generators=1)).launches
-    c.put(t0.batch_id, 0, trajectories(t0, 0, reward_errors=2))   # 2: at the limit, not past it
+    put(c, t0.batch_id, 0, trajectories(t0, 0, reward_errors=2))   # 2: at the limit, not past it
     assert c.buffer.take(0, deadline_s=5)[0] == ["t0.g0"]
-    c.put(t1.batch_id, 0, trajectories(t1, 0, reward_errors=1))
+    put(c, t1.batch_id, 0, trajectories(t1, 0, reward_errors=1))
     assert c.buffer.accounting()["buffered"] == 1   # the batch is kept; the run stops at the next sample
-    with pytest.raises(NodeError, match=r"node 'sample' .* failed at step 1: RuntimeError: the reward function "
+    with pytest.raises(NodeError, match=r"node 'sample' .* failed at step 1: RuntimeError: the reward "
                                         r"failed on 3 samples, more than fault.max_reward_failures \(2\); "
                                         r"the last: ValueError: bad answer 0$"):
         c.sample(StepPlan(1, False))
@@ -210,7 +215,7 @@ def test_the_run_stops_at_the_first_reward_failure_past_the_limit(start):
 def test_relaunch_gives_the_dead_generators_unfinished_batches_to_its_replacement(start, tmp_path):
     c = start("generation.num_generators=3", "schedule.prompts_per_step=6")
     launches = c.resume(*vals(-1, 0, generators=3)).launches
-    c.put("t0.g1", 0, trajectories(launches[1], 0))   # arrived: stays
+    put(c, "t0.g1", 0, trajectories(launches[1], 0))   # arrived: stays
     out = c.relaunch(RelaunchPlan(generator=1, version=0, dead_worker="gen1"))
     assert ids(out.launches) == ["t1.g1"] and out.launches[0] == launches[4]   # same id, same prompts
     assert out.version == 0
@@ -222,7 +227,7 @@ def test_relaunch_gives_the_dead_generators_unfinished_batches_to_its_replacemen
 def test_an_interrupt_stops_sample_until_it_is_cleared(start, ray_session):
     c = start("generation.num_generators=1")
     (t0, _) = c.resume(*vals(-1, 0, generators=1)).launches
-    c.put(t0.batch_id, 0, trajectories(t0, 0))
+    put(c, t0.batch_id, 0, trajectories(t0, 0))
     c.interrupt("gen0 died")
     with pytest.raises(NodeError, match=r"failed at step 0: Interrupted: step 0: gen0 died"):
         c.sample(StepPlan(0, False))
@@ -233,7 +238,7 @@ def test_an_interrupt_stops_sample_until_it_is_cleared(start, ray_session):
 def test_finish_drops_what_is_left_after_the_drivers_clock(start, tmp_path):
     c = start()
     launches = c.resume(*vals(-1, 0)).launches
-    c.put("t0.g0", 0, trajectories(launches[0], 0, reward_errors=0))
+    put(c, "t0.g0", 0, trajectories(launches[0], 0, reward_errors=0))
     acc = c.finish(after=(("driver", 41),))
     assert acc == {"launched": 4, "trained": 0, "buffered": 0, "in_flight": 0, "dropped": 4,
                    "dropped_by_reason": {"unused_at_end": 4}, "balanced": True, "reward_failures": 0}
@@ -249,15 +254,15 @@ def run_to_checkpoint(start, tmp_path, **last):
     c = start("fault.max_reward_failures=5", "schedule.prompts_per_step=4")
     sent = {l.batch_id: l for l in c.resume(*vals(-1, 0)).launches}
     for batch_id in ("t0.g0", "t0.g1", "t1.g0"):
-        c.put(batch_id, 0, trajectories(sent[batch_id], 0, reward_errors=int(batch_id == "t1.g0")))
+        put(c, batch_id, 0, trajectories(sent[batch_id], 0, reward_errors=int(batch_id == "t1.g0")))
     c.rollout_failed("t1.g1", "failed: engine died")
     for step in range(2):
         c.buffer.take(step, deadline_s=5)
         sent.update({l.batch_id: l for l in c.resume(*vals(step, step + 1)).launches})
-    c.put("t2.g0", 1, trajectories(sent["t2.g0"], 1))
+    put(c, "t2.g0", 1, trajectories(sent["t2.g0"], 1))
     for batch_id, how in last.items():
         if how == "arrived":   # at the version it was launched with: its target's - max_age
-            c.put(batch_id, sent[batch_id].target - 1, trajectories(sent[batch_id], sent[batch_id].target - 1))
+            put(c, batch_id, sent[batch_id].target - 1, trajectories(sent[batch_id], sent[batch_id].target - 1))
         else:
             c.rollout_failed(batch_id, "failed: engine died")
     c.save_state(str(tmp_path / "ckpt"))
@@ -283,8 +288,8 @@ def test_save_state_then_begin_run_restores_the_controller(start, tmp_path):
     assert [(e["batch"], e["version"], e["reason"]) for e in events(tmp_path / "resumed", "relaunch")] == [
         (b, 2, "resumed from a checkpoint") for b in ("t2.g1", "t3.g0", "t3.g1")]
     with pytest.raises(ValueError, match="launched for version 2 but generated with version 1"):
-        resumed.put("t2.g1", 1, trajectories(sent["t2.g1"], 1))
-    resumed.put("t2.g1", 2, trajectories(sent["t2.g1"], 2))
+        put(resumed, "t2.g1", 1, trajectories(sent["t2.g1"], 1))
+    put(resumed, "t2.g1", 2, trajectories(sent["t2.g1"], 2))
     ids_, versions, table = resumed.buffer.take(2, deadline_s=5)
     assert (ids_, versions) == (["t2.g0", "t2.g1"], [1, 2])
     assert table.slice(0, 2).equals(trajectories(sent["t2.g0"], 1))   # the buffered table, as it arrived
@@ -318,7 +323,7 @@ def put_grouped(c: Controller, launch, rewards: list[float], version: int = 0) -
     """A batch of groups of two: rewards[2k], rewards[2k + 1] for prompt k."""
     table = trajectories(launch, version)
     table = table.take(pa.array([i // 2 for i in range(2 * table.num_rows)]))
-    c.put(launch.batch_id, version, table.set_column(table.schema.get_field_index("reward"), "reward",
+    put(c, launch.batch_id, version, table.set_column(table.schema.get_field_index("reward"), "reward",
                                                      pa.array(rewards, pa.float32())))
 
 
