@@ -31,6 +31,7 @@ from pipeline.config import Config
 from pipeline.inputs.preflight import preflight
 from pipeline.run import checkpoint
 from pipeline.core.events import EventLog, merge_events
+from pipeline.core.memory import one_heap_arena
 from pipeline.core.precision import cpu_bf16_flags, describe_cpu
 from pipeline.run.metrics import MetricSinks, Progress, RunTotals, step_metrics
 from pipeline.run.placement import place
@@ -232,6 +233,8 @@ def train_on(cfg: Config, workers: Workers, *, step_runner: GraphRunner | None =
 def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None, restore_from: str | None,
            quiet: bool) -> dict:
     say = (lambda *a, **k: None) if quiet else print
+    # Before Ray's and the preflight's threads first allocate: one heap for them all.
+    one_heap_arena()
     if cfg.backend == "sim":
         # First, before anything else: a recipe meant to train a model must not look like it did.
         say("dagrl: simulated workers (backend: sim): no model is trained", flush=True)

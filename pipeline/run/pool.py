@@ -25,6 +25,7 @@ from pipeline.core.data_parallel import rank_name
 from pipeline.config import Config
 from pipeline.inputs.models import ModelError
 from pipeline.core.events import EventLog
+from pipeline.core.memory import ONE_ARENA_ENV
 from pipeline.reward_model.worker import reward_model_name, start_reward_model
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, task_error
 
@@ -72,7 +73,11 @@ def start_workers(num_generators: int, critics: int = 0, trainers: int = 1, plac
     # Generators first: vLLM's import and engine start are the longest of any worker's.
     generators = tuple(_generator(i, placement) for i in range(num_generators))
     # Threaded actors: nodes of a step, the engine loops' puts and the driver's pings reach them concurrently.
-    controller = ray.remote(Controller).options(**_options(placement, "controller"), max_concurrency=8).remote()
+    # One heap for all its threads, set before its first allocation (pipeline/core/memory.py one_heap_arena).
+    options = _options(placement, "controller")
+    env = options.setdefault("runtime_env", {})
+    env["env_vars"] = {**env.get("env_vars", {}), **ONE_ARENA_ENV}
+    controller = ray.remote(Controller).options(**options, max_concurrency=8).remote()
     # Two threads: `save` between steps must not wait behind a compiled graph's loop.
     ranks = tuple(ray.remote(TrainerWorker).options(**_options(placement, "trainer", r), max_concurrency=2).remote(r)
                   for r in range(trainers))
