@@ -22,8 +22,11 @@ def test_a_short_real_run_keeps_weight_copies_and_memory_bounded(tmp_path):
     # max_age 1: (max_age + 3) copies, and the step's batches (kilobytes).
     assert result["store_peak_mb"] <= 4 * copy + 1.0, result
     assert result["store_spilled_mb"] == 0
+    # Half a copy a step: what the leak this guards against (a copy a step) would at least double. Over
+    # 24 steps the fit also reads the C heap's creep within the heap cap's slack (256 MB before it trims):
+    # a full suite run measured the trainer at 2.1 MB/step (750 -> 806 MB), which passed alone at 28 s.
     for role, rss in result["roles"].items():
-        assert rss["slope_kb_per_step"] < MB_PER_STEP_LEAK * 1024 / 8, (role, rss)
+        assert rss["slope_kb_per_step"] < MB_PER_STEP_LEAK * 1024 / 2, (role, rss)
     # Every step's record carries each role's RSS and the store's use; the summary keeps the peaks.
     assert {"driver", "controller", "trainer", "gen0"} <= set(result["roles"])
     peaks = json.loads((tmp_path / "grpo_object_store" / "summary.json").read_text())["resources_peak"]

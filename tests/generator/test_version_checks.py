@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from dags.tokens import Batch, Gate, TrainOut
+from pipeline.controller.controller import Controller
 from pipeline.generator.worker import GeneratorWorker
 from pipeline.core.node import NodeError
 from pipeline.trainer.worker import TrainerWorker
@@ -38,7 +39,9 @@ def worker_events(run_dir, worker: str) -> list[dict]:
 
 def generator(tmp_path) -> GeneratorWorker:
     gen = GeneratorWorker(0)
-    gen.begin_run(sim_cfg(tmp_path), str(tmp_path), time.time(), controller=None)
+    # A controller to deliver to (its delivery graph binds one), though these refits deliver nothing.
+    controller = ray.remote(Controller).options(num_cpus=0.1).remote()
+    gen.begin_run(sim_cfg(tmp_path), str(tmp_path), time.time(), controller=controller)
     return gen
 
 

@@ -52,6 +52,7 @@ def scorer(tmp_path, rewards) -> GeneratorWorker:
     g = GeneratorWorker(0)
     values = iter(rewards)
     g.reward_fn = lambda prompt, text: next(values)
+    g.val_reward_fn, g.reward_model, g.scored_here = None, None, True   # no reward model: scored here
     g.cfg = load_config(None, [])
     g.log = EventLog(tmp_path, "gen0", time.time())
     return g
