@@ -43,9 +43,9 @@ def apply_scores(table: pa.Table, scores: list[tuple[float, str]], weight: float
     """`scores`: (score, why it failed or "") for each row of the batch."""
     if len(scores) != table.num_rows:
         raise ValueError(f"{len(scores)} scores for {table.num_rows} rows")
-    rule = zip(table.column("reward").to_pylist(), table.column("reward_error").to_pylist())
-    combined = [combine(r, s, weight, scorer) for r, s in zip(rule, scores)]
     rule_errors = table.column("reward_error").to_pylist()
+    rule = zip(table.column("reward").to_pylist(), rule_errors)
+    combined = [combine(r, s, weight, scorer) for r, s in zip(rule, scores)]
     failures = tuple(e for (_, e), rule_error in zip(combined, rule_errors) if e and not rule_error)
     errors = [e for _, e in combined]
     rewards = fill_failed_rewards([t for t, _ in combined], [bool(e) for e in errors], group_size)

@@ -82,7 +82,7 @@ class RewardModelWorker(Actor):
                           reason=reason)
         rewards = scored.table.column("reward").to_pylist()
         self.log.emit("score_end", step=rollout.step, version=rollout.version, batch=rollout.batch_id,
-                      weights=self.digest, flat_groups=flat_group_indices(rewards, group))
+                      flat_groups=flat_group_indices(rewards, group))
         return dataclasses.replace(rollout, table=scored.table, clock=self.log.now())
 
     @ray.method(concurrency_group="score")

@@ -65,7 +65,7 @@ def batches_scored_before_training(events: list[dict], run_start: dict | None) -
 
 def _weights_never_changed(events: list[dict]) -> Iterator[Violation]:
     mine = [e for e in events if str(e.get("worker", "")).startswith(REWARD_MODEL)
-            and e.get("ev") in ("worker_ready", "score_end", "weights_checked")]
+            and e.get("ev") in ("worker_ready", "weights_checked")]
     seen: dict[str, dict] = {}
     for e in mine:
         for digest in {e.get("weights"), e.get("loaded")} - {None}:

@@ -28,7 +28,7 @@ def log(score_after_rollout: bool = True, scored: bool = True, digests=("w1", "w
         ss = add(events, 4, "score_start", "reward_model", after=(end,) if score_after_rollout else (),
                  batch="t0.g0", step=0, version=0)
         put_after = add(events, 5, "score_end", "reward_model", after=(ss,), batch="t0.g0", step=0, version=0,
-                        weights=digests[0], flat_groups=[])
+                        flat_groups=[])
     sample = add(events, 6, "node_end", "controller", lane="controller/sample", after=(put_after,), node="sample",
                  step=0)
     add(events, 7, "train_start", "trainer", after=(sample,), step=0, version=0, batches=["t0.g0"],
