@@ -411,8 +411,9 @@ def soak(r: dict) -> str:
 def long_run(r: dict) -> str:
     rows = []
     for name, c in r["cases"].items():
-        slopes = ", ".join(f"{role} {v['slope_kb_per_step']:.1f}" for role, v in
-                           sorted(c["roles"].items(), key=lambda kv: -kv[1]["slope_kb_per_step"]))
+        key = "low_slope_kb_per_step" if "max_low_slope_kb_per_step" in c else "slope_kb_per_step"
+        slopes = ", ".join(f"{role} {v[key]:.1f}" for role, v in
+                           sorted(c["roles"].items(), key=lambda kv: -kv[1][key]))
         copies = f" = {c['store_peak_mb'] / c['weight_copy_mb']:.3f} copies" if c["weight_copy_mb"] else ""
         bound = f" (bound {c['store_bound_mb']:.2f} MB)" if c["store_bound_mb"] else ""
         rows.append([name, slopes, f"{c['store_peak_mb']:.2f} MB{copies}{bound}",

@@ -241,7 +241,7 @@ class VllmGenerationEngine:
                              "was started without training.lora")
         staging = self._adapter_dir / "next"
         with span("vllm.add_lora"):
-            lora.write_adapter(staging, tensors, self._adapter_config)
+            lora.write_adapter(staging, tensors, self._adapter_config, weights_file=lora.ADAPTER_WEIGHTS_TORCH)
             served = self._adapter_dir / "adapter"
             shutil.rmtree(served, ignore_errors=True)
             staging.rename(served)
