@@ -372,17 +372,25 @@ def batching(r: dict) -> str:
 
 def vs_trl_scale(r: dict) -> str:
     p = r["params"]
+    ranks2 = all("async_2ranks" in c for c in r["cases"])
+
+    def two(c: dict) -> list:
+        if not ranks2:
+            return []
+        a2 = c["async_2ranks"]
+        return [f"{a2['step_time_s']:.3g}", f"{c['async_2ranks_over_trl']:.2f}", f"{a2['efficiency']:.2f}"]
     rows = [[c["size"], c["dtype"], f"{c['trl']['step_time_s']:.3g}", f"{c['async']['step_time_s']:.3g}",
              f"{c['sync']['step_time_s']:.3g}", f"{c['async_over_trl']:.2f}", f"{c['sync_over_trl']:.2f}",
              f"{c['trl']['tokens_per_s']:.0f}", f"{c['async']['tokens_per_s']:.0f}", f"{c['sync']['tokens_per_s']:.0f}",
-             f"{c['async']['train_s']:.3g}", f"{c['async']['generation_s']:.3g}", f"{c['async']['efficiency']:.2f}"]
-            for c in r["cases"]]
+             f"{c['async']['train_s']:.3g}", f"{c['async']['generation_s']:.3g}", f"{c['async']['efficiency']:.2f}",
+             *two(c)] for c in r["cases"]]
     head = (f"TRL GRPOTrainer against dagrl async and sync, {p['prompts']} prompts x {p['group_size']} samples, "
             f"{p['max_new_tokens']}-token completions, {p['steps']} steps each (median of steps 1..), one torch "
             f"thread a process; the CPU's bf16 units: {', '.join(p['cpu_bf16']) or 'none'}. {machine(r)}\n\n")
     return (head + md(["model", "dtype", "TRL step (s)", "async (s)", "sync (s)", "async / TRL", "sync / TRL",
                        "TRL tok/s", "async tok/s", "sync tok/s", "async train (s)", "async generation (s)",
-                       "async efficiency"], rows) + "\n\nTargets:\n\n" + targets(r["targets"]))
+                       "async efficiency", *(["async 2 ranks (s)", "async 2 ranks / TRL", "async 2 ranks efficiency"]
+                                             if ranks2 else [])], rows) + "\n\nTargets:\n\n" + targets(r["targets"]))
 
 
 def trainer_efficiency(r: dict) -> str:

@@ -4,7 +4,9 @@ Per model size (the 4M and 33M Llamas of benchmarks.trainer_efficiency, built
 like the tiny one, wider and deeper) and dtype (fp32, and bf16 where the CPU
 has bf16 units), back to back in one run: TRL 1.16's GRPOTrainer
 (benchmarks.trl_grpo, in `make trl-venv`'s environment), then dagrl's tiny
-GRPO recipe async (max_age 1) and sync (max_age 0), each as a user runs it. The
+GRPO recipe async (max_age 1) and sync (max_age 0) on one trainer rank, and
+async on two (training.ranks 2: both cores train, one also generates), each as
+a user runs it. The
 same model folder, prompts (the tiny task's), reward and settings: 8 prompts x
 8 samples, 64-token completions, one update per batch, one torch thread a
 process. bf16 is TRL's bf16 mixed precision against dagrl's training.dtype
@@ -18,7 +20,7 @@ bf16 (generation.dtype bf16 too, where vLLM's CPU build runs it).
 
 Targets (issue "Fast at real sizes"), each within one size and dtype: at 33M
 async <= 0.5x TRL's step, sync <= 0.9x; at 4M async <= 0.6x; async efficiency
->= 0.95.
+>= 0.95. The async ones are listed for both async runs.
 
     make trl-venv && .venv/bin/python -m benchmarks.vs_trl_scale          # 4M and 33M, 6 steps: ~12 minutes
     .venv/bin/python -m benchmarks.vs_trl_scale --quick                    # the tiny model, fp32, 3 steps: a smoke run
@@ -40,6 +42,10 @@ from benchmarks.workloads import run_recipe
 
 PROMPTS, GROUP, NEW_TOKENS, LR = 8, 8, 64, 0.005
 TARGETS = {"33M": {"async": 0.5, "sync": 0.9}, "4M": {"async": 0.6}}
+# dagrl's runs per case: name -> (schedule.max_age, training.ranks). async_2ranks trains
+# on both cores, data-parallel, beside the generator: at these sizes the generator
+# idles most of an async step on a core of its own.
+MODES = {"async": (1, 1), "sync": (0, 1), "async_2ranks": (1, 2)}
 EFFICIENCY_TARGET = 0.95
 
 
@@ -56,8 +62,9 @@ def run_trl(python: Path, model: Path, out: Path, steps: int, dtype: str) -> dic
             "tokens_per_s": round(PROMPTS * GROUP * NEW_TOKENS / step, 1), "versions": run["versions"]}
 
 
-def run_dagrl(tmp: Path, model: Path, name: str, max_age: int, steps: int, dtype: str, gen_dtype: str) -> dict:
-    run = run_recipe(tmp, name, max_age, steps, 0, [
+def run_dagrl(tmp: Path, model: Path, name: str, max_age: int, ranks: int, steps: int, dtype: str,
+              gen_dtype: str) -> dict:
+    run = run_recipe(tmp, name, max_age, steps, 0, [f"training.ranks={ranks}",
         f"schedule.prompts_per_step={PROMPTS}", f"schedule.group_size={GROUP}",
         f"generation.max_new_tokens={NEW_TOKENS}", f"training.lr={LR}", f"training.micro_batch_size={PROMPTS * GROUP}",
         f"training.dtype={dtype}", f"generation.dtype={gen_dtype}"], model=model)
@@ -109,29 +116,34 @@ def main(argv: list[str] | None = None) -> dict:
                 sample_load(info)
                 case = {"size": size, "dtype": dtype,
                         "trl": run_trl(args.trl_python, model, Path(tmp) / f"trl_{size}_{dtype}.json", steps, dtype)}
-                for mode, max_age in (("async", 1), ("sync", 0)):
-                    case[mode] = run_dagrl(Path(tmp), model, f"{mode}_{size}_{dtype}", max_age, steps, dtype, gen_dtype)
+                for mode, (max_age, ranks) in MODES.items():
+                    case[mode] = run_dagrl(Path(tmp), model, f"{mode}_{size}_{dtype}", max_age, ranks, steps, dtype,
+                                           gen_dtype)
                     case[f"{mode}_over_trl"] = round(case[mode]["step_time_s"] / case["trl"]["step_time_s"], 3)
                 cases.append(case)
                 print(f"{size} {dtype}: TRL {case['trl']['step_time_s']} s, async {case['async']['step_time_s']} s "
                       f"({case['async_over_trl']}x), sync {case['sync']['step_time_s']} s ({case['sync_over_trl']}x), "
+                      f"async on 2 ranks {case['async_2ranks']['step_time_s']} s ({case['async_2ranks_over_trl']}x), "
                       f"async efficiency {case['async']['efficiency']}", flush=True)
+    # A bound of "async" is each async run's (one rank, two ranks); each is listed.
     targets = [{"target": f"{c['size']} {c['dtype']}: {mode} step <= {bound}x TRL's", "value": c[f"{mode}_over_trl"],
                 "met": c[f"{mode}_over_trl"] <= bound}
-               for c in cases for mode, bound in TARGETS.get(c["size"], {}).items()]
-    targets += [{"target": f"{c['size']} {c['dtype']}: async efficiency >= {EFFICIENCY_TARGET}",
-                 "value": c["async"]["efficiency"], "met": c["async"]["efficiency"] >= EFFICIENCY_TARGET}
-                for c in cases if c["size"] in TARGETS]
+               for c in cases for mode in MODES for kind, bound in TARGETS.get(c["size"], {}).items()
+               if mode.split("_")[0] == kind]
+    targets += [{"target": f"{c['size']} {c['dtype']}: {mode} efficiency >= {EFFICIENCY_TARGET}",
+                 "value": c[mode]["efficiency"], "met": c[mode]["efficiency"] >= EFFICIENCY_TARGET}
+                for c in cases if c["size"] in TARGETS for mode in MODES if mode.startswith("async")]
     result = {"benchmark": "vs_trl_scale", "quick": args.quick, "machine": info,
               "params": {"sizes": {s: SIZES[s] for s in sizes}, "dtypes": dtypes, "steps": steps, "prompts": PROMPTS,
                          "group_size": GROUP, "max_new_tokens": NEW_TOKENS, "lr": LR,
                          "generation_dtype": args.generation_dtype, "cpu_bf16": list(cpu_bf16_flags()),
                          "recipe": "examples/tiny_grpo.yaml (validation and checkpoints off)"},
               "cases": cases, "targets": targets, "wall_s": round(time.time() - started, 1)}
-    print_table(["size", "dtype", "TRL s", "async s", "sync s", "async/TRL", "sync/TRL", "async eff", "TRL tok/s",
-                 "async tok/s"],
+    print_table(["size", "dtype", "TRL s", "async s", "sync s", "async 2 ranks s", "async/TRL", "sync/TRL",
+                 "async 2 ranks/TRL", "async eff", "TRL tok/s", "async tok/s"],
                 [[c["size"], c["dtype"], c["trl"]["step_time_s"], c["async"]["step_time_s"], c["sync"]["step_time_s"],
-                  c["async_over_trl"], c["sync_over_trl"], c["async"]["efficiency"], c["trl"]["tokens_per_s"],
+                  c["async_2ranks"]["step_time_s"], c["async_over_trl"], c["sync_over_trl"],
+                  c["async_2ranks_over_trl"], c["async"]["efficiency"], c["trl"]["tokens_per_s"],
                   c["async"]["tokens_per_s"]] for c in cases], title="vs_trl_scale")
     print_targets(targets)
     print(f"wrote {write_result('vs_trl_scale', result, args.out)}")
