@@ -62,8 +62,16 @@ def _options(placement, role: str, index: int = 0) -> dict:
     return placement.options(role, index) if placement is not None else {"num_cpus": 0.5}
 
 
+def _one_heap(options: dict) -> dict:
+    """`options` with one C heap for all the actor's threads, set before its
+    first allocation (pipeline/core/memory.py one_heap_arena)."""
+    env = options.setdefault("runtime_env", {})
+    env["env_vars"] = {**env.get("env_vars", {}), **ONE_ARENA_ENV}
+    return options
+
+
 def _generator(index: int, placement=None):
-    return ray.remote(GeneratorWorker).options(**_options(placement, "generator", index),
+    return ray.remote(GeneratorWorker).options(**_one_heap(_options(placement, "generator", index)),
                                                max_concurrency=4).remote(index)
 
 
@@ -73,11 +81,8 @@ def start_workers(num_generators: int, critics: int = 0, trainers: int = 1, plac
     # Generators first: vLLM's import and engine start are the longest of any worker's.
     generators = tuple(_generator(i, placement) for i in range(num_generators))
     # Threaded actors: nodes of a step, the engine loops' puts and the driver's pings reach them concurrently.
-    # One heap for all its threads, set before its first allocation (pipeline/core/memory.py one_heap_arena).
-    options = _options(placement, "controller")
-    env = options.setdefault("runtime_env", {})
-    env["env_vars"] = {**env.get("env_vars", {}), **ONE_ARENA_ENV}
-    controller = ray.remote(Controller).options(**options, max_concurrency=8).remote()
+    controller = ray.remote(Controller).options(**_one_heap(_options(placement, "controller")),
+                                                max_concurrency=8).remote()
     # Two threads: `save` between steps must not wait behind a compiled graph's loop.
     ranks = tuple(ray.remote(TrainerWorker).options(**_options(placement, "trainer", r), max_concurrency=2).remote(r)
                   for r in range(trainers))

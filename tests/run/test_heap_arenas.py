@@ -1,6 +1,7 @@
-"""One C heap for the driver's and the controller's threads (pipeline/core/memory.py
-one_heap_arena): with a heap per thread, their RSS crept up for thousands of
-steps while what they had allocated stayed flat (benchmarks/long_run.py)."""
+"""One C heap for the threads of the driver, the controller and the generators
+(pipeline/core/memory.py one_heap_arena): with a heap per thread, their RSS
+crept up for thousands of steps while what they had allocated stayed flat
+(benchmarks/long_run.py)."""
 from __future__ import annotations
 
 import os
@@ -55,8 +56,8 @@ def test_one_heap_arena_keeps_every_thread_on_one_heap():
 
 @pytest.mark.sim
 @glibc
-def test_the_controller_starts_with_one_heap(sim_pool):
+def test_the_controller_and_the_generators_start_with_one_heap(sim_pool):
     import ray
-    env = ray.get(sim_pool.controller.__ray_call__.remote(lambda self: os.environ.get("MALLOC_ARENA_MAX")),
-                  timeout=60)
-    assert env == "1"
+    for actor in (sim_pool.controller, *sim_pool.generators):
+        env = ray.get(actor.__ray_call__.remote(lambda self: os.environ.get("MALLOC_ARENA_MAX")), timeout=60)
+        assert env == "1", actor
