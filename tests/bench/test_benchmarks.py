@@ -155,3 +155,20 @@ def test_multiturn_quick(tmp_path):
     assert [t["target"] for t in result["targets"]] == [
         "tokens/s async / sync >= 1.6 (lognormal, turns 2, env threads)",
         "check-events violations + environment failures == 0"]
+
+
+def test_long_run_reads_growth_through_the_lowest_points_and_slowdown_beyond_the_spread():
+    """benchmarks.long_run on made-up series: a weight copy held at some samples
+    and not at others, or a heap that fills and empties, is no growth; 2 KB a
+    step under the same noise is. Step times shuffled from one spread are not
+    slower; the same times 3 % slower are."""
+    import random
+    from benchmarks.long_run import low_slope, slower_p
+    rng = random.Random(0)
+    noise = [(s, 500.0 + 17.0 * rng.randint(0, 1) + (30.0 if s % 100 > 50 else 0.0)) for s in range(400, 2000)]
+    assert low_slope(noise) * 1024 == pytest.approx(0.0, abs=0.01)
+    leak = [(s, mb + 2.0 * s / 1024) for s, mb in noise]
+    assert low_slope(leak) * 1024 == pytest.approx(2.0, abs=0.1)
+    times = [0.3 + 0.05 * rng.random() for _ in range(400)]
+    assert slower_p(times[:200], times[200:]) >= 0.05
+    assert slower_p(times[:200], [1.03 * t for t in times[200:]]) < 0.05
