@@ -384,8 +384,10 @@ def vs_trl_scale(r: dict) -> str:
              f"{c['trl']['tokens_per_s']:.0f}", f"{c['async']['tokens_per_s']:.0f}", f"{c['sync']['tokens_per_s']:.0f}",
              f"{c['async']['train_s']:.3g}", f"{c['async']['generation_s']:.3g}", f"{c['async']['efficiency']:.2f}",
              *two(c)] for c in r["cases"]]
+    steps = (", ".join(f"{size} {n}" for size, n in p["steps"].items()) if isinstance(p["steps"], dict)
+             else p["steps"])
     head = (f"TRL GRPOTrainer against dagrl async and sync, {p['prompts']} prompts x {p['group_size']} samples, "
-            f"{p['max_new_tokens']}-token completions, {p['steps']} steps each (median of steps 1..), one torch "
+            f"{p['max_new_tokens']}-token completions, {steps} steps each (median of steps 1..), one torch "
             f"thread a process; the CPU's bf16 units: {', '.join(p['cpu_bf16']) or 'none'}. {machine(r)}\n\n")
     return (head + md(["model", "dtype", "TRL step (s)", "async (s)", "sync (s)", "async / TRL", "sync / TRL",
                        "TRL tok/s", "async tok/s", "sync tok/s", "async train (s)", "async generation (s)",

@@ -46,6 +46,7 @@ TARGETS = {"33M": {"async": 0.5, "sync": 0.9}, "4M": {"async": 0.6}}
 # on both cores, data-parallel, beside the generator: at these sizes the generator
 # idles most of an async step on a core of its own.
 MODES = {"async": (1, 1), "sync": (0, 1), "async_2ranks": (1, 2)}
+STEPS = {"4M": 12, "33M": 6}
 EFFICIENCY_TARGET = 0.95
 
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="default: fp32, and bf16 where this CPU has bf16 units")
     ap.add_argument("--generation-dtype", choices=["same", "fp32"], default="same",
                     help="dagrl's generation.dtype in the bf16 cases: the training dtype, or fp32")
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (full 6, quick 3)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (full: 4M 12, 33M 6; quick 3)")
     ap.add_argument("--trl-python", type=Path, default=ROOT / ".venv-trl" / "bin" / "python")
     ap.add_argument("--out", type=Path, help="directory for vs_trl_scale.json (default benchmarks/results)")
     args = ap.parse_args(argv)
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--trl-python {args.trl_python} does not exist: run `make trl-venv` first")
     sizes = args.sizes or (["tiny"] if args.quick else ["4M", "33M"])
     dtypes = args.dtypes or (["fp32"] if args.quick else ["fp32", *(["bf16"] if cpu_bf16_flags() else [])])
-    steps = args.steps or (3 if args.quick else 6)
+    # A 4M step is 1-3 s and moves 5-10 % from run to run: more of them steady its median.
+    steps = {size: args.steps or (3 if args.quick else STEPS.get(size, 6)) for size in sizes}
     info = machine_info()
     started, cases = time.time(), []
     with tempfile.TemporaryDirectory(prefix="dagrl_vs_trl_scale_") as tmp:
@@ -115,10 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
                 gen_dtype = dtype if args.generation_dtype == "same" else "fp32"
                 sample_load(info)
                 case = {"size": size, "dtype": dtype,
-                        "trl": run_trl(args.trl_python, model, Path(tmp) / f"trl_{size}_{dtype}.json", steps, dtype)}
+                        "trl": run_trl(args.trl_python, model, Path(tmp) / f"trl_{size}_{dtype}.json", steps[size],
+                                       dtype)}
                 for mode, (max_age, ranks) in MODES.items():
-                    case[mode] = run_dagrl(Path(tmp), model, f"{mode}_{size}_{dtype}", max_age, ranks, steps, dtype,
-                                           gen_dtype)
+                    case[mode] = run_dagrl(Path(tmp), model, f"{mode}_{size}_{dtype}", max_age, ranks, steps[size],
+                                           dtype, gen_dtype)
                     case[f"{mode}_over_trl"] = round(case[mode]["step_time_s"] / case["trl"]["step_time_s"], 3)
                 cases.append(case)
                 print(f"{size} {dtype}: TRL {case['trl']['step_time_s']} s, async {case['async']['step_time_s']} s "
