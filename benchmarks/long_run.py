@@ -140,10 +140,9 @@ def analyse(run_dir: Path, max_age: int) -> dict:
     copy_mb = max((e.get("bytes", 0) for e in events if e.get("ev") == "weights_put"), default=0) / 2**20
     store = [r["store_mb"] for r in after if "store_mb" in r]
     tenth = max(1, len(records) // 10)
-    first = statistics.median(r["step_time_s"] for r in records[:tenth])
-    last = statistics.median(r["step_time_s"] for r in records[-tenth:])
     times_first = [r["step_time_s"] for r in records[:tenth]]
     times_last = [r["step_time_s"] for r in records[-tenth:]]
+    first, last = statistics.median(times_first), statistics.median(times_last)
     tenths = [round(statistics.median(r["step_time_s"] for r in records[i:i + tenth]), 4)
               for i in range(0, tenth * 10, tenth)]
     check = subprocess.run([sys.executable, "-m", "pipeline", "check-events", str(run_dir)], cwd=ROOT,
