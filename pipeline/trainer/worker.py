@@ -106,6 +106,9 @@ class TrainerWorker(Actor):
             with spans.span("weights.put"):
                 weights_ref = self._put(self.version, exported)
         self._exported = exported if collective else None
+        # The object store has its own copy now; this one (a full weight copy) must
+        # not be alive at the heap check below, or the floor it measures holds it.
+        del exported
         self.log.emit("train_end", step=batch.step, version=self.version)
         # Kept alive until the next step's refits are done (see Controller.sample).
         self._hold(self.version, weights_ref)
