@@ -157,18 +157,22 @@ def test_multiturn_quick(tmp_path):
         "check-events violations + environment failures == 0"]
 
 
-def test_long_run_reads_growth_through_the_lowest_points_and_slowdown_beyond_the_spread():
+def test_long_run_reads_growth_through_the_lowest_points_and_slowdown_as_a_climb():
     """benchmarks.long_run on made-up series: a weight copy held at some samples
     and not at others, or a heap that fills and empties, is no growth; 2 KB a
-    step under the same noise is. Step times shuffled from one spread are not
-    slower; the same times 3 % slower are."""
+    step under the same noise is. Tenths of a run whose speed wanders (the
+    last slower than the first, the middle slower still) are not slower; a 3 %
+    climb over the run under 1 % noise is, and so is an end slower than every
+    tenth before it."""
     import random
-    from benchmarks.long_run import low_slope, slower_p
+    from benchmarks.long_run import low_slope, rising_p, slower
     rng = random.Random(0)
     noise = [(s, 500.0 + 17.0 * rng.randint(0, 1) + (30.0 if s % 100 > 50 else 0.0)) for s in range(400, 2000)]
     assert low_slope(noise) * 1024 == pytest.approx(0.0, abs=0.01)
     leak = [(s, mb + 2.0 * s / 1024) for s, mb in noise]
     assert low_slope(leak) * 1024 == pytest.approx(2.0, abs=0.1)
-    times = [0.3 + 0.05 * rng.random() for _ in range(400)]
-    assert slower_p(times[:200], times[200:]) >= 0.05
-    assert slower_p(times[:200], [1.03 * t for t in times[200:]]) < 0.05
+    wander = [0.2966, 0.2963, 0.3256, 0.3003, 0.3152, 0.3143, 0.3113, 0.2974, 0.2906, 0.3113]  # one real run
+    assert rising_p(wander) >= 0.05 and not slower(wander)
+    climb = [0.3 * (1 + 0.03 * i / 9) + 0.003 * rng.random() for i in range(10)]  # 1 % noise
+    assert rising_p(climb) < 0.05 and slower(climb)
+    assert slower([*wander[:-1], 0.33])
