@@ -55,3 +55,25 @@ def test_grpo_train_refuses_misordered_groups(tmp_path, ray_session):
         worker.train(Batch(0, ("b0",), (0,), (ray_session.put(table),)))
     assert worker.engine.updates == 0 and worker.version == 0  # nothing trained
     worker.log.close()
+
+
+def test_train_lets_its_weight_copy_go_before_the_heap_check(tmp_path, ray_session):
+    """Once the step's weights are in the object store the trainer's own copy
+    must be gone when the heap cap takes its floor, or a floor holds a whole
+    weight copy as the allocator happened to place it (pipeline/core/memory.py)."""
+    import weakref
+
+    import torch
+    worker = trainer(tmp_path)
+    copies, alive_at_check = [], []
+
+    def export_weights():
+        weights = torch.ones(1024)
+        copies.append(weakref.ref(weights))
+        return {"w": weights}
+
+    worker.engine.export_weights = export_weights
+    worker.heap.check_logged = lambda log, step: alive_at_check.append(copies[-1]() is not None)
+    out = worker.train(Batch(0, ("b0",), (0,), (ray_session.put(make_table()),)))
+    assert out.weights_ref and alive_at_check == [False]
+    worker.log.close()
