@@ -65,6 +65,7 @@ SAMPLES = 50          # points of each role's RSS kept in the results file
 WARMUP_SHARE = 0.2    # vLLM's and DeepSpeed's first steps allocate what they keep; the slope starts after
 WINDOWS = 8           # spans of the steps after warm-up whose lowest RSS low_slope fits
 RISING_P = 0.05       # below it the tenths' step times climb over the run
+MAX_AGE = 1           # every recipe here runs async with max_age 1
 
 # name -> (recipe, overrides); the real cases add the model and the step count.
 REAL = ["generation.max_new_tokens=8", "validation.period=0", "validation.at_end=false", "run.checkpoint_every=0"]
@@ -196,9 +197,8 @@ def run_case(name: str, steps: int, out_dir: Path) -> dict:
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-5:], "wall_s": round(time.time() - started, 1)}
-    max_age = 1  # every recipe here runs async with max_age 1
     return {"recipe": recipe, "overrides": [*overrides, *extra], "wall_s": round(time.time() - started, 1),
-            **analyse(out_dir / name, max_age)}
+            **analyse(out_dir / name, MAX_AGE)}
 
 
 def reanalyse(path: Path, runs: Path, cases: list[str], machine: dict) -> int:
@@ -210,10 +210,9 @@ def reanalyse(path: Path, runs: Path, cases: list[str], machine: dict) -> int:
             print(f"long_run: no kept run of {case} in {runs}", file=sys.stderr)
             return 2
         kept = result["cases"].get(case, {})
-        max_age = 1  # as run_case
         result["cases"][case] = {**{k: kept[k] for k in ("git_commit", "git_dirty", "recipe", "overrides", "wall_s")
                                     if k in kept},
-                                 **analyse(runs / case, max_age), "analysed_at": machine["git_commit"]}
+                                 **analyse(runs / case, MAX_AGE), "analysed_at": machine["git_commit"]}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(path)
