@@ -152,10 +152,10 @@ def analyse(run_dir: Path, max_age: int) -> dict:
     copy_mb = max((e.get("bytes", 0) for e in events if e.get("ev") == "weights_put"), default=0) / 2**20
     store = [r["store_mb"] for r in after if "store_mb" in r]
     tenth = max(1, len(records) // 10)
-    first = statistics.median(r["step_time_s"] for r in records[:tenth])
-    last = statistics.median(r["step_time_s"] for r in records[-tenth:])
-    tenths = [round(statistics.median(r["step_time_s"] for r in records[i:i + tenth]), 4)
-              for i in range(0, tenth * 10, tenth)]
+    # The last tenth ends on the last step, whatever the remainder of len(records) / 10.
+    starts = [i * tenth for i in range(9)] + [len(records) - tenth]
+    tenths = [statistics.median(r["step_time_s"] for r in records[i:i + tenth]) for i in starts]
+    first, last = tenths[0], tenths[-1]
     check = subprocess.run([sys.executable, "-m", "pipeline", "check-events", str(run_dir)], cwd=ROOT,
                            capture_output=True, text=True)
     bound = (max_age + 3) * copy_mb
@@ -174,7 +174,7 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         "store_peak_copies": round(max(store, default=0.0) / copy_mb, 3) if copy_mb else None,
         "store_spilled_mb": max((r.get("store_spilled_mb", 0.0) for r in records), default=0.0),
         "step_time_first10_s": round(first, 4), "step_time_last10_s": round(last, 4),
-        "last_over_first": round(last / first, 3), "step_time_tenths_s": tenths,
+        "last_over_first": round(last / first, 3), "step_time_tenths_s": [round(t, 4) for t in tenths],
         "rising_p": round(rising_p(tenths), 4),
         "violations": int(check.stdout.strip().splitlines()[-1].split()[0]) if check.stdout.strip() else None,
     }
