@@ -44,6 +44,8 @@ class VllmGenerationEngine:
     # the first load (refit_plan.RefitPlan._unpack): the largest in which F.linear
     # matched oneDNN at every batch size, timed on this 2-core machine.
     PLAIN_LINEAR_MAX = 1 << 16
+    # vLLM keeps this many oneDNN matmuls, one per batch size, for each weight shape.
+    MATMUL_SIZES = 32
 
     def __init__(self, model_path: str | os.PathLike, *, seed: int = 0, max_new_tokens: int = 16,
                  temperature: float = 1.0, top_p: float = 1.0, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN,
@@ -135,13 +137,19 @@ class VllmGenerationEngine:
         self.set_version(0)
 
     def _probe(self) -> None:
-        """One token from a one-token prompt: some models load but cannot run
-        (on CPU, an attention head size the kernels lack fails only in the first
-        forward pass). Better refused here, with vLLM's reason, than as every
-        rollout of step 0 failing."""
+        """Runs the model at every batch size from MATMUL_SIZES down to 1.
+
+        Some models load but cannot run (on CPU, an attention head size the
+        kernels lack fails only in the first forward pass): better refused here,
+        with vLLM's reason, than as every rollout of step 0 failing. And on CPU
+        this fills the caches of oneDNN matmuls, which hold one per batch size
+        (pipeline/core/vllm_env.py), to their bound now: filled by a run's own
+        batches, they grew for as long as new sizes came."""
+        sizes = max(1, min(self.MATMUL_SIZES, self.llm.llm_engine.model_config.max_model_len - 1))
+        prompt = TokensPrompt(prompt_token_ids=[self.tokenizer.bos_token_id or 0])
         try:
-            self._generate([TokensPrompt(prompt_token_ids=[self.tokenizer.bos_token_id or 0])],
-                           SamplingParams(max_tokens=1, temperature=0.0))
+            self._generate([prompt] * sizes, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                                              for n in range(1, sizes + 1)])
         except Exception as exc:
             self.close()
             raise ModelError(f"model directory {self.model_path!r}: vLLM loaded it but cannot run it: "
@@ -324,7 +332,7 @@ class VllmGenerationEngine:
     def _eager(self) -> Any:
         return contextlib.nullcontext() if self._stance is None else torch.compiler.set_stance(self._stance)
 
-    def _generate(self, inputs: list, params: SamplingParams) -> list:
+    def _generate(self, inputs: list, params: SamplingParams | list[SamplingParams]) -> list:
         with self._eager():
             return self.llm.generate(inputs, params, use_tqdm=False)
 
