@@ -20,6 +20,11 @@ role's RSS and the object store's use (pipeline/run/resources.py); from them:
                       rising_p: how often the tenths' medians, shuffled, rise as
                       steadily as they do (Kendall's S, a one-sided permutation
                       test): small when step time climbs over the run
+  probe_tenths_s      the machine's speed beside the run: the median CPU time of one
+                      fixed piece of work that the benchmark times every 2 s, in each
+                      tenth; own_tenths_s: the step times at the first tenth's speed
+                      (each tenth times probe first / probe tenth), with their
+                      own_last_over_first and own_rising_p
   heap_trims          how often each trainer handed freed heap back (HeapCap, every 100
                       steps and whenever its RSS is over its slack)
   heap_floor_slope    the slope of the RSS right after each of those trims, in KB/step
@@ -28,13 +33,15 @@ role's RSS and the object store's use (pipeline/run/resources.py); from them:
 
 Targets (issue "Long runs"): no role grows by more than 1 KB a step after
 warm-up (low_slope), the store stays under its bound, the last 10 % of steps are
-no slower than the first 10 %: a last median above the first counts as slower
-where the tenths rise (rising_p < 0.05) or the last tenth is the slowest of all.
-The machine's own speed wanders by minutes (on 2 shared cores the tenths of one
-run were 0.291-0.326 s, the ninth the fastest); a test that treats steps as
-exchangeable reads any such swing between the first and last minute as a
-slowdown, while what a leak or a growing cost brings is a climb, or an end
-slower than anything before it.
+no slower than the first 10 %, read from the step times at one machine speed
+(own_tenths_s; the raw tenths for a run kept without probes): a last median
+above the first counts as slower where the tenths rise (rising_p < 0.05) or the
+last tenth is the slowest of all. The machine's own speed wanders by minutes (on
+2 shared cores the tenths of one run were 0.291-0.326 s, the ninth the fastest,
+and a generator's time for the same work rose 5 % beside a trainer's 7 %); a
+test that treats steps as exchangeable reads any such swing between the first
+and last minute as a slowdown, while what a leak or a growing cost brings is a
+climb, or an end slower than anything before it, at the same machine speed.
 
     .venv/bin/python -m benchmarks.long_run                  # every case, 2000 real / 20000 sim steps
     .venv/bin/python -m benchmarks.long_run --quick          # 60 / 300 steps: a smoke run
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -53,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +75,8 @@ WARMUP_SHARE = 0.2    # vLLM's and DeepSpeed's first steps allocate what they ke
 WINDOWS = 8           # spans of the steps after warm-up whose lowest RSS low_slope fits
 RISING_P = 0.05       # below it the tenths' step times climb over the run
 MAX_AGE = 1           # every recipe here runs async with max_age 1
+PROBE_EVERY_S = 2.0   # how often the benchmark times its fixed piece of work beside a run
+PROBE_BLOCK = bytes(1 << 20)
 
 # name -> (recipe, overrides); the real cases add the model and the step count.
 REAL = ["generation.max_new_tokens=8", "validation.period=0", "validation.at_end=false", "run.checkpoint_every=0"]
@@ -120,6 +131,59 @@ def slower(tenths: list[float]) -> bool:
     return tenths[-1] > tenths[0] and (rising_p(tenths) < RISING_P or tenths[-1] > max(tenths[:-1]))
 
 
+def probe_cpu_s() -> float:
+    """CPU seconds this thread spends on one fixed piece of work (hashing 8 MiB,
+    a Python loop): it changes with the machine's speed, not with the run's load
+    on it, which only makes the thread wait."""
+    start = time.thread_time()
+    digest = hashlib.sha256()
+    for _ in range(8):
+        digest.update(PROBE_BLOCK)
+    total = 0
+    for i in range(100_000):
+        total += i * i
+    return time.thread_time() - start
+
+
+def last_step(metrics: Path) -> int | None:
+    """The step of the last whole record in a metrics file being written."""
+    with contextlib.suppress(FileNotFoundError), open(metrics, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+        for line in reversed(f.read().splitlines()):
+            with contextlib.suppress(ValueError):
+                step = json.loads(line).get("step")
+                if isinstance(step, int) and step >= 0:
+                    return step
+    return None
+
+
+def watch_machine(metrics: Path, done: threading.Event, samples: list[dict]) -> None:
+    """Times probe_cpu_s every PROBE_EVERY_S beside the run, with the step it had reached."""
+    while not done.wait(PROBE_EVERY_S):
+        step = last_step(metrics)
+        if step is not None:
+            samples.append({"step": step, "cpu_s": probe_cpu_s()})
+
+
+def step_tenths(records: list[dict], probes: list[dict]) -> tuple[list[float], list[float] | None, list[float]]:
+    """The median step time of each tenth of the records; the median probe time
+    of the probes taken during each tenth's steps (None unless every tenth has
+    one); and the step times at the first tenth's machine speed, the raw ones
+    without probes."""
+    tenth = max(1, len(records) // 10)
+    # The last tenth ends on the last step, whatever the remainder of len(records) / 10.
+    starts = [i * tenth for i in range(9)] + [len(records) - tenth]
+    tenths = [statistics.median(r["step_time_s"] for r in records[i:i + tenth]) for i in starts]
+    speeds = []
+    for i in starts:
+        lo, hi = records[i]["step"], records[i + tenth - 1]["step"]
+        during = [p["cpu_s"] for p in probes if lo <= p["step"] <= hi]
+        speeds.append(statistics.median(during) if during else None)
+    if None in speeds:
+        return tenths, None, tenths
+    return tenths, speeds, [t * speeds[0] / p for t, p in zip(tenths, speeds)]
+
+
 def thin(pts: list[tuple[int, float]], n: int = SAMPLES) -> list[list]:
     """About n of the points, evenly spaced: the curve behind a slope."""
     every = max(1, len(pts) // n)
@@ -151,11 +215,10 @@ def analyse(run_dir: Path, max_age: int) -> dict:
                 floors.setdefault(e["worker"], []).append((e["step"], e["floor_mb"]))
     copy_mb = max((e.get("bytes", 0) for e in events if e.get("ev") == "weights_put"), default=0) / 2**20
     store = [r["store_mb"] for r in after if "store_mb" in r]
-    tenth = max(1, len(records) // 10)
-    # The last tenth ends on the last step, whatever the remainder of len(records) / 10.
-    starts = [i * tenth for i in range(9)] + [len(records) - tenth]
-    tenths = [statistics.median(r["step_time_s"] for r in records[i:i + tenth]) for i in starts]
+    probes = read_jsonl(run_dir / "machine_probe.jsonl") if (run_dir / "machine_probe.jsonl").is_file() else []
+    tenths, probe_tenths, own = step_tenths(records, probes)
     first, last = tenths[0], tenths[-1]
+    machine = probe_tenths is not None
     check = subprocess.run([sys.executable, "-m", "pipeline", "check-events", str(run_dir)], cwd=ROOT,
                            capture_output=True, text=True)
     bound = (max_age + 3) * copy_mb
@@ -176,13 +239,17 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         "step_time_first10_s": round(first, 4), "step_time_last10_s": round(last, 4),
         "last_over_first": round(last / first, 3), "step_time_tenths_s": [round(t, 4) for t in tenths],
         "rising_p": round(rising_p(tenths), 4),
+        "probe_tenths_s": [round(p, 5) for p in probe_tenths] if machine else None,
+        "own_tenths_s": [round(t, 4) for t in own] if machine else None,
+        "own_last_over_first": round(own[-1] / own[0], 3) if machine else None,
+        "own_rising_p": round(rising_p(own), 4) if machine else None,
         "violations": int(check.stdout.strip().splitlines()[-1].split()[0]) if check.stdout.strip() else None,
     }
     out["targets_met"] = {
         "rss_slope": out["max_low_slope_kb_per_step"] <= SLOPE_TARGET_KB,
         # The simulator's weights are not tensors: nothing of size goes through the store.
         "store_bound": copy_mb == 0 or out["store_peak_mb"] <= bound,
-        "step_time": not slower(tenths),
+        "step_time": not slower(own),
         "no_violations": out["violations"] == 0,
     }
     return out
@@ -194,7 +261,18 @@ def run_case(name: str, steps: int, out_dir: Path) -> dict:
     args = [sys.executable, "-m", "pipeline", "train", "--config", recipe, *overrides, *extra,
             f"run.steps={steps}", f"run.name={name}", f"run.output_dir={out_dir}", "metrics.progress=false"]
     started = time.time()
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
+    done, samples = threading.Event(), []
+    watcher = threading.Thread(target=watch_machine, args=(out_dir / name / "metrics.jsonl", done, samples),
+                               daemon=True)
+    watcher.start()
+    try:
+        proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "RAY_ADDRESS": ""})
+    finally:
+        done.set()
+        watcher.join()
+    if proc.returncode == 0:
+        (out_dir / name / "machine_probe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-5:], "wall_s": round(time.time() - started, 1)}
     return {"recipe": recipe, "overrides": [*overrides, *extra], "wall_s": round(time.time() - started, 1),

@@ -430,14 +430,19 @@ def long_run(r: dict) -> str:
                      ", ".join(k for k, v in c["targets_met"].items() if not v) or "none",
                      c["steps"], f"{c['store_spilled_mb']:.0f}",
                      f"{c['last_over_first']:.2f}" + (f" (p {c['rising_p']:.2f})" if "rising_p" in c else ""),
+                     f"{c['own_last_over_first']:.2f} (p {c['own_rising_p']:.2f})"
+                     if c.get("own_last_over_first") is not None else "not probed",
                      c["violations"]])
     m = r["model"]
     head = (f"Model `{m['path']}` (`build-tiny {' '.join(m['build'])}`); RSS slopes fitted after the first "
             f"{r['warmup_share'] * 100:.0f} % of steps, through each eighth's lowest RSS where a case has it "
             f"(`low_slope`), else through every step's; p: how often the tenths' median step times, shuffled, "
-            f"rise as steadily as they did (a slowdown: p < 0.05, or the last tenth the slowest). {machine(r)}\n\n")
+            f"rise as steadily as they did (a slowdown: p < 0.05, or the last tenth the slowest); at one machine "
+            f"speed: each tenth scaled by the benchmark's probe of the machine beside the run, which the "
+            f"target reads where a run has it. {machine(r)}\n\n")
     return head + md(["case", "RSS slope per role (KB/step)", "store peak", "targets missed", "steps",
-                      "spilled MB", "last / first 10 % step time", "violations"], rows, text_cols=4)
+                      "spilled MB", "last / first 10 % step time", "the same at one machine speed", "violations"],
+                     rows, text_cols=4)
 
 
 SECTIONS = (

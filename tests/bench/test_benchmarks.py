@@ -176,3 +176,23 @@ def test_long_run_reads_growth_through_the_lowest_points_and_slowdown_as_a_climb
     climb = [0.3 * (1 + 0.03 * i / 9) + 0.003 * rng.random() for i in range(10)]  # 1 % noise
     assert rising_p(climb) < 0.05 and slower(climb)
     assert slower([*wander[:-1], 0.33])
+
+
+def test_long_run_reads_step_time_at_the_first_tenths_machine_speed():
+    """A run whose steps slow 4 % with the machine (the benchmark's fixed piece
+    of work slows as much) is read at one speed, and is not slower; the same
+    climb beside a steady probe is; a run kept without probes is read raw."""
+    from benchmarks.long_run import slower, step_tenths
+    wander = [0.2966, 0.2963, 0.3256, 0.3003, 0.3152, 0.3143, 0.3113, 0.2974, 0.2906, 0.3113]
+    machine = [1 + 0.04 * i / 9 for i in range(10)]
+    records = [{"step": s, "step_time_s": wander[s // 100] * machine[s // 100]} for s in range(1000)]
+    slowing = [{"step": s, "cpu_s": 0.007 * machine[s // 100]} for s in range(0, 1000, 7)]
+    tenths, speeds, own = step_tenths(records, slowing)
+    assert speeds == pytest.approx([0.007 * m for m in machine])
+    assert own == pytest.approx(wander) and not slower(own)
+    climb = [{"step": s, "step_time_s": 0.3 * machine[s // 100]} for s in range(1000)]
+    steady = [{"step": s, "cpu_s": 0.007} for s in range(0, 1000, 7)]
+    tenths, _, own = step_tenths(climb, steady)
+    assert own == pytest.approx(tenths) and slower(own)
+    assert step_tenths(climb, []) == (tenths, None, tenths)
+    assert step_tenths(climb, steady[:50])[1] is None  # the last tenths had no probe

@@ -31,5 +31,9 @@ def test_a_short_real_run_keeps_weight_copies_and_memory_bounded(tmp_path):
     assert {"driver", "controller", "trainer", "gen0"} <= set(result["roles"])
     peaks = json.loads((tmp_path / "grpo_object_store" / "summary.json").read_text())["resources_peak"]
     assert peaks["rss_mb/trainer"] > 100 and peaks["store_mb"] >= copy
+    # The benchmark timed its fixed piece of work beside the run, each time with the step the run had reached.
+    probes = [json.loads(line) for line in
+              (tmp_path / "grpo_object_store" / "machine_probe.jsonl").read_text().splitlines()]
+    assert probes and all(0 <= p["step"] < 30 and p["cpu_s"] > 0 for p in probes), probes
     # The heap cap runs in the trainer and the generator; its first check sets each one's floor.
     assert {"trainer", "gen0"} <= set(result["heap_trims"]), result["heap_trims"]
