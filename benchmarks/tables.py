@@ -426,7 +426,7 @@ def long_run(r: dict) -> str:
                            sorted(c["roles"].items(), key=lambda kv: -kv[1][key]))
         copies = f" = {c['store_peak_mb'] / c['weight_copy_mb']:.3f} copies" if c["weight_copy_mb"] else ""
         bound = f" (bound {c['store_bound_mb']:.2f} MB)" if c["store_bound_mb"] else ""
-        rows.append([name, slopes, f"{c['store_peak_mb']:.2f} MB{copies}{bound}",
+        rows.append([name, c.get("git_commit", r["machine"]["git_commit"])[:7], slopes, f"{c['store_peak_mb']:.2f} MB{copies}{bound}",
                      ", ".join(k for k, v in c["targets_met"].items() if not v) or "none",
                      c["steps"], f"{c['store_spilled_mb']:.0f}",
                      f"{c['last_over_first']:.2f}" + (f" (p {c['rising_p']:.2f})" if "rising_p" in c else ""),
@@ -440,9 +440,9 @@ def long_run(r: dict) -> str:
             f"rise as steadily as they did (a slowdown: p < 0.05, or the last tenth the slowest); at one machine "
             f"speed: each tenth scaled by the benchmark's probe of the machine beside the run, which the "
             f"target reads where a run has it. {machine(r)}\n\n")
-    return head + md(["case", "RSS slope per role (KB/step)", "store peak", "targets missed", "steps",
+    return head + md(["case", "commit", "RSS slope per role (KB/step)", "store peak", "targets missed", "steps",
                       "spilled MB", "last / first 10 % step time", "the same at one machine speed", "violations"],
-                     rows, text_cols=4)
+                     rows, text_cols=5)
 
 
 SECTIONS = (
