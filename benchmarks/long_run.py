@@ -20,10 +20,9 @@ role's RSS and the object store's use (pipeline/run/resources.py); from them:
                       rising_p: how often the tenths' medians, shuffled, rise as
                       steadily as they do (Kendall's S, a one-sided permutation
                       test): small when step time climbs over the run
-  probe_tenths_s      the machine's speed beside the run: the median CPU time of
-                      fixed work (torch matmuls and a copy, hashing, a Python loop)
-                      that the benchmark times every 2 s, in each tenth (its parts
-                      are kept in machine_probe.jsonl); own_tenths_s: the step times at the first tenth's speed
+  probe_tenths_s      the machine's speed beside the run: the median CPU time of one
+                      fixed piece of work that the benchmark times every 2 s, in each
+                      tenth; own_tenths_s: the step times at the first tenth's speed
                       (each tenth times probe first / probe tenth), with their
                       own_last_over_first and own_rising_p
   heap_trims          how often each trainer handed freed heap back (HeapCap, every 100
@@ -132,27 +131,18 @@ def slower(tenths: list[float]) -> bool:
     return tenths[-1] > tenths[0] and (rising_p(tenths) < RISING_P or tenths[-1] > max(tenths[:-1]))
 
 
-def probe_cpu_s() -> dict[str, float]:
-    """CPU seconds this thread spends on fixed pieces of work: torch matmuls
-    over a 4 MiB weight and a 16 MiB copy (work like a run's own, heavy on
-    memory), and hashing 8 MiB with a Python loop (compute). CPU time changes
-    with the machine's speed, not with the run's load on the cores, which only
-    makes the thread wait."""
-    import torch
-    weight, x, block = torch.ones(1024, 1024), torch.ones(32, 1024), torch.ones(4 << 20)
+def probe_cpu_s() -> float:
+    """CPU seconds this thread spends on one fixed piece of work (hashing 8 MiB,
+    a Python loop): it changes with the machine's speed, not with the run's load
+    on it, which only makes the thread wait."""
     start = time.thread_time()
-    for _ in range(12):
-        x = (x @ weight).clamp_(max=1.0)
-    block.clone()
-    middle = time.thread_time()
     digest = hashlib.sha256()
     for _ in range(8):
         digest.update(PROBE_BLOCK)
     total = 0
     for i in range(100_000):
         total += i * i
-    end = time.thread_time()
-    return {"cpu_s": end - start, "torch_s": middle - start, "python_s": end - middle}
+    return time.thread_time() - start
 
 
 def last_step(metrics: Path) -> int | None:
@@ -169,12 +159,10 @@ def last_step(metrics: Path) -> int | None:
 
 def watch_machine(metrics: Path, done: threading.Event, samples: list[dict]) -> None:
     """Times probe_cpu_s every PROBE_EVERY_S beside the run, with the step it had reached."""
-    import torch
-    torch.set_num_threads(1)  # the benchmark's own process: the probe times one core's work
     while not done.wait(PROBE_EVERY_S):
         step = last_step(metrics)
         if step is not None:
-            samples.append({"step": step, **probe_cpu_s()})
+            samples.append({"step": step, "cpu_s": probe_cpu_s()})
 
 
 def step_tenths(records: list[dict], probes: list[dict]) -> tuple[list[float], list[float] | None, list[float]]:
