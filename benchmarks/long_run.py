@@ -271,10 +271,9 @@ def run_case(name: str, steps: int, out_dir: Path) -> dict:
     finally:
         done.set()
         watcher.join()
-    if proc.returncode == 0:
-        (out_dir / name / "machine_probe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-5:], "wall_s": round(time.time() - started, 1)}
+    (out_dir / name / "machine_probe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
     return {"recipe": recipe, "overrides": [*overrides, *extra], "wall_s": round(time.time() - started, 1),
             **analyse(out_dir / name, MAX_AGE)}
 

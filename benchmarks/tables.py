@@ -426,7 +426,8 @@ def long_run(r: dict) -> str:
                            sorted(c["roles"].items(), key=lambda kv: -kv[1][key]))
         copies = f" = {c['store_peak_mb'] / c['weight_copy_mb']:.3f} copies" if c["weight_copy_mb"] else ""
         bound = f" (bound {c['store_bound_mb']:.2f} MB)" if c["store_bound_mb"] else ""
-        rows.append([name, c.get("git_commit", r["machine"]["git_commit"])[:7], slopes, f"{c['store_peak_mb']:.2f} MB{copies}{bound}",
+        commit = c.get("git_commit", r["machine"]["git_commit"])[:7]
+        rows.append([name, commit, slopes, f"{c['store_peak_mb']:.2f} MB{copies}{bound}",
                      ", ".join(k for k, v in c["targets_met"].items() if not v) or "none",
                      c["steps"], f"{c['store_spilled_mb']:.0f}",
                      f"{c['last_over_first']:.2f}" + (f" (p {c['rising_p']:.2f})" if "rising_p" in c else ""),
