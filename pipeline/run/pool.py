@@ -83,12 +83,17 @@ def start_workers(num_generators: int, critics: int = 0, trainers: int = 1, plac
     # Threaded actors: nodes of a step, the engine loops' puts and the driver's pings reach them concurrently.
     controller = ray.remote(Controller).options(**_one_heap(_options(placement, "controller")),
                                                 max_concurrency=8).remote()
-    # Two threads: `save` between steps must not wait behind a compiled graph's loop.
-    ranks = tuple(ray.remote(TrainerWorker).options(**_options(placement, "trainer", r), max_concurrency=2).remote(r)
-                  for r in range(trainers))
-    critic_ranks = tuple(ray.remote(CriticWorker).options(**_options(placement, "critic", r), max_concurrency=2)
-                         .remote(r) for r in range(critics))
+    ranks = tuple(_rank(TrainerWorker, placement, "trainer", r) for r in range(trainers))
+    critic_ranks = tuple(_rank(CriticWorker, placement, "critic", r) for r in range(critics))
     return Workers(controller, ranks, generators, critic_ranks, placement)
+
+
+def _rank(worker: type, placement, role: str, rank: int):
+    """A trainer or critic rank. Two threads: `save` between steps must not wait
+    behind a compiled graph's loop. One heap: a step runs on one of Ray's
+    threads, and malloc_trim leaves the top of a thread's own heap alone, so
+    the heap cap's floor would hold whatever that top kept of the last step."""
+    return ray.remote(worker).options(**_one_heap(_options(placement, role, rank)), max_concurrency=2).remote(rank)
 
 
 def stop_workers(workers: Workers) -> None:

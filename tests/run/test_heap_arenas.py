@@ -1,6 +1,8 @@
-"""One C heap for the threads of the driver, the controller and the generators
-(pipeline/core/memory.py one_heap_arena): with a heap per thread, their RSS
-crept up for thousands of steps while what they had allocated stayed flat
+"""One C heap for the threads of every worker but the reward model's
+(pipeline/core/memory.py one_heap_arena): with a heap per thread, the
+driver's, the controller's and the generators' RSS crept up for thousands of
+steps while what they had allocated stayed flat, and a trainer's floor after
+malloc_trim held whatever the top of its step thread's heap kept
 (benchmarks/long_run.py)."""
 from __future__ import annotations
 
@@ -39,10 +41,37 @@ with tempfile.NamedTemporaryFile(suffix=".xml") as out:
 """
 
 
-def _heaps(mode: str) -> int:
+# A thread frees a 24 MB buffer (glibc then keeps blocks up to that size on a
+# heap and lets up to twice it sit at a heap's top), then 40 MB in 1 MB blocks,
+# last first, so they merge into its heap's top; the heap cap trims. Prints
+# the MB the trim handed back.
+THREAD_TOP = r"""
+import ctypes, sys, threading
+from pipeline.core.memory import MB, HeapCap, one_heap_arena
+if sys.argv[1] == "one":
+    assert one_heap_arena()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def step():
+    libc.free(libc.malloc(24 * MB))
+    blocks = [libc.malloc(MB) for _ in range(40)]
+    for b in blocks:
+        ctypes.memset(b, 1, MB)
+    for b in reversed(blocks):
+        libc.free(b)
+thread = threading.Thread(target=step)
+thread.start()
+thread.join()
+before, after = HeapCap().check()
+print((before - after) // MB)
+"""
+
+
+def _run(script: str, mode: str) -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("MALLOC_ARENA_MAX", None)
-    out = subprocess.run([sys.executable, "-c", THREADS, mode], cwd=ROOT, env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", script, mode], cwd=ROOT, env=env, capture_output=True,
                          text=True, check=True)
     return int(out.stdout.strip())
 
@@ -50,14 +79,22 @@ def _heaps(mode: str) -> int:
 @pytest.mark.unit
 @glibc
 def test_one_heap_arena_keeps_every_thread_on_one_heap():
-    assert _heaps("many") > 1   # glibc's default: the threads got heaps of their own
-    assert _heaps("one") == 1
+    assert _run(THREADS, "many") > 1   # glibc's default: the threads got heaps of their own
+    assert _run(THREADS, "one") == 1
+
+
+@pytest.mark.unit
+@glibc
+def test_the_heap_cap_hands_back_the_top_of_a_threads_heap_only_with_one_heap():
+    assert _run(THREAD_TOP, "many") < 8     # malloc_trim leaves a thread heap's top resident
+    assert _run(THREAD_TOP, "one") >= 36
 
 
 @pytest.mark.sim
 @glibc
-def test_the_controller_and_the_generators_start_with_one_heap(sim_pool):
+def test_the_controller_the_trainer_and_the_generators_start_with_one_heap(sim_pool):
+    # A critic rank starts as a trainer rank does (pool._rank).
     import ray
-    for actor in (sim_pool.controller, *sim_pool.generators):
+    for actor in (sim_pool.controller, *sim_pool.trainers, *sim_pool.generators):
         env = ray.get(actor.__ray_call__.remote(lambda self: os.environ.get("MALLOC_ARENA_MAX")), timeout=60)
         assert env == "1", actor
