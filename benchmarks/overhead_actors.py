@@ -12,6 +12,7 @@ import ray.cloudpickle
 from dags.tokens import Batch, Gate, Refitted, Resume, Ticket, TrainOut, ValOut
 from pipeline.controller.controller import Controller
 from pipeline.generator.worker import GeneratorWorker
+from pipeline.core.node import rank_actor
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.run.pool import Workers
 
@@ -98,7 +99,7 @@ class BenchGenerator(_Switchable, GeneratorWorker):
 def start_pool(num_generators: int) -> Workers:
     """pipeline.run.driver.start_workers, with the same actor options, on the switchable workers."""
     return Workers(ray.remote(BenchController).options(num_cpus=0.5, max_concurrency=8).remote(),
-                   (ray.remote(BenchTrainer).options(num_cpus=0.5, max_concurrency=2).remote(),),
+                   (rank_actor(BenchTrainer, num_cpus=0.5).remote(),),
                    tuple(ray.remote(BenchGenerator).options(num_cpus=0.5, max_concurrency=4).remote(i)
                          for i in range(num_generators)))
 

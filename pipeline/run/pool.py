@@ -26,6 +26,7 @@ from pipeline.config import Config
 from pipeline.inputs.models import ModelError
 from pipeline.core.events import EventLog
 from pipeline.core.memory import ONE_ARENA_ENV
+from pipeline.core.node import rank_actor
 from pipeline.reward_model.worker import reward_model_name, start_reward_model
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, task_error
 
@@ -89,11 +90,11 @@ def start_workers(num_generators: int, critics: int = 0, trainers: int = 1, plac
 
 
 def _rank(worker: type, placement, role: str, rank: int):
-    """A trainer or critic rank. Two threads: `save` between steps must not wait
-    behind a compiled graph's loop. One heap: a step runs on one of Ray's
-    threads, and malloc_trim leaves the top of a thread's own heap alone, so
-    the heap cap's floor would hold whatever that top kept of the last step."""
-    return ray.remote(worker).options(**_one_heap(_options(placement, role, rank)), max_concurrency=2).remote(rank)
+    """A trainer or critic rank (pipeline/core/node.py rank_actor). One heap: a
+    step runs on one of Ray's threads, and malloc_trim leaves the top of a
+    thread's own heap alone, so the heap cap's floor would hold whatever that
+    top kept of the last step."""
+    return rank_actor(worker, **_one_heap(_options(placement, role, rank))).remote(rank)
 
 
 def stop_workers(workers: Workers) -> None:

@@ -256,13 +256,14 @@ def viz_workers(num_generators: int, algorithm: str = "grpo", trainers: int = 1,
     import ray
 
     from pipeline.controller.controller import Controller
+    from pipeline.core.node import rank_actor
     from pipeline.generator.worker import GeneratorWorker
     from pipeline.trainer.worker import TrainerWorker
     critic_ranks = ()
     if algorithm == "ppo":
         from pipeline.trainer.critic_worker import CriticWorker
-        critic_ranks = tuple(ray.remote(CriticWorker).bind(r) for r in range(critics))
-    return Workers(ray.remote(Controller).bind(), tuple(ray.remote(TrainerWorker).bind(r) for r in range(trainers)),
+        critic_ranks = tuple(rank_actor(CriticWorker).bind(r) for r in range(critics))
+    return Workers(ray.remote(Controller).bind(), tuple(rank_actor(TrainerWorker).bind(r) for r in range(trainers)),
                    tuple(ray.remote(GeneratorWorker).bind(i) for i in range(num_generators)), critic_ranks)
 
 

@@ -11,10 +11,11 @@ critic's data-parallel ranks (ppo.critic_ranks):
     critic_train   critic_train(Advantages) -> CriticOut   this rank's shard,
                    beside the policy update
 
-The driver starts it with ray.remote(CriticWorker), threaded
-(max_concurrency=2), so save_state between steps never waits behind a
-compiled graph's loop. The engine (pipeline/trainer/deepspeed_critic.py or
-pipeline/sim/engines.py SimCriticEngine) does the work.
+The driver starts it as a trainer rank is started (pipeline/core/node.py
+rank_actor): its nodes on one step thread, save_state on a spare one, so it
+never waits behind a compiled graph's loop. The engine
+(pipeline/trainer/deepspeed_critic.py or pipeline/sim/engines.py
+SimCriticEngine) does the work.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import pyarrow as pa
 import ray
 
 from dags.tokens import Advantages, Batch, CriticOut, Values
-from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
+from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.algos.ppo import compute_advantages
 from pipeline.trainer.engines import critic_engine
@@ -38,6 +39,7 @@ class CriticWorker(Actor):
     def __init__(self, rank: int = 0):
         self.rank = rank
 
+    @on_step_thread
     def begin_run(self, cfg: Config, run_dir: str, t0: float, restore_dir: str | None = None,
                   rendezvous: Rendezvous | None = None) -> None:
         one_thread()
@@ -60,7 +62,7 @@ class CriticWorker(Actor):
         # channel is not borrowed, so its owner must keep it alive until the
         # readers (advantages, the trainer's train) have read it.
         self._live_values = self._live_advantages = None
-        # save_state arrives on the second thread; it must not see half an update.
+        # save_state arrives on a spare thread; it must not see half an update.
         self._lock = threading.Lock()
         self.skipped = SkippedSteps(self.log, "critic", cfg.fault.max_nonfinite_steps, loss_key="value_loss")
         self.heap = memory.HeapCap()
@@ -70,6 +72,7 @@ class CriticWorker(Actor):
         return table_shard(table, self.cfg.schedule.group_size, self.rank, self.world_size,
                            self.batching)
 
+    @on_step_thread
     @node("critic_values")
     def critic_values(self, batch: Batch) -> Values:
         table = ray.get(batch.table_ref[0])
@@ -80,6 +83,7 @@ class CriticWorker(Actor):
         self._pending = {batch.step: table}
         return Values(batch.step, self.rank, (ref,))
 
+    @on_step_thread
     @node("advantages")
     def advantages(self, *shards: Values) -> Advantages:
         """Rank 0: the shards' values in rank order are the batch's, row by row."""
@@ -94,6 +98,7 @@ class CriticWorker(Actor):
         self._live_advantages = ref = ray.put(targets)
         return Advantages(step, (ref,), tuple(sorted(stats.items())))
 
+    @on_step_thread
     @node("critic_train")
     def critic_train(self, adv: Advantages) -> CriticOut:
         table = self._pending.pop(adv.step, None)

@@ -12,7 +12,7 @@ import pyarrow as pa
 import ray
 
 from dags.tokens import Advantages, Batch, Clock, Gate, TrainOut, WeightsSent
-from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
+from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.weights import packing
 from pipeline.trainer.engines import training_engine
@@ -29,6 +29,7 @@ class TrainerWorker(Actor):
     def __init__(self, rank: int = 0):
         self.rank = rank
 
+    @on_step_thread
     def begin_run(self, cfg: Config, run_dir: str, t0: float, restore_dir: str | None = None,
                   start_version: int = 0, rendezvous: Rendezvous | None = None) -> Clock:
         one_thread()
@@ -48,7 +49,7 @@ class TrainerWorker(Actor):
         self.heap = memory.HeapCap()
         # (version, ObjectRef of (version, weights) or None, clock of their making): exported
         # on first need, since most runs never replace a generator. One attribute, so a
-        # reader on the second thread never pairs one step's weights with another's clock.
+        # reader on a spare thread never pairs one step's weights with another's clock.
         self._live = (start_version, None, self.log.now())
         if self.world_size > 1 and cfg.training.zero_stage == 3:
             # current_weights runs on rank 0 alone, and a ZeRO-3 gather needs every rank: export
@@ -71,6 +72,7 @@ class TrainerWorker(Actor):
             self._live = (version, ref, clock)
         return version, (ref,), clock
 
+    @on_step_thread
     @node("train")
     def train(self, batch: Batch, advantages: Advantages | None = None) -> TrainOut:
         """GRPO: group advantages from the rewards. PPO: the critic's GAE advantages;
@@ -167,6 +169,7 @@ class TrainerWorker(Actor):
             del old_ref
             self.log.emit("weights_released", version=old_version)
 
+    @on_step_thread
     @node("send_weights")
     def send_weights(self, train: TrainOut, gate: Gate) -> WeightsSent:
         """Rank 0, generation.weight_sync collective: broadcast this step's weights

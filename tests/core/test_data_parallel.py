@@ -19,6 +19,7 @@ import ray
 import torch
 
 from dags.tokens import Batch
+from pipeline.core.node import rank_actor
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.weights import packing as flat
 from pipeline.core.data_parallel import Batching, batch_shards
@@ -89,7 +90,7 @@ def _step(cfg, table, tmp_path) -> tuple[dict, list[dict]]:
     """One train step on `cfg.training.ranks` trainer actors: rank 0's
     weights after it, and every rank's metrics."""
     ranks = cfg.training.ranks
-    actors = [ray.remote(TrainerWorker).options(num_cpus=0.5).remote(r) for r in range(ranks)]
+    actors = [rank_actor(TrainerWorker, num_cpus=0.5).remote(r) for r in range(ranks)]
     try:
         meet = ray.get(actors[0].rendezvous.remote(ranks, 60.0))
         ray.get([a.begin_run.remote(cfg, str(tmp_path), time.time(), None, 0, meet) for a in actors], timeout=300)

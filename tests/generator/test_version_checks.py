@@ -19,7 +19,7 @@ import ray
 from dags.tokens import Batch, Gate, TrainOut
 from pipeline.controller.controller import Controller
 from pipeline.generator.worker import GeneratorWorker
-from pipeline.core.node import NodeError
+from pipeline.core.node import NodeError, rank_actor
 from pipeline.trainer.worker import TrainerWorker
 from tests.support.training_helpers import make_table
 from pipeline.config import load_config
@@ -141,7 +141,7 @@ def test_train_accepts_batches_of_its_own_version(tmp_path, ray_session):
 def test_the_refusal_reaches_the_driver_as_a_node_error(tmp_path, ray_session):
     """From an actor the NodeError arrives as Ray's task error, still a NodeError;
     the driver's one-line message (task_error) names node, worker and step."""
-    actor = ray.remote(TrainerWorker).options(num_cpus=0.1).remote()
+    actor = rank_actor(TrainerWorker, num_cpus=0.1).remote()
     try:
         ray.get(actor.begin_run.remote(sim_cfg(tmp_path), str(tmp_path), time.time(), None, 2))
         with pytest.raises(NodeError) as err:

@@ -18,6 +18,7 @@ from ray import cloudpickle
 
 from dags.tokens import ValOut
 from pipeline.controller.controller import Controller
+from pipeline.core.node import rank_actor
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.config import load_config
 from pipeline.run import checkpoint
@@ -68,7 +69,7 @@ def config(tmp_path, *overrides: str):
 def actors(ray_session):
     """A simulated controller and trainer, a critic and a critic that cannot save: one process each."""
     made = {"controller": ray.remote(Controller).options(num_cpus=0).remote(),
-            "trainer": ray.remote(TrainerWorker).options(num_cpus=0).remote(),
+            "trainer": rank_actor(TrainerWorker, num_cpus=0).remote(),
             "critic": ray.remote(Critic).options(num_cpus=0).remote(),
             "broken": ray.remote(Critic).options(num_cpus=0).remote(fail=True),
             "poisoned": ray.remote(PoisonedTrainer).options(num_cpus=0).remote()}

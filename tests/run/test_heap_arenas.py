@@ -98,3 +98,34 @@ def test_the_controller_the_trainer_and_the_generators_start_with_one_heap(sim_p
     for actor in (sim_pool.controller, *sim_pool.trainers, *sim_pool.generators):
         env = ray.get(actor.__ray_call__.remote(lambda self: os.environ.get("MALLOC_ARENA_MAX")), timeout=60)
         assert env == "1", actor
+
+
+@pytest.mark.sim
+def test_a_ranks_steps_run_on_its_one_step_thread(sim_pool):
+    """The first training step on a new thread leaves that thread's torch state
+    allocated (pipeline/core/node.py on_step_thread): every node of a trainer
+    or critic rank, and the set-up that builds its engine, runs on one thread,
+    while calls outside the step still spread over the rank's spare threads."""
+    import threading
+    import time
+
+    import ray
+
+    from pipeline.core.node import STEP_THREAD
+    from pipeline.trainer.critic_worker import CriticWorker
+    from pipeline.trainer.worker import TrainerWorker
+    for cls in (TrainerWorker, CriticWorker):
+        steps = [name for name, f in vars(cls).items() if hasattr(f, "__wrapped__")] + ["begin_run"]
+        assert len(steps) > 2 and all(getattr(cls, n).__ray_concurrency_group__ == STEP_THREAD for n in steps), cls
+
+    def busy_thread(self):
+        started = time.monotonic()
+        while time.monotonic() - started < 0.2:  # holds its thread, so the calls overlap
+            pass
+        return threading.get_ident()
+
+    trainer = sim_pool.trainers[0]
+    on_step = ray.get([trainer.__ray_call__.options(concurrency_group=STEP_THREAD).remote(busy_thread)
+                       for _ in range(6)], timeout=60)
+    spread = ray.get([trainer.__ray_call__.remote(busy_thread) for _ in range(6)], timeout=60)
+    assert len(set(on_step)) == 1 and len(set(spread)) == 2

@@ -32,7 +32,7 @@ from dags.step_graph import StepGraph, build_delivery_graph, build_step_graph, g
 from dags.tokens import Gate, Refitted, Resume, StepPlan, Ticket, ValOut
 from pipeline.controller.controller import Controller
 from pipeline.generator.worker import GeneratorWorker
-from pipeline.core.node import node
+from pipeline.core.node import node, rank_actor
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.run.pool import Workers
 from pipeline.run.runner import GraphRunner
@@ -169,7 +169,7 @@ class MutantTrainer(TrainerWorker):
 def start_mutant_workers(num_generators: int) -> Workers:
     """pipeline.run.pool.start_workers with MutantGenerator actors (the same options)."""
     return Workers(ray.remote(MutantController).options(num_cpus=0.5, max_concurrency=8).remote(),
-                   (ray.remote(MutantTrainer).options(num_cpus=0.5, max_concurrency=2).remote(),),
+                   (rank_actor(MutantTrainer, num_cpus=0.5).remote(),),
                    tuple(ray.remote(MutantGenerator).options(num_cpus=0.5, max_concurrency=4).remote(i)
                          for i in range(num_generators)))
 
