@@ -8,11 +8,19 @@ role's RSS and the object store's use (pipeline/run/resources.py); from them:
 
   slope_kb_per_step   least-squares slope of each role's RSS after warm-up
   low_slope_kb_per_step  the slope through each role's lowest RSS in each eighth of
-                      the steps after warm-up: what the process holds. RSS between
-                      trims also carries what the C heap keeps of memory freed (up
-                      to the heap cap's slack) and whatever weight copy or batch is
-                      in flight at the sample, which swings a trainer's RSS by
-                      tens of MB; a leak lifts every eighth's lowest point as well
+                      the steps after warm-up. RSS between trims also carries what
+                      the C heap keeps of memory freed (up to the heap cap's slack)
+                      and whatever weight copy or batch is in flight at the sample,
+                      which swings a trainer's RSS by tens of MB; a leak lifts every
+                      eighth's lowest point as well
+  held_slope_kb_per_step  what the target reads: for a role with a heap cap (trainer,
+                      critic, generator), the slope of its RSS right after each trim
+                      (heap_floor_slope below), since the cap keeps its RSS within a
+                      slack of that floor and a trim hands back only memory freed;
+                      for the others (driver, controller), low_slope. Over the kept
+                      runs a generator's low_slope read -1.9 to 3.3 KB a step on
+                      floors that rose 0.04-0.09, while floors that rose 8-22 KB a
+                      step (a critic, a LoRA generator, a trainer) read as such
   store_peak_mb       the object store's peak after warm-up, beside the bound
                       (max_age + 3) x one weight copy (the largest weights_put)
   step_time           medians of the first and last 10 % of steps, and their ratio;
@@ -32,7 +40,7 @@ role's RSS and the object store's use (pipeline/run/resources.py); from them:
   violations          check-events on the run's log (invariant 7 included)
 
 Targets (issue "Long runs"): no role grows by more than 1 KB a step after
-warm-up (low_slope), the store stays under its bound, the last 10 % of steps are
+warm-up (held_slope), the store stays under its bound, the last 10 % of steps are
 no slower than the first 10 %, read from the step times at one machine speed
 (own_tenths_s; the raw tenths for a run kept without probes): a last median
 above the first counts as slower where the tenths rise (rising_p < 0.05) or the
@@ -112,6 +120,12 @@ def low_slope(pts: list[tuple[int, float]], windows: int = WINDOWS) -> float:
     size = max(1, len(pts) // windows)
     lows = [min(pts[i:i + size], key=lambda p: p[1]) for i in range(0, size * windows, size) if pts[i:i + size]]
     return slope([float(x) for x, _ in lows], [y for _, y in lows])
+
+
+def held_slope(low_kb: float, floors: list[tuple[int, float]]) -> float:
+    """KB a step that a role holds more: the slope through its RSS right after
+    each heap trim where it has a trim for every eighth of the steps, else its low slope."""
+    return slope(*map(list, zip(*floors))) * 1024 if len(floors) >= WINDOWS else low_kb
 
 
 def kendall_s(xs: list[float]) -> int:
@@ -199,16 +213,6 @@ def analyse(run_dir: Path, max_age: int) -> dict:
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step", -1) >= 0 and "step_time_s" in r]
     steps = [r["step"] for r in records]
     after = [r for r in records if r["step"] >= steps[0] + WARMUP_SHARE * len(steps)]
-    roles = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("rss_mb/")})
-    per_role = {}
-    for role in roles:
-        key = f"rss_mb/{role}"
-        pts = [(r["step"], r[key]) for r in after if key in r]
-        per_role[role] = {"start_mb": round(next(r[key] for r in records if key in r), 1),
-                          "end_mb": round(pts[-1][1], 1),
-                          "slope_kb_per_step": round(slope(*map(list, zip(*pts))) * 1024, 3),
-                          "low_slope_kb_per_step": round(low_slope(pts) * 1024, 3),
-                          "samples": thin(pts)}
     # Only these two kinds are read here; check-events below reads the whole log itself.
     with open(run_dir / "events.jsonl") as f:
         events = [json.loads(line) for line in f if '"heap_trimmed"' in line or '"weights_put"' in line]
@@ -218,6 +222,18 @@ def analyse(run_dir: Path, max_age: int) -> dict:
             trims[e["worker"]] = trims.get(e["worker"], 0) + 1
             if e.get("step") is not None and e["step"] >= steps[0] + WARMUP_SHARE * len(steps):
                 floors.setdefault(e["worker"], []).append((e["step"], e["floor_mb"]))
+    roles = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("rss_mb/")})
+    per_role = {}
+    for role in roles:
+        key = f"rss_mb/{role}"
+        pts = [(r["step"], r[key]) for r in after if key in r]
+        low = low_slope(pts) * 1024
+        per_role[role] = {"start_mb": round(next(r[key] for r in records if key in r), 1),
+                          "end_mb": round(pts[-1][1], 1),
+                          "slope_kb_per_step": round(slope(*map(list, zip(*pts))) * 1024, 3),
+                          "low_slope_kb_per_step": round(low, 3),
+                          "held_slope_kb_per_step": round(held_slope(low, floors.get(role, [])), 3),
+                          "samples": thin(pts)}
     copy_mb = max((e.get("bytes", 0) for e in events if e.get("ev") == "weights_put"), default=0) / 2**20
     store = [r["store_mb"] for r in after if "store_mb" in r]
     probes = read_jsonl(run_dir / "machine_probe.jsonl") if (run_dir / "machine_probe.jsonl").is_file() else []
@@ -231,6 +247,7 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         "steps": len(records), "roles": per_role,
         "max_slope_kb_per_step": max(v["slope_kb_per_step"] for v in per_role.values()),
         "max_low_slope_kb_per_step": max(v["low_slope_kb_per_step"] for v in per_role.values()),
+        "max_held_slope_kb_per_step": max(v["held_slope_kb_per_step"] for v in per_role.values()),
         "weight_copy_mb": round(copy_mb, 3), "store_peak_mb": round(max(store, default=0.0), 3),
         "store_bound_mb": round(bound, 3),
         "heap_trims": trims,
@@ -251,7 +268,7 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         "violations": int(check.stdout.strip().splitlines()[-1].split()[0]) if check.stdout.strip() else None,
     }
     out["targets_met"] = {
-        "rss_slope": out["max_low_slope_kb_per_step"] <= SLOPE_TARGET_KB,
+        "rss_slope": out["max_held_slope_kb_per_step"] <= SLOPE_TARGET_KB,
         # The simulator's weights are not tensors: nothing of size goes through the store.
         "store_bound": copy_mb == 0 or out["store_peak_mb"] <= bound,
         "step_time": not slower(own),
@@ -340,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                                      **run_case(case, sim_steps if case == "sim" else real_steps, Path(tmp))}
             # Written after every case: a long benchmark stopped half-way keeps what it measured.
             path = write_result(name, result, out_dir)
-    rows = [[c, r.get("steps"), r.get("max_slope_kb_per_step"), r.get("store_peak_mb"), r.get("store_bound_mb"),
+    rows = [[c, r.get("steps"), r.get("max_held_slope_kb_per_step"), r.get("store_peak_mb"), r.get("store_bound_mb"),
              r.get("last_over_first"), r.get("violations"), r.get("error", "")] for c, r in result["cases"].items()]
-    print_table(["case", "steps", "max KB/step", "store peak MB", "bound MB", "last/first", "violations", "error"],
+    print_table(["case", "steps", "max held KB/step", "store peak MB", "bound MB", "last/first", "violations", "error"],
                 rows, title=f"written to {path}")
     return 0
 

@@ -421,7 +421,8 @@ def soak(r: dict) -> str:
 def long_run(r: dict) -> str:
     rows = []
     for name, c in r["cases"].items():
-        key = "low_slope_kb_per_step" if "max_low_slope_kb_per_step" in c else "slope_kb_per_step"
+        key = next(k for k in ("held_slope_kb_per_step", "low_slope_kb_per_step", "slope_kb_per_step")
+                   if f"max_{k}" in c)
         slopes = ", ".join(f"{role} {v[key]:.1f}" for role, v in
                            sorted(c["roles"].items(), key=lambda kv: -kv[1][key]))
         copies = f" = {c['store_peak_mb'] / c['weight_copy_mb']:.3f} copies" if c["weight_copy_mb"] else ""
@@ -436,9 +437,11 @@ def long_run(r: dict) -> str:
                      c["violations"]])
     m = r["model"]
     head = (f"Model `{m['path']}` (`build-tiny {' '.join(m['build'])}`); RSS slopes fitted after the first "
-            f"{r['warmup_share'] * 100:.0f} % of steps, through each eighth's lowest RSS where a case has it "
-            f"(`low_slope`), else through every step's; p: how often the tenths' median step times, shuffled, "
-            f"rise as steadily as they did (a slowdown: p < 0.05, or the last tenth the slowest); at one machine "
+            f"{r['warmup_share'] * 100:.0f} % of steps: for a role with a heap cap, through its RSS right after "
+            f"each trim, for the others through each eighth's lowest RSS (`held_slope`; a case read before it "
+            f"existed shows `low_slope`); p: how often the tenths' median step times, shuffled, rise as steadily "
+            f"as they did (a slowdown: p < 0.05, or the last tenth above the first by more than the first nine "
+            f"tenths' range); at one machine "
             f"speed: each tenth scaled by the benchmark's probe of the machine beside the run, which the "
             f"target reads where a run has it. {machine(r)}\n\n")
     return head + md(["case", "commit", "RSS slope per role (KB/step)", "store peak", "targets missed", "steps",

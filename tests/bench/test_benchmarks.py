@@ -160,18 +160,24 @@ def test_multiturn_quick(tmp_path):
 def test_long_run_reads_growth_through_the_lowest_points_and_slowdown_as_a_climb():
     """benchmarks.long_run on made-up series: a weight copy held at some samples
     and not at others, or a heap that fills and empties, is no growth; 2 KB a
-    step under the same noise is. Tenths of a run whose speed wanders (the
+    step under the same noise is, and so is 2 KB a step in the RSS after each
+    heap trim. Tenths of a run whose speed wanders (the
     last slower than the first, the middle slower still) are not slower, nor
     is an end the slowest of all by less than the tenths' own spread; a 3 %
     climb over the run under 1 % noise is, and so is an end above the start
     by more than that spread."""
     import random
-    from benchmarks.long_run import low_slope, rising_p, slower
+    from benchmarks.long_run import held_slope, low_slope, rising_p, slower
     rng = random.Random(0)
     noise = [(s, 500.0 + 17.0 * rng.randint(0, 1) + (30.0 if s % 100 > 50 else 0.0)) for s in range(400, 2000)]
     assert low_slope(noise) * 1024 == pytest.approx(0.0, abs=0.01)
     leak = [(s, mb + 2.0 * s / 1024) for s, mb in noise]
     assert low_slope(leak) * 1024 == pytest.approx(2.0, abs=0.1)
+    # A role with a heap cap is read through its RSS right after each trim, one every 100 steps.
+    floors = [(s, 1000.0 + 0.1 * rng.random()) for s in range(400, 2000, 100)]
+    assert held_slope(-1.9, floors) == pytest.approx(0.0, abs=0.1)
+    assert held_slope(0.0, [(s, mb + 2.0 * s / 1024) for s, mb in floors]) == pytest.approx(2.0, abs=0.1)
+    assert held_slope(3.3, floors[:7]) == 3.3  # too few trims to fit: its lowest points
     wander = [0.2966, 0.2963, 0.3256, 0.3003, 0.3152, 0.3143, 0.3113, 0.2974, 0.2906, 0.3113]  # one real run
     assert rising_p(wander) >= 0.05 and not slower(wander)
     climb = [0.3 * (1 + 0.03 * i / 9) + 0.003 * rng.random() for i in range(10)]  # 1 % noise
