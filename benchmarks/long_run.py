@@ -122,10 +122,15 @@ def low_slope(pts: list[tuple[int, float]], windows: int = WINDOWS) -> float:
     return slope([float(x) for x, _ in lows], [y for _, y in lows])
 
 
+def kb_per_step(pts: list[tuple[int, float]]) -> float:
+    """The least-squares slope of (step, MB) points, in KB a step."""
+    return slope(*map(list, zip(*pts))) * 1024
+
+
 def held_slope(low_kb: float, floors: list[tuple[int, float]]) -> float:
     """KB a step that a role holds more: the slope through its RSS right after
     each heap trim where it has a trim for every eighth of the steps, else its low slope."""
-    return slope(*map(list, zip(*floors))) * 1024 if len(floors) >= WINDOWS else low_kb
+    return kb_per_step(floors) if len(floors) >= WINDOWS else low_kb
 
 
 def kendall_s(xs: list[float]) -> int:
@@ -230,7 +235,7 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         low = low_slope(pts) * 1024
         per_role[role] = {"start_mb": round(next(r[key] for r in records if key in r), 1),
                           "end_mb": round(pts[-1][1], 1),
-                          "slope_kb_per_step": round(slope(*map(list, zip(*pts))) * 1024, 3),
+                          "slope_kb_per_step": round(kb_per_step(pts), 3),
                           "low_slope_kb_per_step": round(low, 3),
                           "held_slope_kb_per_step": round(held_slope(low, floors.get(role, [])), 3),
                           "samples": thin(pts)}
@@ -252,7 +257,7 @@ def analyse(run_dir: Path, max_age: int) -> dict:
         "store_bound_mb": round(bound, 3),
         "heap_trims": trims,
         # The RSS right after each trim after warm-up: what a trainer holds, the allocator's cache left out.
-        "heap_floor_slope_kb_per_step": {w: round(slope(*map(list, zip(*pts))) * 1024, 3)
+        "heap_floor_slope_kb_per_step": {w: round(kb_per_step(pts), 3)
                                          for w, pts in floors.items() if len(pts) > 1},  # pipeline/core/memory.py HeapCap: the first one per trainer sets its floor
         "heap_floors": {w: thin(pts) for w, pts in floors.items()},
         "store_samples": thin([(r["step"], r["store_mb"]) for r in after if "store_mb" in r]),
