@@ -14,8 +14,13 @@ import os
 import psutil
 import pytest
 
+from tests.support.leftover_ray import SUITE_MARK, ray_processes
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every process the suite starts inherits the mark: the leftover check counts
+# only the suite's own Ray, not that of a benchmark running beside it.
+os.environ[SUITE_MARK] = str(os.getpid())
 TIERS = ("unit", "sim", "real", "cluster")
 
 
@@ -41,16 +46,6 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
-
-
-def _ray_processes() -> list[psutil.Process]:
-    names = ("raylet", "gcs_server", "ray::", "default_worker.py", "dashboard.py", "log_monitor.py")
-    out = []
-    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if proc.pid != os.getpid() and any(n in cmd or n in (proc.info["name"] or "") for n in names):
-            out.append(proc)
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -80,16 +75,11 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
-def pytest_sessionstart(session):
-    session.config._ray_before = {p.pid for p in _ray_processes()}
-
-
 def pytest_sessionfinish(session, exitstatus):
     import ray
     if ray.is_initialized():
         ray.shutdown()
-    before = getattr(session.config, "_ray_before", set())
-    left = [p for p in _ray_processes() if p.pid not in before]
+    left = ray_processes(os.environ[SUITE_MARK])
     for _ in range(50):  # Ray's processes exit asynchronously after shutdown
         left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         if not left:
