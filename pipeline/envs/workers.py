@@ -80,7 +80,7 @@ class EnvWorkers:
         def done(f: Future) -> None:
             exc = f.exception()
             if exc is None:
-                out.set_result(f.result())
+                out.set_result(f.result(timeout=0))  # done: it waits for nothing
             else:
                 # The user's exception, not Ray's wrapper with the remote traceback in its text.
                 out.set_exception(getattr(exc, "cause", None) or exc)

@@ -51,6 +51,29 @@ class InFlight:
     done: dict[str, Completion] = field(default_factory=dict)
 
 
+class FirstError:
+    """The first failure since a refit last took it. Set on the loop's thread,
+    taken on a refit's: one lock over both, so a failure set between a read
+    and a clear is never lost."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._error: str | None = None
+
+    def record(self, error: str) -> bool:
+        """Keep `error` unless an earlier one waits; True if kept."""
+        with self._lock:
+            if self._error is not None:
+                return False
+            self._error = error
+            return True
+
+    def take(self) -> str | None:
+        with self._lock:
+            error, self._error = self._error, None
+        return error
+
+
 @dataclass
 class _Command:
     kind: str
@@ -74,7 +97,7 @@ class EngineLoop:
         self._deliver, self._fail = deliver, fail
         self.version = version
         self.group_size = group_size
-        self.error: str | None = None     # the first failure since the last refit took it
+        self.errors = FirstError()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._batches: dict[str, InFlight] = {}
         self._validation: tuple[list[str], dict[str, Completion], _Command] | None = None
@@ -292,8 +315,7 @@ class EngineLoop:
     def _lose_everything(self, exc: Exception) -> None:
         """A failed engine call: every request in flight is lost with it."""
         reason = f"{type(exc).__name__}: {exc}"
-        if self.error is None:
-            self.error = f"batches {sorted(self._batches)}: {reason}"
+        self.errors.record(f"batches {sorted(self._batches)}: {reason}")
         if self._validation is not None:
             self._validation[2].reply.set_exception(exc)
             self._validation = None

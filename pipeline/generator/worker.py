@@ -77,7 +77,7 @@ class GeneratorWorker(Actor):
         self.version, self._loaded_step = 0, None
         self._puts = []
         if start_weights:
-            version, stored = ray.get(start_weights[0])
+            version, stored = ray.get(start_weights[0], timeout=cfg.run.deadline_s)
             self.log.emit("weights_fetched", step=version - 1, version=version)
             self.log.emit("refit_start", step=version - 1, version=self.version)
             self.engine.load_weights(packing.unpack(stored))
@@ -108,7 +108,7 @@ class GeneratorWorker(Actor):
         if train.version == self.version + 1 and not collective:
             # Fetched while rollouts may still run: only the load changes the engine.
             with spans.span("weights.get"):
-                fetched = ray.get(train.weights_ref[0])
+                fetched = ray.get(train.weights_ref[0], timeout=self.cfg.run.deadline_s)
             self.log.emit("weights_fetched", step=gate.step, version=train.version)
         self._drain(gate.step)
         if self._loaded_step == gate.step and train.version == self.version:
@@ -153,7 +153,7 @@ class GeneratorWorker(Actor):
                 self._loop.call("wait_idle", None, self.cfg.run.deadline_s,
                                 f"rollouts still running while draining for the refit of step {step}")
         self._check_puts()
-        error, self._loop.error = self._loop.error, None
+        error = self._loop.errors.take()
         if error is not None:
             raise RuntimeError(f"a rollout failed before step {step}: {error}")
 
@@ -230,7 +230,7 @@ class GeneratorWorker(Actor):
         try:
             table = self._table(launch, batch.version, groups)
         except Exception as exc:  # a user's reward function beyond one sample, or a malformed completion
-            self._loop.error = self._loop.error or f"batch {launch.batch_id}: {type(exc).__name__}: {exc}"
+            self._loop.errors.record(f"batch {launch.batch_id}: {type(exc).__name__}: {exc}")
             self._fail(batch, f"failed: {type(exc).__name__}: {exc}")
             return
         # The rewards as scored here, for the checker's invariant 8 (dynamic sampling); a
@@ -251,7 +251,8 @@ class GeneratorWorker(Actor):
         launch = batch.launch
         self.log.emit("rollout_end", step=launch.target, version=batch.version, batch=launch.batch_id,
                       target=launch.target, failed=True)
-        ray.get(self.controller.rollout_failed.remote(launch.batch_id, reason, self.log.now()))
+        ray.get(self.controller.rollout_failed.remote(launch.batch_id, reason, self.log.now()),
+                timeout=self.cfg.run.deadline_s)
 
     def _check_puts(self) -> None:
         """Raise a put the controller refused; keep the ones still on their way for the next refit."""
@@ -259,7 +260,7 @@ class GeneratorWorker(Actor):
         done, _ = ray.wait(puts, num_returns=len(puts), timeout=0) if puts else ([], [])
         for ref in done:
             self._puts.remove(ref)
-        ray.get(done)
+        ray.get(done, timeout=self.cfg.run.deadline_s)  # done: raises what failed, waits for nothing
 
     def _score(self, prompt: Prompt, completion: Completion, reward_fn=None) -> tuple[float, str]:
         """(reward, why it failed or ""): the environment's sum of turn rewards, or

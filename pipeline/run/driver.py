@@ -252,7 +252,11 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
     try:
         if model_check is not None:
             waited = time.time()
-            fitted = model_check.result()
+            try:
+                fitted = model_check.result(timeout=cfg.run.startup_deadline_s)
+            except TimeoutError:
+                raise PipelineError(f"the model and data check did not finish within "
+                                    f"{cfg.run.startup_deadline_s:.0f} s (run.startup_deadline_s)") from None
             startup["model_check_wait_s"] = time.time() - waited
             for kind, data in fitted.items():
                 if data.filtered:

@@ -151,7 +151,7 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
             log.merge(*_wait(setup, cfg))
         else:
             log.merge(*_wait(setup, cfg))
-            _, weights, clock = ray.get(used.trainers[0].current_weights.remote())
+            [(_, weights, clock)] = _wait([used.trainers[0].current_weights.remote()], cfg)
             log.merge(clock)
             log.merge(*_wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights, log.now(),
                                                  used.reward_model)

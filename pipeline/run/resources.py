@@ -72,7 +72,7 @@ class ResourceProbe:
         for name, ref in zip(names, refs):
             if ref in ready:
                 try:
-                    record[f"rss_mb/{name}"] = ray.get(ref) / MB
+                    record[f"rss_mb/{name}"] = ray.get(ref, timeout=self.timeout_s) / MB
                 except ray.exceptions.RayError:
                     pass  # a dead worker: the runner reports it, and the next step's probe asks its successor
         self._rss = {}

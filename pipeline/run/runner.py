@@ -39,7 +39,7 @@ def dead_actors(actors: dict[str, object], timeout_s: float) -> dict[str, str]:
     for name, ref in zip(names, refs):
         if ref in ready:
             try:
-                ray.get(ref)
+                ray.get(ref, timeout=timeout_s)
             except ray.exceptions.ActorUnavailableError:
                 pass  # Ray is restarting it (the reward model's max_restarts): not dead yet
             except ray.exceptions.RayActorError as exc:

@@ -75,7 +75,7 @@ class CriticWorker(Actor):
     @on_step_thread
     @node("critic_values")
     def critic_values(self, batch: Batch) -> Values:
-        table = ray.get(batch.table_ref[0])
+        table = ray.get(batch.table_ref[0], timeout=self.cfg.run.deadline_s)
         with self._lock:
             values = self.engine.values(table, self._shard(table))
         self._live_values = ref = ray.put(values)
@@ -91,7 +91,8 @@ class CriticWorker(Actor):
         if sorted(v.rank for v in shards) != list(range(self.world_size)) or {v.step for v in shards} != {step}:
             raise RuntimeError(f"advantages: values of ranks {[v.rank for v in shards]} for steps "
                                f"{sorted({v.step for v in shards})}; expected every rank's of step {step}")
-        values = [row for v in sorted(shards, key=lambda v: v.rank) for row in ray.get(v.values_ref[0])]
+        values = [row for v in sorted(shards, key=lambda v: v.rank)
+                  for row in ray.get(v.values_ref[0], timeout=self.cfg.run.deadline_s)]
         p = self.cfg.ppo
         targets, stats = compute_advantages(self._pending[step], values, gamma=p.gamma, lam=p.lam,
                                             whiten_advantages=p.whiten_advantages)
@@ -105,7 +106,7 @@ class CriticWorker(Actor):
         if table is None:
             raise RuntimeError(f"critic_train of step {adv.step} without its critic_values "
                                f"(pending: {sorted(self._pending)})")
-        targets = ray.get(adv.table_ref[0])
+        targets = ray.get(adv.table_ref[0], timeout=self.cfg.run.deadline_s)
         with self._lock:
             metrics = self.engine.train_step(table, targets, self._shard(table))
         self.skipped.check(adv.step, None, metrics)

@@ -84,7 +84,7 @@ class TrainerWorker(Actor):
         self.log.emit("train_start", step=batch.step, version=self.version,
                       batches=list(batch.batch_ids), batch_versions=list(batch.versions))
         with spans.span("batch.get"):
-            table = ray.get(batch.table_ref[0])
+            table = ray.get(batch.table_ref[0], timeout=self.cfg.run.deadline_s)
         trained, shaped = self._overlong(table)
         if advantages is not None and batch.step < self.cfg.ppo.critic_warmup:
             metrics = {"policy_frozen": 1.0}
@@ -211,7 +211,7 @@ class TrainerWorker(Actor):
         (reinforce_pp.kl_coef; metric reward_kl); else the algorithm's outcome
         advantages of the table's rewards."""
         if advantages is not None:
-            return ray.get(advantages.table_ref[0]), {}
+            return ray.get(advantages.table_ref[0], timeout=self.cfg.run.deadline_s), {}
         # Here, not at the top: the driver imports this module and need not import torch.
         from pipeline.algos.advantages import grpo_advantages, kl_reward_advantages
         kl_coef = self.cfg.reinforce_pp.kl_coef
