@@ -27,7 +27,6 @@ import ray
 from dags.tokens import Advantages, Batch, CriticOut, Values
 from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
-from pipeline.algos.ppo import compute_advantages
 from pipeline.trainer.engines import critic_engine
 from pipeline.core.data_parallel import Batching, Rendezvous, Shard, rank_name, table_shard
 from pipeline.config import Config
@@ -94,6 +93,7 @@ class CriticWorker(Actor):
         values = [row for v in sorted(shards, key=lambda v: v.rank)
                   for row in ray.get(v.values_ref[0], timeout=self.cfg.run.deadline_s)]
         p = self.cfg.ppo
+        from pipeline.algos.ppo import compute_advantages  # torch: the driver imports this module
         targets, stats = compute_advantages(self._pending[step], values, gamma=p.gamma, lam=p.lam,
                                             whiten_advantages=p.whiten_advantages)
         self._live_advantages = ref = ray.put(targets)
