@@ -176,7 +176,7 @@ def default_dag_mode() -> str:
     with 8 logical CPUs (so that fractional actors never wait), which alone would
     make `auto` choose compiled graphs, whose channels spin a core each."""
     from pipeline.config import load_config
-    from pipeline.run.driver import resolve_dag_mode
+    from pipeline.run.startup import resolve_dag_mode
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return resolve_dag_mode(load_config(RECIPE, ["run.dag_mode=auto"]), cores)
 

@@ -200,7 +200,7 @@ def rotate(seq, k):
 
 def auto_mode_here(num_generators: int, cpus: float) -> str:
     from pipeline.config import load_config
-    from pipeline.run.driver import resolve_dag_mode
+    from pipeline.run.startup import resolve_dag_mode
     return resolve_dag_mode(load_config(None, [f"generation.num_generators={num_generators}"]), cpus)
 
 
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in ("compiled", "classic"):
             figures[part][f"{mode}_over_hand"] = stats(
                 [a["step_ms"] / b["step_ms"] for a, b in zip(raw[part][mode], raw[part]["hand"])])
-    auto = {"rule": "compiled iff cluster CPUs >= 2 * (graph actors + 1) (pipeline/run/driver.py resolve_dag_mode)",
+    auto = {"rule": "compiled iff cluster CPUs >= 2 * (graph actors + 1) (pipeline/run/startup.py resolve_dag_mode)",
             "ray_logical_cpus": cluster_cpus, "physical_cores": info["cpu_physical"],
             "auto_with_these_logical_cpus": auto_mode_here(args.generators, cluster_cpus),
             "auto_with_physical_cores": auto_mode_here(args.generators, info["cpu_physical"] or 1),

@@ -45,6 +45,7 @@ class Workers(Protocol):
 class StepGraph:
     dag: Any                 # MultiOutputNode over every node, in topological order
     node_names: tuple[str, ...]
+    trained: str = ""        # the node whose TrainOut the ordering sub-graph takes (step graphs)
 
 
 def _ranked(name: str, nodes: list) -> Named:
@@ -91,9 +92,9 @@ def ordering_subgraph(workers: Workers, plan, trained, collective: bool = False)
             *[(f"collect[{i}]", c) for i, c in enumerate(collects)]]
 
 
-def graph_of(named: Named) -> StepGraph:
+def graph_of(named: Named, trained: str = "") -> StepGraph:
     """A StepGraph whose outputs are the named nodes, in this order."""
-    return StepGraph(MultiOutputNode([n for _, n in named]), tuple(name for name, _ in named))
+    return StepGraph(MultiOutputNode([n for _, n in named]), tuple(name for name, _ in named), trained)
 
 
 def top_up_subgraph(workers: Workers, plan, rounds: int) -> tuple[Named, list]:
@@ -115,7 +116,7 @@ def build_step_graph(workers: Workers, train_subgraph: Callable = grpo_train_sub
         batch = workers.controller.sample.bind(plan, *started)
         train = train_subgraph(workers, batch)
         return graph_of([*top_ups, ("sample", batch), *train,
-                         *ordering_subgraph(workers, plan, train[-1][1], collective)])
+                         *ordering_subgraph(workers, plan, train[-1][1], collective)], trained=train[-1][0])
 
 
 def build_finish_graph(workers: Workers) -> StepGraph:

@@ -1,0 +1,79 @@
+"""What a run needs before its workers: Ray (started or joined), the run
+directory, and the graph mode the machine suits."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import ray
+import yaml
+
+from pipeline.config import Config
+
+
+def graph_actor_count(cfg: Config) -> int:
+    """The run's actors: those of the step graph, and the reward model of the delivery graph."""
+    return (1 + cfg.training.ranks + cfg.generation.num_generators + cfg.critic_actors
+            + (1 if cfg.reward_model.kind else 0))
+
+
+def resolve_dag_mode(cfg: Config, cores: float) -> str:
+    """auto picks compiled graphs only where each graph actor and the driver own
+    two cores: one to work, one for the compiled channel's busy-wait. Measured
+    on 2 cores (benchmarks/results/overhead.json): compiled saves 12-18 ms of
+    dispatch per step, but with sleeping workers it used 3.2x classic's CPU and
+    with busy workers it was the slowest mode."""
+    if cfg.run.dag_mode != "auto":
+        return cfg.run.dag_mode
+    return "compiled" if cores >= 2 * (graph_actor_count(cfg) + 1) else "classic"
+
+
+def real_cores(joined_cluster: bool) -> float:
+    """Real cores: a local Ray is started with more logical CPUs than the machine has."""
+    if joined_cluster:
+        return ray.cluster_resources().get("CPU", 1)
+    return len(os.sched_getaffinity(0))
+
+
+def prepare_run_dir(cfg: Config, say) -> Path:
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    if run_dir.exists():
+        # Never delete a user's earlier run: move it aside.
+        stamp = time.strftime('%Y%m%d-%H%M%S')
+        kept = next(p for k in range(1000) if not (p := run_dir.with_name(
+            f"{run_dir.name}.{stamp}" + (f"-{k}" if k else ""))).exists())
+        run_dir.rename(kept)
+        say(f"note: the earlier run in {run_dir} was moved to {kept}")
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return run_dir
+
+
+FREE_OBJECTS_PERIOD_MS = 100
+
+
+def ray_address(cfg: Config) -> str:
+    return cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")
+
+
+def start_ray(cfg: Config) -> bool:
+    """Join RAY_ADDRESS / ray.address if given, else start a local cluster. True if we started it."""
+    if ray.is_initialized():
+        return False
+    address = ray_address(cfg)
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return True
+    cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, graph_actor_count(cfg) + 1)
+    # Worker output (vLLM, DeepSpeed banners) stays in Ray's session logs; failures
+    # reach the driver as errors naming the node, worker and step.
+    # A released object waits in the raylet's free cache until its next flush (1 s by
+    # default): with sub-second steps two released weight copies would still sit in the
+    # store beside the two held (DESIGN.md, invariant 7). A cluster's own raylets take
+    # RAY_free_objects_period_milliseconds at `ray start` (docs/clusters.md).
+    # address "local": without it Ray joins a `ray start` cluster it finds on this machine
+    # (/tmp/ray/ray_current_cluster), and then refuses num_cpus with an error about neither.
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+             _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS})
+    return True
