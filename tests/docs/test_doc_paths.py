@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "DESIGN.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A path with at least one folder; not the tail of a URL, an absolute path, `~/...`, `$VAR/...` or `<name>/...`.
 PATH = re.compile(r"(?<![\w/.:~<>$-])((?:[A-Za-z0-9_.-]+/)+[A-Za-z0-9_.-]+\.(?:py|yaml|md|json))(?![\w/])")
-URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
+# A URL, or a Markdown link to one: the path it names is another repository's.
+URL = re.compile(r"\[[^\]]*\]\([a-z][a-z0-9+.-]*://[^)\s]*\)|[a-z][a-z0-9+.-]*://\S+")
 # What commands make in a checkout (git-ignored): a run's files, the models `make` builds.
 MADE_BY_A_RUN = ("runs/", "models/")
 
@@ -31,6 +32,7 @@ def missing_paths(page: Path) -> list[str]:
 
 def test_the_path_pattern_finds_repository_paths_and_skips_urls_and_run_files():
     text = ("`pipeline/run/driver.py` and examples/tiny_grpo.yaml, see https://github.com/org/repo/blob/main/x/y.py, "
+            "[`trl/grpo_config.py`](https://github.com/org/trl/blob/main/trl/grpo_config.py), "
             "/shared/models/a.json, runs/tiny_grpo/summary.json, summary.json, benchmarks/results/<name>.json.")
     assert named_paths(text) == {"pipeline/run/driver.py", "examples/tiny_grpo.yaml"}
 
