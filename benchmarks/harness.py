@@ -1,7 +1,7 @@
 """What every benchmark shares to run and to record: a local Ray started and
 stopped, machine info (platform, versions, cores, memory, commit, a dirty
-tree, load average), statistics over repeats, CPU accounting of this process
-tree, tables, and the JSON result file in benchmarks/results.
+tree, load average), statistics over repeats, tables, and the JSON result
+file in benchmarks/results.
 
 Benchmarks measure; they do not assert. Ratios are taken within one repeat
 (the compared variants run back to back), so a slow moment of the shared
@@ -129,46 +129,6 @@ def require_gpu(no_gpu: str, cpu_smoke: bool) -> None:
 def sample_load(info: dict) -> None:
     """Note the 1-minute load average now (called once per measured block)."""
     info.setdefault("loadavg_1min_samples", []).append(round(os.getloadavg()[0], 2))
-
-
-# --- CPU accounting ----------------------------------------------------------------------------
-
-def tree_cpu() -> dict:
-    """{(pid, start time): user + system CPU seconds} of this process and every
-    descendant alive now: the driver, Ray's gcs_server and raylet, and every
-    worker process of this local cluster. Other users' processes are not in it."""
-    me = psutil.Process()
-    out = {}
-    for proc in [me, *me.children(recursive=True)]:
-        try:
-            with proc.oneshot():
-                t = proc.cpu_times()
-                out[(proc.pid, proc.create_time())] = t.user + t.system
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return out
-
-
-class CpuWindow:
-    """Wall time and process-tree CPU time over a `with` block.
-
-    CPU is summed per process: the change for a process alive at both ends, the
-    whole CPU time of one started inside the window. A process that exits inside
-    the window (an actor of an earlier measurement being killed) is left out,
-    since its final CPU time cannot be read; `exited` counts them."""
-
-    def __enter__(self) -> "CpuWindow":
-        self.before, self.t0 = tree_cpu(), time.perf_counter()
-        self.wall_start = time.time()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.wall = time.perf_counter() - self.t0
-        self.wall_end = time.time()
-        after = tree_cpu()
-        self.cpu = sum(v - self.before.get(k, 0.0) for k, v in after.items())
-        self.exited = len(set(self.before) - set(after))
-        self.started = len(set(after) - set(self.before))
 
 
 # --- a local Ray -------------------------------------------------------------------------------

@@ -5,8 +5,6 @@ real vLLM engine (CPU) in every generator process, by three paths:
                        dict), pack into one flat buffer, ray.put; each generator
                        ray.get's it (a view of shared memory) and loads it with
                        VllmGenerationEngine.load_weights (RefitPlan: a copy per tensor)
-  object_store_reload  the same, loaded the way it was before (vLLM's
-                       reload_weights, then the prefix-cache reset)
   collective           weight_sync as a run on one node uses it: the trainer copies its
                        live parameters into a /dev/shm arena that every generator maps,
                        signalling each chunk over gloo; each generator loads the chunks
@@ -49,7 +47,7 @@ from benchmarks.workloads import MODEL_SIZES, build_sized_model
 # Ray's workers cannot import this script by name: ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-FULL_PATHS = ("object_store", "object_store_reload", "collective", "collective_socket")
+FULL_PATHS = ("object_store", "collective", "collective_socket")
 LORA_PATHS = ("lora_object_store", "lora_collective")
 PATHS = FULL_PATHS + LORA_PATHS
 TRANSPORTS = {"collective": "shared", "collective_socket": "socket", "lora_collective": "shared"}
@@ -128,17 +126,13 @@ class Generator:
         torch.set_num_threads(1)
         self.groups: dict = {}
 
-    def load_from_store(self, refs: list, version: int, reload: bool = False) -> dict:
+    def load_from_store(self, refs: list, version: int) -> dict:
         from pipeline.weights import packing
         t0 = time.perf_counter()
         stored_version, stored = ray.get(refs[0])
         assert stored_version == version
         tensors = packing.unpack(stored)
         t1 = time.perf_counter()
-        if reload:   # the load as it was: vLLM's reload_weights, then the prefix-cache reset
-            self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
-            self.engine.drop_prefix_cache()
-            return {"get_s": t1 - t0, "load_s": time.perf_counter() - t1}
         self.engine.load_weights(tensors)
         return {"get_s": t1 - t0, "load_s": time.perf_counter() - t1, **self._repack()}
 
@@ -191,8 +185,7 @@ def refit_once(path: str, trainer, gens: list, version: int, bucket_bytes: int) 
                         + [g.receive.remote(version, bucket_bytes, transport) for g in gens], timeout=TIMEOUT_S)
     else:
         refs, exported = ray.get(trainer.export_put.remote(version), timeout=TIMEOUT_S)
-        parts = [exported] + ray.get([g.load_from_store.remote(refs, version, path == "object_store_reload")
-                                      for g in gens], timeout=TIMEOUT_S)
+        parts = [exported] + ray.get([g.load_from_store.remote(refs, version) for g in gens], timeout=TIMEOUT_S)
         del refs
     wall = time.perf_counter() - t0
     merged: dict = {}

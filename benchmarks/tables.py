@@ -80,39 +80,6 @@ def overlap(r: dict) -> str:
     return head + table + "\n\nTargets at G = T:\n\n" + t
 
 
-def overhead(r: dict) -> str:
-    f, p = r["figures"], r["params"]
-    out = [f"{p['generators']} generators ({p['graph_actors']} graph actors), {p['repeats']} repeats. {machine(r)}\n"]
-    if "calib" in f:
-        c = f["calib"]
-        out.append(f"Calibration: one no-op actor round trip `ray.get(a.ping.remote())` "
-                   f"{c['call_ms']['median']:.2f} ms wall ({rng(c['call_ms'])}), "
-                   f"{c['cpu_ms_per_call']['median']:.2f} ms CPU over all processes; an idle cluster burns "
-                   f"{c['ray_idle_cores']['median']:.3f} cores.\n")
-    rows = []
-    for part in ("stub", "zero", "sleep", "busy"):
-        if part not in f:
-            continue
-        for mode in ("compiled", "classic", "hand"):
-            m = f[part][mode]
-            ratio = f[part][f"{mode}_over_hand"] if mode != "hand" else None
-            row = [part, mode, f"{m['step_ms']['median']:.1f}", rng(m["step_ms"], 1, "{:.1f}"),
-                   f"{ratio['median']:.2f} ({rng(ratio)})" if ratio else "1",
-                   f"{m['cpu_ms_per_step']['median']:.0f}", f"{m['cores_while_stepping']['median']:.2f}"]
-            if "orchestration_cpu_ms_per_step" in m:
-                row += [f"{m['worker_cpu_ms_per_step']['median']:.0f}", f"{m['background_cpu_ms_per_step']['median']:.0f}",
-                        f"{m['orchestration_cpu_ms_per_step']['median']:.0f}",
-                        f"{m['orchestration_cpu_fraction']['median'] * 100:.0f} %", ""]
-            else:
-                row += ["", "", "", "", f"{m['idle_cores']['median']:.2f}"]
-            rows.append(row)
-    out.append(md(["part", "mode", "step ms", "range", "× hand (range)", "CPU ms/step", "cores used",
-                   "worker CPU ms", "Ray background ms", "orchestration CPU ms", "orch. share", "idle cores"], rows))
-    out.append("\nTargets:\n")
-    out.append(targets(r["targets"]))
-    return "\n".join(out)
-
-
 def seeds(r: dict) -> str:
     """One row per recipe and mode: what every seed reached (benchmarks/seeds.py)."""
     p, summary = r["params"], r["summary"]
@@ -210,41 +177,6 @@ def step_profile(r: dict) -> str:
             + md(["node"] + modes, chain, text_cols=1)
             + "\n\nSpans inside the nodes, ms:\n\n" + md(["node", "span"] + modes, spans)
             + "\n\nStart-up, s:\n\n" + md(["phase"] + modes, startup, text_cols=1) + "\n\n" + leaves)
-
-
-def e2e_tiny(r: dict) -> str:
-    p, f = r["params"], r["figures"]
-    s, a = f["sync"], f["async"]
-    med = lambda x, fmt="{:.3f}": f"{fmt.format(x['median'])} ({rng(x, 1, fmt).replace('–', '-')})"  # noqa: E731
-    parts = ("sample_s", "train_s", "drain_s", "load_s", "other_s")
-    rows = [["reached the threshold", s["reached_threshold"], a["reached_threshold"]],
-            ["steps to threshold, per repeat", *(", ".join(f"{v:.0f}" for v in x["steps_to_threshold"]["values"])
-                                                for x in (s, a))],
-            ["time to threshold, s", med(s["time_to_threshold_s"], "{:.2f}"), med(a["time_to_threshold_s"], "{:.2f}")],
-            ["steady step time, s", med(s["steady_step_time_s"]), med(a["steady_step_time_s"])],
-            ["generated tokens/s, vLLM engine", *(f"{x['generated_tokens_per_s_engine']['median']:.0f}" for x in (s, a))],
-            ["generated tokens/s, pipeline", *(f"{x['generated_tokens_per_s_pipeline']['median']:.0f}" for x in (s, a))],
-            ["trainer tokens/s", *(f"{x['trainer_tokens_per_s']['median']:.0f}" for x in (s, a))],
-            ["breakdown, s: " + " / ".join(k[:-2] for k in parts),
-             *(" / ".join(f"{x['breakdown_s'][k]['median']:.3f}" for k in parts) for x in (s, a))],
-            ["exposed / hidden generation per step, s",
-             *(f"{x['breakdown_s']['exposed_generation_s']['median']:.3f} / "
-               f"{x['breakdown_s']['hidden_generation_s']['median']:.3f}" for x in (s, a))],
-            ["start-up (train() to step 0, Ray already up), s", med(s["startup_s"], "{:.1f}"), med(a["startup_s"], "{:.1f}")],
-            [f"reward, mean of the last {p['window']} steps", med(s["reward_last_window"], "{:.2f}"),
-             med(a["reward_last_window"], "{:.2f}")]]
-    ratio_names = {"time_to_threshold": "time to threshold", "steps_to_threshold": "steps to threshold",
-                   "steady_step_time": "steady step time",
-                   "steady_step_time_perfect_overlap_bound": "perfect-overlap bound on the step ratio",
-                   "steps_wall": f"wall time of the {p['steps_per_run']} steps",
-                   "generated_tokens_per_s_engine": "vLLM tokens/s", "trainer_tokens_per_s": "trainer tokens/s"}
-    ratios = [[name, med(f["async_over_sync"][k])] for k, name in ratio_names.items() if k in f["async_over_sync"]]
-    head = (f"{p['recipe']}, {p['repeats']} repeats (seeds {p['seeds']}) x {p['steps_per_run']} steps per mode, "
-            f"threshold {p['threshold']} (mean of {p['window']} steps), graph `{p['dag_mode']}`, validation "
-            f"{p['validation']}. {machine(r)}\n\nMedians over repeats (range).\n\n")
-    return (head + md(["", f"sync (max_age {s['max_age']})", f"async (max_age {a['max_age']})"], rows, text_cols=3)
-            + "\n\nWithin-repeat ratios async / sync, median (range):\n\n" + md(["ratio", "async / sync"], ratios)
-            + "\n\nTargets:\n\n" + targets(r["targets"]))
 
 
 def inflight(r: dict) -> str:
@@ -459,11 +391,8 @@ SECTIONS = (
     ("tool_seeds", tool_seeds, "the multi-turn recipes across seeds (`tool_seeds.py`)"),
     ("vs_trl", vs_trl, "against TRL's GRPOTrainer (`vs_trl.py`)"),
     ("step_profile", step_profile, "where a step and the start-up go (`step_profile.py`)"),
-    ("e2e_tiny", e2e_tiny, "sync against async on the real CPU stack (`e2e_tiny.py`)"),
     ("overlap", overlap, "does async overlap generation with training? (`overlap.py`)"),
     ("overlap_scale1", overlap, "the same at G = T = 1 s (`overlap.py --ratios 1 --scale 1.0 --steps 4 --repeats 2`)"),
-    ("overhead", overhead, "what orchestrating a step costs (`overhead.py`)"),
-    ("overhead_1gen", overhead, "the same with one generator (`overhead.py --generators 1 --parts calib,sleep,busy`)"),
     ("inflight", inflight, "in-flight refits against draining (`inflight.py`)"),
     ("multiturn", multiturn, "multi-turn rollouts with a tool, async against sync (`multiturn.py`)"),
     ("refit", refit, "a refit, object store against collective, full against LoRA (`refit.py`)"),

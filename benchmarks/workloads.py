@@ -1,5 +1,5 @@
 """What more than one benchmark runs: the tiny recipes trained in this process
-(seeds, inflight, e2e_tiny, tool_seeds) or as a user runs them (step_profile,
+(seeds, inflight, tool_seeds) or as a user runs them (step_profile,
 vs_trl), runs on a started pool of simulated workers (overlap, inflight,
 multiturn), the model sizes refit and lora_trainer build, and the random Llama
 and synthetic GRPO rows of the GPU benchmarks. Not a benchmark itself.

@@ -20,10 +20,9 @@ def graph_actor_count(cfg: Config) -> int:
 
 def resolve_dag_mode(cfg: Config, cores: float) -> str:
     """auto picks compiled graphs only where each graph actor and the driver own
-    two cores: one to work, one for the compiled channel's busy-wait. Measured
-    on 2 cores (benchmarks/results/overhead.json): compiled saves 12-18 ms of
-    dispatch per step, but with sleeping workers it used 3.2x classic's CPU and
-    with busy workers it was the slowest mode."""
+    two cores: one to work, one for the compiled channel's busy-wait, which
+    otherwise takes the cores the workers need for far more than the few ms of
+    dispatch per step that compiled graphs save."""
     if cfg.run.dag_mode != "auto":
         return cfg.run.dag_mode
     return "compiled" if cores >= 2 * (graph_actor_count(cfg) + 1) else "classic"

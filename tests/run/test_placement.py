@@ -51,6 +51,16 @@ def test_the_readme_gpu_recipe_fits_one_8_gpu_node_and_is_refused_on_4():
         check_capacity(cfg, [node(cpus=64, gpus=4)])
 
 
+def test_the_one_gpu_recipe_shares_one_gpu_between_trainer_and_engine():
+    """examples/gpu_1x_grpo.yaml: the trainer and the vLLM engine take half of one GPU each."""
+    cfg = load_config(ROOT / "examples" / "gpu_1x_grpo.yaml")
+    gpus = {b.name: b.resources.get("GPU", 0) for b in bundles(cfg)}
+    assert gpus == {"controller[0]": 0, "trainer[0]": 0.5, "generator[0]": 0.5}
+    check_capacity(cfg, [node(cpus=16, gpus=1)])
+    with pytest.raises(PlacementError):
+        check_capacity(cfg, [node(cpus=16)])
+
+
 # --- bundles() ---------------------------------------------------------------------------------------------
 
 def test_defaults_are_todays_laptop_run():

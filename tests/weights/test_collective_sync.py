@@ -368,7 +368,7 @@ def test_the_refit_benchmark_runs_quick(tmp_path):
     from tests.bench.test_benchmarks import is_stat, run_quick
     result = run_quick("refit", tmp_path, timeout=600)
     figures = result["figures"]
-    full = ("object_store", "object_store_reload", "collective", "collective_socket")
+    full = ("object_store", "collective", "collective_socket")
     assert {(f["size"], f["generators"], f["path"]) for f in figures} == {
         ("tiny", 1, path) for path in full + ("lora_object_store", "lora_collective")}
     for f in figures:
