@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pipeline.config import Config
+
 SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -49,3 +51,10 @@ def set_lr(torch_optimizer, base_lr: float, opt: Optimizer, step: int) -> float:
     for group in torch_optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+def recipe_optimizer(cfg: Config) -> Optimizer:
+    """training's optimiser controls, for the policy and the critic alike."""
+    t = cfg.training
+    return Optimizer(weight_decay=t.weight_decay, grad_clip=t.grad_clip, schedule=t.lr_schedule,
+                     warmup_steps=t.lr_warmup_steps, total_steps=cfg.run.steps)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 import torch
-from tests.support.training_helpers import make_table
+from tests.support.training_helpers import engine_config, make_table
 
 from pipeline.trainer.deepspeed_base import ds_config
 from pipeline.trainer.rows import collate, token_column, trajectory_rows
@@ -74,7 +74,7 @@ def test_collate_lays_every_row_out_in_one_response_window():
 
 
 def test_ds_config_refuses_unknown_dtype_and_stage():
-    args = dict(micro_batch_size=4, grad_accum=2, lr=1e-3, optimizer=Optimizer())
+    args = dict(micro_batch_size=4, lr=1e-3, optimizer=Optimizer())
     assert ds_config(**args, zero_stage=3, dtype="bf16")["train_micro_batch_size_per_gpu"] == 4
     with pytest.raises(ValueError, match="dtype must be 'fp32' or 'bf16'"):
         ds_config(**args, zero_stage=0, dtype="fp16")
@@ -85,10 +85,10 @@ def test_ds_config_refuses_unknown_dtype_and_stage():
 @pytest.mark.parametrize("engine", [DeepSpeedPolicyEngine, DeepSpeedCriticEngine])
 def test_missing_model_dir_and_config(tmp_path, engine):
     with pytest.raises(ModelError, match="does not exist") as err:
-        engine(str(tmp_path / "nope"))
+        engine(engine_config(tmp_path / "nope"))
     assert str(tmp_path / "nope") in str(err.value) and isinstance(err.value, ValueError)
     with pytest.raises(ModelError, match="no config.json") as err:
-        engine(str(tmp_path))
+        engine(engine_config(tmp_path))
     assert str(tmp_path) in str(err.value)
 
 
