@@ -48,6 +48,7 @@ def test_recipe_and_overrides(tmp_path):
     ("validation.at_start=maybe", "validation.at_start: expected true or false"),
     ("generation.top_p=0", "generation.top_p: 0.0 is out of range; it must be > 0"),
     ("training.zero_stage=4", "training.zero_stage: 4 is out of range; it must be <= 3"),
+    ("training.dtype=fp16", "training.dtype: 'fp16' is not allowed; choose one of 'fp32', 'bf16', 'auto'"),
     ("schedule.group_size=0", "schedule.group_size: 0 is out of range; it must be >= 1"),
     ("nosection.x=1", "unknown key 'nosection'"),
     ("schedule=3", "schedule: expected a mapping"),
