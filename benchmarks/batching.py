@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import machine_info, print_table, write_result
+from benchmarks.harness import engine_config, machine_info, print_table, write_result
 from benchmarks.workloads import build_sized_model
 
 PROMPTS, GROUP = 16, 4
@@ -54,8 +54,9 @@ def measure(model_dir: Path, table, micro_batch_size: int, max_tokens: int, step
     from pipeline.core.data_parallel import Batching, row_lengths
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     torch.set_num_threads(1)
-    engine = DeepSpeedPolicyEngine(str(model_dir), micro_batch_size=micro_batch_size, max_tokens=max_tokens,
-                                   lr=1e-4, group_size=GROUP, packing=packing)
+    engine = DeepSpeedPolicyEngine(engine_config(
+        model_dir, f"training.micro_batch_size={micro_batch_size}", f"training.max_tokens_per_micro_batch={max_tokens}",
+        f"training.packing={str(packing).lower()}", f"schedule.group_size={GROUP}"))
     if packing and not engine.batching.packed:
         raise RuntimeError(f"packing fell back: {engine.packing_off}")
     advantages = grpo_advantages(table, GROUP)

@@ -43,7 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import gpu_machine_info, print_table, print_targets, require_gpu, stats, write_result
+from benchmarks.harness import (engine_config, gpu_machine_info, print_table, print_targets, require_gpu, stats,
+                                write_result)
 from benchmarks.workloads import build_llama, build_rows, to_table
 
 NO_GPU = "gpu_trainer needs a CUDA GPU; none is visible"
@@ -206,9 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         mem: dict = {}
         before = meter.allocated()
-        worker = DeepSpeedPolicyEngine(str(tmp / "model"), zero_stage=args.zero_stage, dtype=args.dtype,
-                                       micro_batch_size=size["micro_batch"], grad_accum=accum, lr=args.lr,
-                                       seed=args.seed, temperature=1.0)
+        worker = DeepSpeedPolicyEngine(engine_config(
+            tmp / "model", f"training.zero_stage={args.zero_stage}", f"training.dtype={args.dtype}",
+            f"training.micro_batch_size={size['micro_batch']}", f"training.lr={args.lr}", f"run.seed={args.seed}"))
 
         def worker_step() -> None:
             worker.train_step(table, grpo_advantages(table, size["group_size"]))
@@ -219,7 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
         mem["worker"] = None if before is None else meter.allocated() - before
 
         before = meter.allocated()
-        bare = Bare(tmp / "model", worker.ds_config, rows, size["micro_batch"], worker.device)
+        # The bare loop leaves the step boundary to deepspeed's own micro-batch counter.
+        bare = Bare(tmp / "model", {**worker.ds_config, "gradient_accumulation_steps": accum}, rows,
+                    size["micro_batch"], worker.device)
         for _ in range(size["warmup"]):
             bare.train_step()
         meter.sync()

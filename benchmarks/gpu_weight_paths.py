@@ -49,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import gpu_machine_info, print_table, require_gpu, stats, write_result
+from benchmarks.harness import engine_config, gpu_machine_info, print_table, require_gpu, stats, write_result
 from benchmarks.workloads import build_llama, build_rows, to_table
 
 NO_GPU = "gpu_weight_paths needs a CUDA GPU; none is visible"
@@ -202,8 +202,8 @@ def stage_paths(model_dir: Path, stage: int, bucket_sizes: list[int], size: dict
     from pipeline.trainer.deepspeed_base import full_params
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     from pipeline.weights.collective import ALIGN
-    engine = DeepSpeedPolicyEngine(str(model_dir), zero_stage=stage, dtype="bf16", micro_batch_size=2,
-                                   grad_accum=1, lr=1e-4, seed=seed)
+    engine = DeepSpeedPolicyEngine(engine_config(model_dir, f"training.zero_stage={stage}", "training.dtype=bf16",
+                                                 "training.micro_batch_size=2", f"run.seed={seed}"))
     try:
         batch = {**BATCH, "vocab": size["vocab"]}
         table = to_table(build_rows(batch, 0.25, seed))

@@ -27,6 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def engine_config(model_dir, *overrides: str):
+    """A real run's config for a DeepSpeed engine built on `model_dir` alone, with
+    `overrides` (dotted keys, as on the command line); an engine reads no data, so
+    the data keys hold placeholders."""
+    from pipeline.config import load_config
+    return load_config(None, [f"model.path={model_dir}", "data.train=unread.jsonl", "data.reward=unread:reward",
+                              *overrides])
+
+
 # --- reading runs and summarising repeats ---------------------------------------------------
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import ROOT, machine_info, print_table, write_result
+from benchmarks.harness import ROOT, engine_config, machine_info, print_table, write_result
 from benchmarks.workloads import MODEL_SIZES, build_sized_model
 
 ROWS, PROMPT, RESPONSE = 16, 32, 32
@@ -40,9 +40,8 @@ def one(model_dir: str, rank: int, steps: int) -> dict:
     from pipeline.algos.advantages import grpo_advantages
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     from pipeline.core.types import TRAJECTORY_SCHEMA
-    from pipeline.config import LoraConfig
-    engine = DeepSpeedPolicyEngine(model_dir, micro_batch_size=ROWS, lr=1e-4,
-                                   lora=LoraConfig(rank=rank) if rank else None)
+    engine = DeepSpeedPolicyEngine(engine_config(model_dir, f"training.micro_batch_size={ROWS}",
+                                                 f"training.lora.rank={rank}"))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (PROMPT,), generator=gen).tolist() for _ in range(ROWS // 4)]
     rows = [dict(batch_id="b", target=1, version=0, prompt_id=f"p{i // 4}", text="", prompt_ids=prompts[i // 4],

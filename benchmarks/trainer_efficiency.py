@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import machine_info, print_table, print_targets, write_result
+from benchmarks.harness import engine_config, machine_info, print_table, print_targets, write_result
 
 TARGET = 1.10
 # name -> pipeline.inputs.tiny arguments: hidden, layers, heads, intermediate
@@ -118,8 +118,9 @@ def rank_main(rank: int, world_size: int, port: int, model_dir: str, dtype: str,
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     table, advantages = batch()
     rendezvous = Rendezvous("127.0.0.1", port, world_size) if world_size > 1 else None
-    worker = DeepSpeedPolicyEngine(model_dir, dtype=dtype, micro_batch_size=MICRO, lr=1e-6, group_size=GROUP,
-                                   num_threads=1, rank=rank, rendezvous=rendezvous)
+    cfg = engine_config(model_dir, f"training.dtype={dtype}", f"training.micro_batch_size={MICRO}", "training.lr=1e-6",
+                        f"schedule.group_size={GROUP}")
+    worker = DeepSpeedPolicyEngine(cfg, rank, rendezvous)
     shard = table_shard(table, GROUP, rank, world_size, Batching(MICRO, 0))
     mine = table if shard is None else table.slice(shard.start, shard.stop - shard.start)
     mine_adv = advantages if shard is None else advantages.slice(shard.start, shard.stop - shard.start)

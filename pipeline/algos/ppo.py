@@ -130,7 +130,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     The max makes the loss pessimistic: moving V more than `clip` away from
     V_old cannot lower it, so one batch cannot drag the critic far. Where the
     clipped term wins and V is outside the band, the gradient is 0.
-    `num_tokens` overrides the divisor, as in clipped_policy_loss: micro-batch losses
+    `num_tokens` overrides the divisor, as in PolicyLoss: micro-batch losses
     then add up to the batch's token mean.
 
     Metrics (valid-token means): clip_frac = share of tokens where the clipped

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import math
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,8 +16,14 @@ from pipeline.config.checks import check_cross_fields
 from pipeline.config.sections import FIELD_NAMES, YAML_NAMES, Config, ConfigError
 
 
+@dataclass(frozen=True)
+class Removed:
+    """A key of an earlier release that has no successor: why, and what to set instead."""
+    instead: str
+
+
 # Keys of earlier releases and where they went: a recipe that still uses one gets told.
-MOVED = {
+MOVED: dict[str, str | Removed] = {
     "grpo.max_age": "schedule.max_age", "grpo.prompts_per_step": "schedule.prompts_per_step",
     "grpo.group_size": "schedule.group_size", "grpo.val_period": "validation.period",
     "grpo.val_at_start": "validation.at_start", "grpo.val_at_end": "validation.at_end",
@@ -29,6 +36,9 @@ MOVED = {
     # The simulator's fault switches: test-only, out of the user's sim section.
     "sim.fault": "inject.fault", "sim.fault_after": "inject.after", "sim.fault_worker": "inject.worker",
     "sim.fault_incarnations": "inject.incarnations",
+    "training.grad_accum": Removed(
+        "a step already sums the gradients of all its micro-batches into one optimizer step; "
+        "training.micro_batch_size or training.max_tokens_per_micro_batch set the micro-batches"),
 }
 
 
@@ -36,9 +46,9 @@ def _moved(dotted: str) -> str | None:
     """Why an unknown key is unknown, if an earlier release had it."""
     if dotted in MOVED:
         new = MOVED[dotted]
-        return f"{dotted!r} was removed" if new is None else f"{dotted!r} is now {new!r}"
+        return f"{dotted!r} was removed: {new.instead}" if isinstance(new, Removed) else f"{dotted!r} is now {new!r}"
     inside = sorted(f"{old.split('.', 1)[1]} -> {new}" for old, new in MOVED.items()
-                    if new and old.startswith(dotted + "."))
+                    if isinstance(new, str) and old.startswith(dotted + "."))
     if inside:
         return f"section {dotted!r} is gone; its keys moved: " + ", ".join(inside)
     return None

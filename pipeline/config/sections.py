@@ -155,7 +155,6 @@ class TrainingConfig:
         False, "pack a micro-batch's rows into one sequence without padding, position ids restarting per row (rows "
         "in order, their tokens within max_tokens_per_micro_batch, or micro_batch_size rows); each engine checks "
         "at start that its model's attention keeps packed rows apart, else pads")
-    grad_accum: int = _key(1, "DeepSpeed's nominal accumulation (train_batch_size = micro x accum)", ge=1)
     lr: float = _key(1e-4, "policy learning rate (AdamW)", gt=0)
     weight_decay: float = _key(0.0, "AdamW's decoupled weight decay (policy and critic)", ge=0)
     grad_clip: float = _key(1.0, "largest global gradient norm of an update; 0 = no clipping", ge=0)

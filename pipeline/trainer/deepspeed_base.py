@@ -25,8 +25,10 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from pipeline.config import Config
+from pipeline.core.precision import device_dtype
 from pipeline.trainer import finite
-from pipeline.trainer.optim import Optimizer, set_lr
+from pipeline.trainer.optim import Optimizer, recipe_optimizer, set_lr
 from pipeline.core.data_parallel import Batching, Rendezvous, Shard, free_port, without_flight_recorder
 from pipeline.inputs.models import check_model_files
 from pipeline.core.spans import span
@@ -75,15 +77,10 @@ def start_deepspeed(num_threads: int | None, rank: int = 0, rendezvous: Rendezvo
     return _init_distributed(cuda, rank, rendezvous)
 
 
-def ds_config(*, micro_batch_size: int, grad_accum: int, lr: float, optimizer: Optimizer,
-              zero_stage: int, dtype: str) -> dict:
-    if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
+def ds_config(*, micro_batch_size: int, lr: float, optimizer: Optimizer, zero_stage: int, dtype: str) -> dict:
+    """DeepSpeed's config for a training section's values (dtype resolved: fp32 or bf16)."""
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": optimizer.grad_clip,
         # torch_adam: deepspeed's default FusedAdam / CPUAdam are C++ ops compiled
         # on first use; torch's AdamW needs no build.
@@ -179,36 +176,38 @@ def load_engine_state(engine, path: str | Path, trainable_only: bool = False) ->
 class DeepSpeedEngine(abc.ABC):
     """A DeepSpeed-wrapped model that takes one optimizer step per table.
 
-    A step covers the whole table in micro-batches of `micro_batch_size` rows
-    (or of at most `max_tokens` padded tokens: data_parallel.Batching);
-    `grad_accum` only sets deepspeed's nominal train_batch_size (micro * accum),
-    the step boundary is the table's end. A subclass builds its model
-    (_build_model, after seeding) and gives a micro-batch's loss (_loss).
+    A step covers the whole table in micro-batches of training.micro_batch_size
+    rows (or of at most training.max_tokens_per_micro_batch padded tokens:
+    data_parallel.Batching), their gradients summed into one optimizer step. A
+    subclass builds its model (_build_model, after seeding) and gives a
+    micro-batch's loss (_loss).
     """
 
-    def __init__(self, model_path: str, *, zero_stage: int, dtype: str, micro_batch_size: int,
-                 grad_accum: int, lr: float, seed: int, optimizer: Optimizer, num_threads: int | None,
-                 rank: int = 0, rendezvous: Rendezvous | None = None, max_tokens: int = 0,
-                 packing: bool = False):
-        self.ds_config = ds_config(micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=lr,
-                                   optimizer=optimizer, zero_stage=zero_stage, dtype=dtype)
-        self.lr, self.optimizer = lr, optimizer
+    def __init__(self, cfg: Config, model_path: str, lr: float, rank: int = 0,
+                 rendezvous: Rendezvous | None = None):
+        """Rank `rank` of a data-parallel group (`rendezvous`: where the ranks meet) that trains
+        `model_path` at rate `lr` as the recipe's training section says."""
+        t = cfg.training
+        self.lr, self.optimizer = lr, recipe_optimizer(cfg)
+        self.zero_stage, self.micro_batch_size = t.zero_stage, t.micro_batch_size
+        self.dtype = device_dtype(t.dtype, "training.dtype")
+        self.ds_config = ds_config(micro_batch_size=t.micro_batch_size, lr=lr, optimizer=self.optimizer,
+                                   zero_stage=t.zero_stage, dtype=self.dtype)
         self.model_path = check_model_files(model_path, own_tokenizer=False)
-        self.zero_stage, self.dtype, self.micro_batch_size = zero_stage, dtype, micro_batch_size
-        self.batching = Batching(micro_batch_size, max_tokens, packing)
-        self.deepspeed = start_deepspeed(num_threads, rank, rendezvous)
+        self.batching = Batching(t.micro_batch_size, t.max_tokens_per_micro_batch, t.packing)
+        self.deepspeed = start_deepspeed(1, rank, rendezvous)
         self.rank, self.world_size = rank, torch.distributed.get_world_size()
         # Every rank starts from the same weights (DeepSpeed does not broadcast them).
-        random.seed(seed)
-        torch.manual_seed(seed)
+        random.seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)
         self.engine = initialize(self.deepspeed, self._build_model(), self.ds_config)
         self.device = self.engine.device
         self.packing_off = ""   # why training.packing fell back to padded micro-batches, if it did
-        if packing:
+        if t.packing:
             vocab = json.loads((self.model_path / "config.json").read_text())["vocab_size"]
             gap, leak = packing_gap(self._window_outputs, self.device, vocab)
             if not gap <= 0.1 * leak:
-                self.batching = Batching(micro_batch_size, max_tokens)
+                self.batching = Batching(t.micro_batch_size, t.max_tokens_per_micro_batch)
                 self.packing_off = (f"this model's attention does not keep packed rows apart (a probe {gap:.2g} off "
                                     f"its padded forward, {leak:.2g} when rows see each other); padded instead")
 
@@ -278,8 +277,7 @@ class DeepSpeedEngine(abc.ABC):
         n = max(shard.batch_tokens, 1)
         loss_sum, sums, positions, pads = 0.0, {}, 0, 0
         for k, idx in enumerate(chunks):
-            # One optimizer step per table, however many micro-batches it takes
-            # (deepspeed's own counter would step every grad_accum micro-batches).
+            # One optimizer step per table, however many micro-batches it takes.
             self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
             with span("train.collate"):
                 batch = collate([rows[i] for i in idx] if idx is not None else rows[:1], self.device, token_keys,

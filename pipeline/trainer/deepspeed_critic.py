@@ -11,10 +11,10 @@ import pyarrow as pa
 import torch
 
 from pipeline.algos.ppo import value_loss
+from pipeline.config import Config
 from pipeline.core.data_parallel import Rendezvous, Shard
 from pipeline.trainer.deepspeed_base import DeepSpeedEngine
 from pipeline.trainer.rows import collate, pack_window
-from pipeline.trainer.optim import Optimizer
 
 
 class ValueModel(torch.nn.Module):
@@ -56,18 +56,13 @@ class DeepSpeedCriticEngine(DeepSpeedEngine):
     the last token is terminal (V = 0, see pipeline.algos.ppo.gae) and gets no value.
     """
 
-    def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
-                 micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
-                 value_clip: float = 0.2, epochs: int = 1, seed: int = 0, optimizer: Optimizer = Optimizer(),
-                 num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None,
-                 max_tokens: int = 0, packing: bool = False):
-        self.value_clip = value_clip
+    def __init__(self, cfg: Config, rank: int = 0, rendezvous: Rendezvous | None = None):
+        """Rank `rank` of the critic's data-parallel group: ppo.critic_model (or
+        model.path) at ppo.critic_lr, as the recipe's training and ppo sections say."""
+        self.value_clip = cfg.ppo.value_clip
         # The learning-rate schedule counts batches: epochs optimizer steps make one.
-        self.epochs = self.updates_per_batch = epochs
-        super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
-                         grad_accum=grad_accum, lr=lr, seed=seed, optimizer=optimizer,
-                         num_threads=num_threads, rank=rank, rendezvous=rendezvous, max_tokens=max_tokens,
-                         packing=packing)
+        self.epochs = self.updates_per_batch = cfg.ppo.critic_epochs
+        super().__init__(cfg, cfg.ppo.critic_model or cfg.model.path, cfg.ppo.critic_lr, rank, rendezvous)
 
     def _build_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM

@@ -14,12 +14,12 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from pipeline.algos.policy_loss import clipped_policy_loss
+from pipeline.algos.policy_loss import PolicyLoss
+from pipeline.config import Config
 from pipeline.weights import lora as adapters
 from pipeline.core.data_parallel import Rendezvous, Shard, batch_shards, row_lengths, trained_tokens
 from pipeline.trainer.deepspeed_base import DeepSpeedEngine, full_params
 from pipeline.trainer.rows import collate, pack_window, trajectory_rows
-from pipeline.trainer.optim import Optimizer
 from pipeline.inputs.models import TOKENIZER_FILES
 from pipeline.core.spans import span
 
@@ -28,40 +28,28 @@ ENTROPY_CHUNK = 64   # positions per slice of the entropy metric
 
 
 class DeepSpeedPolicyEngine(DeepSpeedEngine):
-    """TrainingEngine (pipeline/core/types.py) on a DeepSpeed-wrapped HF causal LM.
+    """TrainingEngine (pipeline/core/types.py) on a DeepSpeed-wrapped HF causal LM:
+    model.path trained as the recipe's training and policy_loss sections say.
 
-    `temperature` must be the generator's sampling temperature. With
-    kl_coef > 0 a frozen copy of the initial weights is the KL reference.
-    With `lora` (a training.lora section) only peft adapters are trained, and
-    the weights it exports, saves and restores are the adapter's; the KL
-    reference is then the base model itself, adapters switched off.
+    It scores at generation.temperature, the generator's. With a KL (policy_loss's
+    in the loss, or reinforce_pp's in the rewards) a frozen copy of the initial
+    weights is the KL reference. With training.lora only peft adapters are
+    trained, and the weights it exports, saves and restores are the adapter's;
+    the KL reference is then the base model itself, adapters switched off.
     """
 
-    def __init__(self, model_path: str, *, zero_stage: int = 0, dtype: str = "fp32",
-                 micro_batch_size: int = 8, grad_accum: int = 1, lr: float = 1e-4,
-                 clip_eps: float = 0.2, kl_coef: float = 0.0, is_clip: float = 2.0, decoupled: bool = True,
-                 reference: bool | None = None,
-                 loss_options: dict | None = None, lora=None, seed: int = 0, temperature: float = 1.0,
-                 optimizer: Optimizer = Optimizer(), epochs: int = 1, mini_batches: int = 1, group_size: int = 1,
-                 num_threads: int | None = 1, rank: int = 0, rendezvous: Rendezvous | None = None,
-                 max_tokens: int = 0, packing: bool = False):
-        self.clip_eps, self.kl_coef, self.is_clip = clip_eps, kl_coef, is_clip
-        # A KL reference for the loss (kl_coef) or for the rewards (reference_logprobs).
-        self.reference = kl_coef > 0 if reference is None else reference
-        self.epochs, self.mini_batches, self.group_size = epochs, mini_batches, group_size
-        self.updates_per_batch = epochs * mini_batches
-        self.decoupled = decoupled
-        # The rest of clipped_policy_loss's keywords (mode, clip_eps_high, aggregation, ...).
-        self.loss_options = dict(loss_options or {})
-        self.entropy_coef = float(self.loss_options.get("entropy_coef", 0.0))
-        self.lora = lora
-        self.trainable_only = lora is not None
+    def __init__(self, cfg: Config, rank: int = 0, rendezvous: Rendezvous | None = None):
+        t = cfg.training
+        # horizon: the longest response a sample can have.
+        self.loss = PolicyLoss(cfg.policy_loss, horizon=cfg.generation.max_new_tokens * cfg.env.max_turns)
+        self.reference = cfg.policy_loss.kl_coef > 0 or cfg.reinforce_pp.kl_coef > 0
+        self.epochs, self.mini_batches, self.group_size = t.epochs, t.mini_batches, cfg.schedule.group_size
+        self.updates_per_batch = t.epochs * t.mini_batches
+        self.lora = t.lora if t.lora.rank else None
+        self.trainable_only = self.lora is not None
         # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
-        self.temperature = temperature
-        super().__init__(model_path, zero_stage=zero_stage, dtype=dtype, micro_batch_size=micro_batch_size,
-                         grad_accum=grad_accum, lr=lr, seed=seed, optimizer=optimizer,
-                         num_threads=num_threads, rank=rank, rendezvous=rendezvous, max_tokens=max_tokens,
-                         packing=packing)
+        self.temperature = cfg.generation.temperature
+        super().__init__(cfg, cfg.model.path, t.lr, rank, rendezvous)
         if self.ref is not None:
             self.ref.to(self.device)
 
@@ -105,7 +93,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         if not entropy:
             return self._in_window(lp, batch)
-        if torch.is_grad_enabled() and self.entropy_coef > 0:
+        if torch.is_grad_enabled() and self.loss.options.entropy_coef > 0:
             ent = -(logp.exp() * logp).sum(dim=-1)
         else:
             # Only a metric: a few positions at a time, so that p * log p never holds a
@@ -126,15 +114,14 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
     def _loss(self, batch: dict, shard: Shard) -> tuple[torch.Tensor, dict[str, float]]:
         with span("train.forward"):
             lp, ent = self.token_logprobs(self.engine, batch, entropy=True)
-        ref = self._reference(batch) if self.kl_coef > 0 else None
+        options = self.loss.options
+        ref = self._reference(batch) if options.kl_coef > 0 else None
         # Decoupled (AReaL): the proximal policy is the one before this step's first update: lp
         # itself with one update per batch, else scored before it; classic PPO clips against
         # the behaviour policy.
-        proximal = batch["gen"] if not self.decoupled else batch["old"] if "old" in batch else lp.detach()
-        return clipped_policy_loss(lp, proximal, batch["gen"], batch["adv"], batch["train_mask"],
-                                   clip_eps=self.clip_eps, kl_coef=self.kl_coef, ref_logprobs=ref,
-                                   is_clip=self.is_clip, num_tokens=max(shard.batch_tokens, 1),
-                                   num_seqs=max(shard.batch_seqs, 1), entropy=ent, **self.loss_options)
+        proximal = batch["gen"] if not options.decoupled else batch["old"] if "old" in batch else lp.detach()
+        return self.loss(lp, proximal, batch["gen"], batch["adv"], batch["train_mask"], ref_logprobs=ref,
+                         entropy=ent, num_tokens=max(shard.batch_tokens, 1), num_seqs=max(shard.batch_seqs, 1))
 
     @torch.no_grad()
     def _reference(self, batch: dict) -> torch.Tensor:
@@ -160,7 +147,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
 
     def train_step(self, table: pa.Table, advantages: pa.Table, shard: Shard | None = None) -> dict[str, float]:
         """The policy's updates on the table: clipped ratio plus the IS
-        correction (pipeline.algos.policy_loss.clipped_policy_loss); one, or
+        correction (pipeline.algos.policy_loss.PolicyLoss); one, or
         `epochs` passes over `mini_batches` mini-batches of whole prompt groups
         (updates_per_batch optimizer steps).
 
@@ -171,7 +158,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
 
         Metrics: loss (token mean over the table), grad_norm (before clipping),
         tokens (response tokens), clip_frac / is_weight / kl / ratio (token
-        means, see clipped_policy_loss), micro_batches, step (optimizer steps
+        means, see PolicyLoss), micro_batches, step (optimizer steps
         so far), time_s; with several updates, the means over them, and
         `updates`.
         """

@@ -12,23 +12,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SCHEDULES = ("constant", "linear", "cosine")
-
+from pipeline.config import Config
 
 @dataclass(frozen=True)
 class Optimizer:
+    """The training section's optimiser keys (recipe_optimizer), checked where the recipe is loaded."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0       # max global gradient norm; 0 = no clipping
     schedule: str = "constant"   # after the warm-up: constant, linear to 0, or cosine to 0
     warmup_steps: int = 0        # linear ramp from lr / (warmup_steps + 1) to lr
-    total_steps: int = 0         # where linear and cosine reach 0 (the run's steps)
-
-    def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"lr schedule {self.schedule!r}: one of {', '.join(SCHEDULES)}")
-        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
-            raise ValueError(f"lr schedule {self.schedule} needs total_steps ({self.total_steps}) "
-                             f"> warmup_steps ({self.warmup_steps})")
+    total_steps: int = 0         # where linear and cosine reach 0 (the run's steps; > warmup_steps unless constant)
 
 
 def lr_factor(opt: Optimizer, step: int) -> float:
@@ -49,3 +42,10 @@ def set_lr(torch_optimizer, base_lr: float, opt: Optimizer, step: int) -> float:
     for group in torch_optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+def recipe_optimizer(cfg: Config) -> Optimizer:
+    """training's optimiser controls, for the policy and the critic alike."""
+    t = cfg.training
+    return Optimizer(weight_decay=t.weight_decay, grad_clip=t.grad_clip, schedule=t.lr_schedule,
+                     warmup_steps=t.lr_warmup_steps, total_steps=cfg.run.steps)

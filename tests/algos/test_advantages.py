@@ -11,12 +11,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from tests.support.training_helpers import make_table
+from tests.support.training_helpers import make_table, policy_loss
 
 from pipeline.algos.advantages import (GRPO_ADVANTAGE_SCHEMA, flat_groups, group_advantages, grpo_advantages,
                                        kl_reward_advantages,
                                       outcome_advantages)
-from pipeline.algos.policy_loss import clipped_policy_loss
 from pipeline.core.types import TRAJECTORY_SCHEMA
 
 pytestmark = pytest.mark.unit
@@ -59,7 +58,7 @@ def _lp(values):
 def test_equal_reward_group_gives_zero_loss_and_gradient():
     adv = group_advantages(torch.tensor([1.0, 1.0, 1.0, 1.0]), 4)
     lp = _lp([[-1.0, -2.0]] * 4)
-    loss, _ = clipped_policy_loss(lp, lp.detach(), lp.detach() - 0.3, adv, torch.ones(4, 2), clip_eps=0.2)
+    loss, _ = policy_loss(lp, lp.detach(), lp.detach() - 0.3, adv, torch.ones(4, 2), clip_eps=0.2)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(lp.grad, torch.zeros(4, 2))

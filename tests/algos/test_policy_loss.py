@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
+from tests.support.training_helpers import policy_loss
 
-from pipeline.algos.policy_loss import clipped_policy_loss
 
 pytestmark = pytest.mark.unit
 
@@ -36,7 +36,7 @@ def test_clipping_both_sides_and_gradient():
     lp = _lp([[-1.0 + LN(1.5), -2.0 + LN(0.5), -0.5 + LN(1.1)],
               [-1.5 + LN(0.5), -0.7 + LN(1.5), 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    loss, m = clipped_policy_loss(lp, old, old.clone(), torch.tensor([1.0, -1.0]), mask, clip_eps=0.2)
+    loss, m = policy_loss(lp, old, old.clone(), torch.tensor([1.0, -1.0]), mask, clip_eps=0.2)
     assert loss.item() == pytest.approx(-0.1, abs=1e-6)
     assert m["clip_frac"] == pytest.approx(0.4)
     assert m["ratio"] == pytest.approx(1.02, abs=1e-6)
@@ -52,7 +52,7 @@ def test_one_update_per_batch_is_plain_policy_gradient():
     # seq A = [2, -1], lengths [3, 1]: loss = -(2 * 3 - 1 * 1) / 4 = -1.25
     lp = _lp([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    loss, m = clipped_policy_loss(lp, lp.detach(), lp.detach(), torch.tensor([2.0, -1.0]), mask, clip_eps=0.2)
+    loss, m = policy_loss(lp, lp.detach(), lp.detach(), torch.tensor([2.0, -1.0]), mask, clip_eps=0.2)
     assert loss.item() == pytest.approx(-1.25)
     assert m["clip_frac"] == 0.0 and m["ratio"] == pytest.approx(1.0)
 
@@ -66,7 +66,7 @@ def test_importance_weight_cap():
     old = torch.tensor([[-1.0, -2.0]])
     gen = old - torch.tensor([[LN(3.0), LN(0.5)]])
     lp = _lp([[-1.0, -2.0]])
-    loss, m = clipped_policy_loss(lp, old, gen, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.2, is_clip=2.0)
+    loss, m = policy_loss(lp, old, gen, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.2, is_clip=2.0)
     assert loss.item() == pytest.approx(-1.25, abs=1e-6)
     assert m["is_weight"] == pytest.approx(1.25, abs=1e-6)
     loss.backward()
@@ -81,7 +81,7 @@ def test_masked_tokens_are_ignored_even_when_not_finite():
     lp = _lp([[-1.0, -2.0, math.nan]])
     ref = torch.tensor([[-1.0, -2.0, math.inf]])
     mask = torch.tensor([[True, True, False]])
-    loss, m = clipped_policy_loss(lp, old, gen, torch.tensor([1.0]), mask, clip_eps=0.2, is_clip=2.0,
+    loss, m = policy_loss(lp, old, gen, torch.tensor([1.0]), mask, clip_eps=0.2, is_clip=2.0,
                         kl_coef=0.1, ref_logprobs=ref)
     # ref == lp on the valid tokens: kl = e^0 - 0 - 1 = 0, so the loss is the IS-cap one
     assert loss.item() == pytest.approx(-1.25, abs=1e-6)
@@ -100,14 +100,14 @@ def test_kl_k3_term():
     # dkl/dlp = 1 - e^d -> [1 - 2, 1 - 0.5] = [-1, 0.5]; times kl_coef / N = 0.25 -> [-0.25, 0.125]
     lp = _lp([[-1.0, -2.0]])
     ref = torch.tensor([[-1.0 + LN(2.0), -2.0 - LN(2.0)]])
-    loss, m = clipped_policy_loss(lp, lp.detach(), lp.detach(), torch.tensor([0.0]), torch.ones(1, 2),
+    loss, m = policy_loss(lp, lp.detach(), lp.detach(), torch.tensor([0.0]), torch.ones(1, 2),
                         clip_eps=0.2, kl_coef=0.5, ref_logprobs=ref)
     assert loss.item() == pytest.approx(0.125, abs=1e-6)
     assert m["kl"] == pytest.approx(0.25, abs=1e-6)
     loss.backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[-0.25, 0.125]]), atol=1e-6, rtol=0)
     # kl_coef 0 ignores the reference entirely
-    loss0, m0 = clipped_policy_loss(lp, lp.detach(), lp.detach(), torch.tensor([0.0]), torch.ones(1, 2),
+    loss0, m0 = policy_loss(lp, lp.detach(), lp.detach(), torch.tensor([0.0]), torch.ones(1, 2),
                           clip_eps=0.2, kl_coef=0.0, ref_logprobs=ref)
     assert loss0.item() == 0.0 and m0["kl"] == 0.0
 
@@ -118,7 +118,7 @@ def test_micro_batches_sum_to_batch_mean():
     # -6/4 + 1/4 = -1.25, the same as the whole batch.
     lp = _lp([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    parts = [clipped_policy_loss(lp[i:i + 1], lp[i:i + 1].detach(), lp[i:i + 1].detach(), torch.tensor([a]),
+    parts = [policy_loss(lp[i:i + 1], lp[i:i + 1].detach(), lp[i:i + 1].detach(), torch.tensor([a]),
                        mask[i:i + 1], clip_eps=0.2, num_tokens=4)[0] for i, a in enumerate([2.0, -1.0])]
     assert sum(p.item() for p in parts) == pytest.approx(-1.25)
 
@@ -136,7 +136,7 @@ def test_per_token_advantages_in_the_policy_loss():
     lp = torch.tensor([[-1.0 + LN(1.5), -2.0 + LN(1.5), -0.5], [-1.5, 0.0, 0.0]], requires_grad=True)
     adv = torch.tensor([[1.0, -2.0, 3.0], [0.5, 7.0, 7.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    loss, m = clipped_policy_loss(lp, old, old.clone(), adv, mask, clip_eps=0.2)
+    loss, m = policy_loss(lp, old, old.clone(), adv, mask, clip_eps=0.2)
     assert loss.item() == pytest.approx(-0.425, abs=1e-6)
     assert m["clip_frac"] == pytest.approx(0.25)
     loss.backward()
@@ -158,7 +158,7 @@ def test_advantages_per_sequence_or_per_token_give_the_same_bits():
     runs = []
     for adv in (per_seq, padded_zero, padded_junk):
         lp = _lp(start)
-        loss, m = clipped_policy_loss(lp, old, gen, adv, mask, clip_eps=0.2, kl_coef=0.1,
+        loss, m = policy_loss(lp, old, gen, adv, mask, clip_eps=0.2, kl_coef=0.1,
                                       ref_logprobs=old, num_tokens=5)
         loss.backward()
         runs.append((loss.detach(), m, lp.grad))

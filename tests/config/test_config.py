@@ -48,6 +48,7 @@ def test_recipe_and_overrides(tmp_path):
     ("validation.at_start=maybe", "validation.at_start: expected true or false"),
     ("generation.top_p=0", "generation.top_p: 0.0 is out of range; it must be > 0"),
     ("training.zero_stage=4", "training.zero_stage: 4 is out of range; it must be <= 3"),
+    ("training.dtype=fp16", "training.dtype: 'fp16' is not allowed; choose one of 'fp32', 'bf16', 'auto'"),
     ("schedule.group_size=0", "schedule.group_size: 0 is out of range; it must be >= 1"),
     ("nosection.x=1", "unknown key 'nosection'"),
     ("schedule=3", "schedule: expected a mapping"),
@@ -60,6 +61,8 @@ def test_recipe_and_overrides(tmp_path):
     ("algorithm=gae", "algorithm: 'gae' is not allowed; choose one of 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp', "
                       "'ppo'"),
     ("policy_loss.dual_clip=0.5", "policy_loss.dual_clip: 0.5 must be > 1"),
+    ("policy_loss.mode=ppo2", "policy_loss.mode: 'ppo2' is not allowed; choose one of 'clip', 'gspo', 'cispo'"),
+    ("policy_loss.is_mode=drop", "policy_loss.is_mode: 'drop' is not allowed"),
     ("policy_loss.aggregation=seq-mean", "policy_loss.aggregation: 'seq-mean' is not allowed"),
     ("training.lr_schedule=step", "training.lr_schedule: 'step' is not allowed"),
 ])
@@ -148,6 +151,16 @@ def test_a_recipe_from_before_the_split_is_told_where_its_keys_went(tmp_path):
         load_config(recipe)
     assert str(err.value).startswith(f"{recipe}: unknown key 'grpo': section 'grpo' is gone; its keys moved: ")
     assert "max_age -> schedule.max_age" in str(err.value) and "clip_eps -> policy_loss.clip_eps" in str(err.value)
+
+
+def test_a_removed_key_says_what_to_set_instead(tmp_path):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("training:\n  micro_batch_size: 4\n  grad_accum: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe)
+    assert str(err.value).startswith(f"{recipe}: unknown key 'training.grad_accum': 'training.grad_accum' was "
+                                     "removed: a step already sums the gradients of all its micro-batches")
+    assert "training.micro_batch_size or training.max_tokens_per_micro_batch" in str(err.value)
 
 
 def test_the_configuration_page_lists_every_key_as_the_config_defines_it():

@@ -57,7 +57,8 @@ def test_generator_kill_then_driver_kill_then_resume(tmp_path, tiny_model):
     model = AutoModelForCausalLM.from_pretrained(final / "policy")
     assert sum(p.numel() for p in model.parameters()) > 0
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
-    engine = DeepSpeedPolicyEngine(str(tiny_model), lr=0.005, micro_batch_size=32)
+    from tests.support.training_helpers import engine_config
+    engine = DeepSpeedPolicyEngine(engine_config(tiny_model, "training.lr=0.005", "training.micro_batch_size=32"))
     try:
         engine.load_state(str(final / "trainer_state"))
         assert engine.steps == steps

@@ -17,7 +17,7 @@ import torch
 from pipeline.algos.advantages import grpo_advantages
 from pipeline.core.types import TRAJECTORY_SCHEMA, Prompt, sample_seeds
 from pipeline.inputs.tiny import build_tiny_model, tiny_prompt
-from tests.support.training_helpers import sequence_logprobs
+from tests.support.training_helpers import engine_config, sequence_logprobs
 
 FAMILIES = {
     "llama_gqa": dict(architecture="llama", heads=4, kv_heads=2),
@@ -62,7 +62,7 @@ def measure(family: str, out_dir: Path) -> dict:
     model_dir = build_tiny_model(out_dir / family, **FAMILIES[family])
     # The trainer first: DeepSpeed refuses a process group that vLLM set up without LOCAL_RANK;
     # vLLM runs in the one DeepSpeed made (world size 1). In a run they are processes apart.
-    trainer = DeepSpeedPolicyEngine(str(model_dir), micro_batch_size=8, lr=1e-2, seed=0)
+    trainer = DeepSpeedPolicyEngine(engine_config(model_dir, "training.lr=1e-2"))
     engine = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=8, temperature=1.0, top_p=1.0, max_model_len=128)
     try:
         before = table_of(engine.sample(PROMPTS, sample_seeds(0, "before", PROMPTS, 2)))

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from benchmarks.harness import engine_config  # noqa: F401  (the engine tests build theirs as a benchmark does)
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA
 from pipeline.trainer.rows import collate
 from pipeline.core.types import TRAJECTORY_SCHEMA
@@ -82,3 +83,13 @@ def continue_after_resume(make, train, tmp_path, steps_before=2):
     mb, wb = train(b), weights(b)
     assert b.steps == a.steps == steps_before + 1
     return ma, mb, wa, wb, a, b
+
+
+def policy_loss(logprobs, old_logprobs, gen_logprobs, advantages, mask, *, horizon=16, ref_logprobs=None,
+                entropy=None, num_tokens=None, num_seqs=None, **options):
+    """One call of the PolicyLoss that a policy_loss section with `options` builds."""
+    from pipeline.algos.policy_loss import PolicyLoss
+    from pipeline.config import PolicyLossConfig
+    loss = PolicyLoss(PolicyLossConfig(**options), horizon)
+    return loss(logprobs, old_logprobs, gen_logprobs, advantages, mask, ref_logprobs=ref_logprobs, entropy=entropy,
+                num_tokens=num_tokens, num_seqs=num_seqs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 import torch
-from tests.support.training_helpers import make_table
+from tests.support.training_helpers import engine_config, make_table
 
 from pipeline.trainer.deepspeed_base import ds_config
 from pipeline.trainer.rows import collate, token_column, trajectory_rows
@@ -73,22 +73,23 @@ def test_collate_lays_every_row_out_in_one_response_window():
     assert targets[b["mask"]].tolist() == [6, 7, 8]
 
 
-def test_ds_config_refuses_unknown_dtype_and_stage():
-    args = dict(micro_batch_size=4, grad_accum=2, lr=1e-3, optimizer=Optimizer())
-    assert ds_config(**args, zero_stage=3, dtype="bf16")["train_micro_batch_size_per_gpu"] == 4
-    with pytest.raises(ValueError, match="dtype must be 'fp32' or 'bf16'"):
-        ds_config(**args, zero_stage=0, dtype="fp16")
-    with pytest.raises(ValueError, match="zero_stage must be 0..3"):
-        ds_config(**args, zero_stage=4, dtype="fp32")
+def test_ds_config_carries_the_training_sections_values():
+    # The values are checked where the recipe is loaded (tests/config): training.dtype fp16, zero_stage 4.
+    config = ds_config(micro_batch_size=4, lr=1e-3, optimizer=Optimizer(grad_clip=0.5, weight_decay=0.1),
+                       zero_stage=3, dtype="bf16")
+    assert config["train_micro_batch_size_per_gpu"] == 4 and config["zero_optimization"] == {"stage": 3}
+    assert config["bf16"] == {"enabled": True} and config["gradient_clipping"] == 0.5
+    assert config["optimizer"]["params"]["lr"] == 1e-3 and config["optimizer"]["params"]["weight_decay"] == 0.1
+    assert "gradient_accumulation_steps" not in config  # each step sets its own boundary
 
 
 @pytest.mark.parametrize("engine", [DeepSpeedPolicyEngine, DeepSpeedCriticEngine])
 def test_missing_model_dir_and_config(tmp_path, engine):
     with pytest.raises(ModelError, match="does not exist") as err:
-        engine(str(tmp_path / "nope"))
+        engine(engine_config(tmp_path / "nope"))
     assert str(tmp_path / "nope") in str(err.value) and isinstance(err.value, ValueError)
     with pytest.raises(ModelError, match="no config.json") as err:
-        engine(str(tmp_path))
+        engine(engine_config(tmp_path))
     assert str(tmp_path) in str(err.value)
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 import torch
-from tests.support.training_helpers import continue_after_resume, make_table, max_diff, model_dir  # noqa: F401
+from tests.support.training_helpers import (  # noqa: F401  (model_dir is a fixture)
+    continue_after_resume,
+    engine_config,
+    make_table,
+    max_diff,
+    model_dir,
+)
 
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA, compute_advantages
 from pipeline.trainer.deepspeed_critic import DeepSpeedCriticEngine
@@ -16,9 +22,9 @@ pytestmark = pytest.mark.real
 torch.set_num_threads(1)
 
 
-def critic(model_dir, **kw):
-    args = dict(zero_stage=0, dtype="fp32", micro_batch_size=4, lr=1e-2, value_clip=0.2, seed=0)
-    return DeepSpeedCriticEngine(str(model_dir), **{**args, **kw})
+def critic(model_dir, *overrides):
+    return DeepSpeedCriticEngine(engine_config(model_dir, "algorithm=ppo", "training.micro_batch_size=4",
+                                               "ppo.critic_lr=1e-2", *overrides))
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
@@ -29,7 +35,8 @@ def test_critic_save_state_continues_identically(model_dir, tmp_path, zero_stage
         targets, _ = compute_advantages(table, e.values(table), gamma=1.0, lam=0.95, whiten_advantages=True)
         return e.train_step(table, targets)
 
-    ma, mb, wa, wb, a, b = continue_after_resume(lambda: critic(model_dir, zero_stage=zero_stage), step, tmp_path)
+    ma, mb, wa, wb, a, b = continue_after_resume(lambda: critic(model_dir, f"training.zero_stage={zero_stage}"), step,
+                                                 tmp_path)
     assert "value_head.weight" in wa and wa["value_head.weight"].abs().sum() > 0  # the head trained
     assert mb["value_loss"] == ma["value_loss"] and mb["grad_norm"] == ma["grad_norm"]
     assert max_diff(wa, wb) == 0.0
@@ -55,12 +62,12 @@ def test_critic_value_alignment(model_dir):
     e.close()
 
 
-@pytest.mark.parametrize("batching", [{"max_tokens": 24}, {"packing": True}])
+@pytest.mark.parametrize("batching", ["training.max_tokens_per_micro_batch=24", "training.packing=true"])
 def test_critic_values_and_step_under_a_token_budget_or_packing_match_row_micro_batches(model_dir, batching):
     # The budget runs the rows longest first, packing as one sequence; each row's values must come back in its place.
     table = make_table(responses=[[5] * n for n in (2, 12, 3, 11, 4, 10)])
-    rows_engine, engine = critic(model_dir, micro_batch_size=2), critic(model_dir, **batching)
-    assert engine.batching.packed == batching.get("packing", False)
+    rows_engine, engine = critic(model_dir, "training.micro_batch_size=2"), critic(model_dir, batching)
+    assert engine.batching.packed == (batching == "training.packing=true")
     for e in (rows_engine, engine):
         with torch.no_grad():
             torch.manual_seed(1)
@@ -77,7 +84,7 @@ def test_critic_values_and_step_under_a_token_budget_or_packing_match_row_micro_
 
 
 def test_critic_learns_fixed_returns(model_dir):
-    e = critic(model_dir, lr=3e-3)
+    e = critic(model_dir, "ppo.critic_lr=3e-3")
     rows = make_table(groups=1, responses=[[7, 8, 9], [20, 21, 22]], rewards=[1.0, 0.0])
     losses = []
     for _ in range(10):
@@ -94,7 +101,7 @@ def test_critic_epochs_are_that_many_updates_on_the_same_targets(model_dir):
     """ppo.critic_epochs 2: one train_step is two updates towards the same returns,
     clipped around the same old values, as two one-epoch steps would be."""
     table = make_table(rewards=[0.0, 1.0, 1.0, 0.0, 0.5, 1.0])
-    one, two = critic(model_dir), critic(model_dir, epochs=2)
+    one, two = critic(model_dir), critic(model_dir, "ppo.critic_epochs=2")
     targets, _ = compute_advantages(table, one.values(table), gamma=1.0, lam=0.95, whiten_advantages=True)
     first, second = one.train_step(table, targets), one.train_step(table, targets)
     both = two.train_step(table, targets)

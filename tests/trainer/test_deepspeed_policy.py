@@ -14,6 +14,7 @@ import pytest
 import torch
 from tests.support.training_helpers import (  # noqa: F401  (model_dir is a fixture)
     continue_after_resume,
+    engine_config,
     make_table,
     max_diff,
     model_dir,
@@ -32,11 +33,9 @@ torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
 
 
-def make_engine(model_dir, **kw):
-    args = dict(zero_stage=0, dtype="fp32", micro_batch_size=4, grad_accum=1, lr=1e-3,
-                clip_eps=0.2, kl_coef=0.0, is_clip=2.0, seed=0)
-    args.update(kw)
-    return DeepSpeedPolicyEngine(str(model_dir), **args)
+def make_engine(model_dir, *overrides):
+    return DeepSpeedPolicyEngine(engine_config(model_dir, "training.micro_batch_size=4", "training.lr=1e-3",
+                                               "schedule.group_size=2", *overrides))
 
 
 def grpo_step(engine, table, group_size=2):
@@ -68,10 +67,9 @@ def test_train_step_updates_weights_with_finite_metrics(model_dir):
 
 
 def test_remainder_micro_batch_equals_one_batch(model_dir):
-    # 4 + 2 rows versus all 6 at once (grad_accum 4 is nominal: still one step).
+    # 4 + 2 rows versus all 6 at once.
     table = make_table()
-    split, whole = make_engine(model_dir, micro_batch_size=4), make_engine(model_dir, micro_batch_size=8,
-                                                                           grad_accum=4)
+    split, whole = make_engine(model_dir), make_engine(model_dir, "training.micro_batch_size=8")
     ms, mw = grpo_step(split, table), grpo_step(whole, table)
     assert whole.steps == 1 and mw["micro_batches"] == 1.0
     assert ms["loss"] == pytest.approx(mw["loss"], abs=1e-7)
@@ -83,7 +81,7 @@ def test_remainder_micro_batch_equals_one_batch(model_dir):
 
 
 def test_rewarded_response_becomes_more_likely(model_dir):
-    e = make_engine(model_dir, lr=3e-3)
+    e = make_engine(model_dir, "training.lr=3e-3")
     good, bad = [7, 8, 9], [20, 21, 22]
     probe = make_table(groups=1, responses=[good, bad], rewards=[1.0, 0.0])
     start = [sum(x) for x in sequence_logprobs(e, probe)]
@@ -139,7 +137,7 @@ def test_save_loads_in_transformers_with_same_logits(model_dir, tmp_path):
 def test_zero3_matches_zero0(model_dir, tmp_path):
     # Same data, same fp32 math: only the parameter layout differs.
     table = make_table()
-    z0, z3 = make_engine(model_dir, zero_stage=0), make_engine(model_dir, zero_stage=3)
+    z0, z3 = make_engine(model_dir, "training.zero_stage=0"), make_engine(model_dir, "training.zero_stage=3")
     m0, m3 = grpo_step(z0, table), grpo_step(z3, table)
     assert m3["loss"] == pytest.approx(m0["loss"], abs=1e-6)
     assert m3["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-4)
@@ -155,7 +153,8 @@ def test_bf16_trains_and_zero0_matches_zero2(model_dir):
     # advanced Adam's step count at init; the engine undoes that, so its first
     # update equals the ZeRO-2 one.
     table = make_table()
-    b0, b2 = make_engine(model_dir, dtype="bf16"), make_engine(model_dir, dtype="bf16", zero_stage=2)
+    b0 = make_engine(model_dir, "training.dtype=bf16")
+    b2 = make_engine(model_dir, "training.dtype=bf16", "training.zero_stage=2")
     m0, m2 = grpo_step(b0, table), grpo_step(b2, table)
     assert all(math.isfinite(v) for v in m0.values()), m0
     assert m0["loss"] == pytest.approx(m2["loss"], abs=1e-6)
@@ -170,12 +169,13 @@ def test_pad_token_share_counts_the_padding_the_micro_batches_ran_on(model_dir, 
     # make_table's rows are 4, 5, 6, 7, 8 and 9 tokens (prompt + response). Micro-batches
     # of 4: widths 7 (4 rows, 6 pads) and 9 (2 rows, 1 pad), 7 pads in 46 positions;
     # one micro-batch of 6: width 9, 54 - 39 = 15 pads.
-    engine = make_engine(model_dir, micro_batch_size=micro)
+    engine = make_engine(model_dir, f"training.micro_batch_size={micro}")
     assert grpo_step(engine, make_table())["pad_token_share"] == pytest.approx(share)
     engine.close()
 
 
-@pytest.mark.parametrize("batching", [{"max_tokens": 24}, {"max_tokens": 40, "packing": True}])
+@pytest.mark.parametrize("batching", [["training.max_tokens_per_micro_batch=24"],
+                                      ["training.max_tokens_per_micro_batch=40", "training.packing=true"]])
 def test_a_token_budget_or_packing_takes_the_same_step_with_less_padding(model_dir, batching):
     """Rows by length into micro-batches of at most 24 padded tokens, or packed
     into sequences of at most 40 without padding (position ids restarting per
@@ -184,9 +184,9 @@ def test_a_token_budget_or_packing_takes_the_same_step_with_less_padding(model_d
     logprobs) stay in table order."""
     # Long-tailed responses in table order: 2, 12, 3, 11, 4, 10 tokens after 2-4 prompt tokens.
     table = make_table(responses=[[5] * n for n in (2, 12, 3, 11, 4, 10)])
-    rows_engine = make_engine(model_dir, micro_batch_size=2, kl_coef=0.1)
-    engine = make_engine(model_dir, micro_batch_size=2, kl_coef=0.1, **batching)
-    assert engine.batching.packed == batching.get("packing", False) and engine.packing_off == ""
+    rows_engine = make_engine(model_dir, "training.micro_batch_size=2", "policy_loss.kl_coef=0.1")
+    engine = make_engine(model_dir, "training.micro_batch_size=2", "policy_loss.kl_coef=0.1", *batching)
+    assert engine.batching.packed == ("training.packing=true" in batching) and engine.packing_off == ""
     ref_rows, ref = rows_engine.reference_logprobs(table), engine.reference_logprobs(table)
     assert [len(r) for r in ref] == [2, 12, 3, 11, 4, 10]
     assert max(abs(a - b) for r, q in zip(ref_rows, ref) for a, b in zip(r, q)) < 1e-5
@@ -211,7 +211,7 @@ def test_packing_falls_back_to_padding_where_attention_sees_across_rows(model_di
         return {**out, "positions": torch.arange(out["ids"].shape[1]).unsqueeze(0)}
     packed = rows._packed
     monkeypatch.setattr(rows, "_packed", leaky)
-    engine = make_engine(model_dir, micro_batch_size=2, packing=True)
+    engine = make_engine(model_dir, "training.micro_batch_size=2", "training.packing=true")
     assert not engine.batching.packed and "does not keep packed rows apart" in engine.packing_off
     assert grpo_step(engine, make_table())["pad_token_share"] > 0
     engine.close()
@@ -236,7 +236,7 @@ def test_dtype_auto_trains_in_what_this_machine_has(model_dir):
 
 
 def test_kl_to_frozen_reference(model_dir):
-    e = make_engine(model_dir, kl_coef=0.1, lr=1e-2)
+    e = make_engine(model_dir, "policy_loss.kl_coef=0.1", "training.lr=1e-2")
     table = make_table()
     assert grpo_step(e, table)["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference
     assert grpo_step(e, table)["kl"] > 1e-5
@@ -250,7 +250,7 @@ def test_reference_logprobs_for_the_reward_stay_the_initial_policys(model_dir):
     def apart(a, b):
         return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
-    e = make_engine(model_dir, reference=True, lr=1e-2)
+    e = make_engine(model_dir, "algorithm=reinforce_pp", "reinforce_pp.kl_coef=0.01", "training.lr=1e-2")
     table = make_table()
     before = sequence_logprobs(e, table)
     assert apart(e.reference_logprobs(table), before) < 1e-6
@@ -266,7 +266,7 @@ def test_coupled_loss_clips_the_ratio_to_the_behaviour_policy(model_dir):
     logprobs (-4 here, far from the model's) is clipped and nothing reweights it;
     decoupled (the default) clips to the policy before the update (ratio 1) and
     carries the staleness in the capped importance weight."""
-    coupled, decoupled = make_engine(model_dir, decoupled=False), make_engine(model_dir)
+    coupled, decoupled = make_engine(model_dir, "policy_loss.decoupled=false"), make_engine(model_dir)
     try:
         c, d = grpo_step(coupled, make_table()), grpo_step(decoupled, make_table())
     finally:
@@ -295,7 +295,7 @@ def test_ppo_step_with_group_advantages_per_token_equals_grpo(model_dir):
 def test_per_token_advantages_move_their_own_tokens(model_dir):
     # One response [7, 8, 9] with advantages [+1, 0, -1]: on-policy steps must raise
     # token 7's logprob and lower token 9's. A shifted alignment would move others.
-    e = make_engine(model_dir, lr=3e-3)
+    e = make_engine(model_dir, "training.lr=3e-3")
     probe = make_table(groups=1, group_size=1, responses=[[7, 8, 9]], rewards=[0.0])
     adv = pa.table({"advantages": [[1.0, 0.0, -1.0]], "returns": [[0.0] * 3], "values": [[0.0] * 3]},
                    schema=ADVANTAGE_SCHEMA)
@@ -361,13 +361,13 @@ def test_tokens_outside_the_loss_mask_are_not_trained(model_dir):
 def test_sequence_aggregations_are_the_batchs_whatever_the_micro_batches(model_dir, aggregation):
     # 4 + 2 rows versus all 6 at once: each micro-batch divides by the whole batch's sequence count.
     table = make_table()
-    options = {"aggregation": aggregation, "horizon": 8}
-    split = make_engine(model_dir, micro_batch_size=4, loss_options=options)
-    whole = make_engine(model_dir, micro_batch_size=8, loss_options=options)
+    options = (f"policy_loss.aggregation={aggregation}", "generation.max_new_tokens=8")  # the horizon: 8
+    split = make_engine(model_dir, *options)
+    whole = make_engine(model_dir, "training.micro_batch_size=8", *options)
     ms, mw = grpo_step(split, table), grpo_step(whole, table)
     assert ms["loss"] == pytest.approx(mw["loss"], abs=1e-7)
     assert ms["grad_norm"] == pytest.approx(mw["grad_norm"], rel=1e-5)
-    token_mean = grpo_step(make_engine(model_dir, micro_batch_size=8), table)
+    token_mean = grpo_step(make_engine(model_dir, "training.micro_batch_size=8"), table)
     assert mw["grad_norm"] != pytest.approx(token_mean["grad_norm"], rel=1e-3)  # the option took effect
     split.close(), whole.close()
 
@@ -375,7 +375,7 @@ def test_sequence_aggregations_are_the_batchs_whatever_the_micro_batches(model_d
 def test_entropy_is_reported_and_its_bonus_trains(model_dir):
     table = make_table()
     plain = make_engine(model_dir)
-    bonus = make_engine(model_dir, loss_options={"entropy_coef": 0.5})
+    bonus = make_engine(model_dir, "policy_loss.entropy_coef=0.5")
     mp, mb = grpo_step(plain, table), grpo_step(bonus, table)
     # The tiny model starts near uniform over its vocabulary: entropy close to ln(vocab).
     assert 0 < mp["entropy"] <= math.log(plain.engine.module.config.vocab_size) + 1e-4
@@ -386,10 +386,10 @@ def test_entropy_is_reported_and_its_bonus_trains(model_dir):
 
 
 def test_lr_warmup_and_schedule_follow_the_step_and_survive_a_resume(model_dir, tmp_path):
-    from pipeline.trainer.optim import Optimizer
-    opt = Optimizer(schedule="linear", warmup_steps=2, total_steps=6, grad_clip=0.5, weight_decay=0.1)
+    optimizer = ("training.lr_schedule=linear", "training.lr_warmup_steps=2", "run.steps=6",
+                 "training.grad_clip=0.5", "training.weight_decay=0.1")
     table = make_table()
-    ma, mb, wa, wb, a, b = continue_after_resume(lambda: make_engine(model_dir, optimizer=opt),
+    ma, mb, wa, wb, a, b = continue_after_resume(lambda: make_engine(model_dir, *optimizer),
                                                  lambda e: grpo_step(e, table), tmp_path)
     assert mb["lr"] == ma["lr"] and max_diff(wa, wb) == 0.0
     assert a.ds_config["gradient_clipping"] == 0.5
@@ -406,15 +406,15 @@ def test_several_updates_split_whole_groups_and_take_one_optimizer_step_each(mod
     # Classic clipping reads no old logprobs, so 1 epoch of 2 mini-batches (groups {0, 1}, {2})
     # must equal one update on rows 0-3 followed by one on rows 4-5.
     table = make_table()
-    split = make_engine(model_dir, decoupled=False, mini_batches=2, group_size=2)
+    split = make_engine(model_dir, "policy_loss.decoupled=false", "training.mini_batches=2")
     m = grpo_step(split, table)
     assert split.steps == 2 and m["updates"] == 2.0
     assert m["tokens"] == sum(len(r) for r in table.column("response_ids").to_pylist())
-    by_hand = make_engine(model_dir, decoupled=False)
+    by_hand = make_engine(model_dir, "policy_loss.decoupled=false")
     grpo_step(by_hand, table.slice(0, 4)), grpo_step(by_hand, table.slice(4, 2))
     assert max_diff(weights(split), weights(by_hand)) == 0.0
     with pytest.raises(ValueError, match="cannot make 4 mini-batches of whole groups"):
-        grpo_step(make_engine(model_dir, mini_batches=4, group_size=2), table)
+        grpo_step(make_engine(model_dir, "training.mini_batches=4"), table)
     split.close(), by_hand.close()
 
 
@@ -427,13 +427,14 @@ def test_epochs_clip_against_the_weights_before_the_first_update(model_dir):
     table = on_policy(make_table(), sequence_logprobs(probe, make_table()))
     runs = {}
     for decoupled in (True, False):
-        e = make_engine(model_dir, lr=1e-2, decoupled=decoupled, epochs=2, group_size=2)
+        e = make_engine(model_dir, "training.lr=1e-2", f"policy_loss.decoupled={str(decoupled).lower()}",
+                        "training.epochs=2")
         runs[decoupled] = (grpo_step(e, table), weights(e))
         assert e.steps == 2
     (m, w), (_, w_classic) = runs[True], runs[False]
     assert max_diff(w, w_classic) < 1e-5
     assert abs(m["ratio"] - 1.0) > 1e-4 and m["updates"] == 2.0
-    one = make_engine(model_dir, lr=1e-2)
+    one = make_engine(model_dir, "training.lr=1e-2")
     grpo_step(one, table), grpo_step(one, table)  # ratio 1 each time: a different update
     assert max_diff(w, weights(one)) > 1e-5
     probe.close()

@@ -15,7 +15,12 @@ import time
 
 import pytest
 import torch
-from tests.support.training_helpers import make_table, model_dir, per_token  # noqa: F401  (model_dir is a fixture)
+from tests.support.training_helpers import (  # noqa: F401  (model_dir is a fixture)
+    engine_config,
+    make_table,
+    model_dir,
+    per_token,
+)
 
 from dags.tokens import Gate, Launch
 from pipeline.generator.worker import GeneratorWorker
@@ -25,7 +30,7 @@ from pipeline.trainer.deepspeed_critic import DeepSpeedCriticEngine
 from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 from pipeline.core.types import Completion, Prompt
 from pipeline.envs.interface import check_step_result
-from pipeline.config import ConfigError, LoraConfig, load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.core.events import EventLog
 
 pytestmark = pytest.mark.real
@@ -104,10 +109,9 @@ def test_an_environment_step_with_a_nonfinite_reward_fails_its_sample(tmp_path):
 
 # ------------------------------------------------------------------ engines
 
-def policy(model_dir, **kw):
-    args = dict(zero_stage=0, dtype="fp32", micro_batch_size=4, lr=1e-3, seed=0)
-    args.update(kw)
-    return DeepSpeedPolicyEngine(str(model_dir), **args)
+def policy(model_dir, *overrides):
+    return DeepSpeedPolicyEngine(engine_config(model_dir, "training.micro_batch_size=4", "training.lr=1e-3",
+                                               *overrides))
 
 
 def exact_weights(engine) -> dict[str, torch.Tensor]:
@@ -139,8 +143,8 @@ NAN_ADVANTAGE = per_token(TABLE, [0.5, -0.5, NAN, -0.5, 0.5, -0.5])
 
 @pytest.mark.parametrize("zero_stage,dtype", [(0, "fp32"), (1, "fp32"), (3, "fp32"), (0, "bf16"), (2, "bf16")])
 def test_a_nan_advantage_leaves_weights_and_optimizer_bit_identical(model_dir, zero_stage, dtype):
-    skipping, clean = policy(model_dir, zero_stage=zero_stage, dtype=dtype), \
-        policy(model_dir, zero_stage=zero_stage, dtype=dtype)
+    training = (f"training.zero_stage={zero_stage}", f"training.dtype={dtype}")
+    skipping, clean = policy(model_dir, *training), policy(model_dir, *training)
     try:
         for e in (skipping, clean):
             assert e.train_step(TABLE, GOOD)["nonfinite_skipped"] == 0.0
@@ -176,8 +180,9 @@ def test_a_nan_loss_with_finite_gradients_is_skipped_too(model_dir):
 
 
 def test_lora_and_the_critic_skip_a_nonfinite_step(model_dir):
-    lora = policy(model_dir, lora=LoraConfig(rank=8), lr=1e-2)
-    critic = DeepSpeedCriticEngine(str(model_dir), micro_batch_size=4, lr=1e-2, seed=0)
+    lora = policy(model_dir, "training.lora.rank=8", "training.lr=1e-2")
+    critic = DeepSpeedCriticEngine(engine_config(model_dir, "algorithm=ppo", "training.micro_batch_size=4",
+                                                 "ppo.critic_lr=1e-2"))
     try:
         adapters = exact_weights(lora)
         m = lora.train_step(TABLE, NAN_ADVANTAGE)

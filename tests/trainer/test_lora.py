@@ -14,7 +14,14 @@ import tracemalloc
 import pyarrow as pa
 import pytest
 import torch
-from tests.support.training_helpers import continue_after_resume, make_table, max_diff, sequence_logprobs, weights
+from tests.support.training_helpers import (
+    continue_after_resume,
+    engine_config,
+    make_table,
+    max_diff,
+    sequence_logprobs,
+    weights,
+)
 
 from pipeline.algos.advantages import grpo_advantages
 from pipeline.weights import lora
@@ -35,10 +42,9 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
-def make_engine(model_dir, lora_cfg=LORA, **kw):
-    args = dict(zero_stage=0, dtype="fp32", micro_batch_size=4, lr=1e-2, seed=0, lora=lora_cfg)
-    args.update(kw)
-    return DeepSpeedPolicyEngine(str(model_dir), **args)
+def make_engine(model_dir, *overrides):
+    return DeepSpeedPolicyEngine(engine_config(model_dir, f"training.lora.rank={LORA.rank}",
+                                               "training.micro_batch_size=4", "training.lr=1e-2", *overrides))
 
 
 def tiny_table(engine_or_ids, groups=3):
@@ -69,9 +75,8 @@ def test_lora_keys_load_and_refuse_what_cannot_work():
 
 
 def test_a_target_module_the_model_lacks_is_named(model_dir):
-    bad = LoraConfig(rank=8, target_modules=("q_proj", "qkv"))
     with pytest.raises(lora.LoraError, match=r"training.lora.target_modules: \['qkv'\]"):
-        make_engine(model_dir, bad)
+        make_engine(model_dir, "training.lora.target_modules=q_proj,qkv")
 
 
 # -- the trainer -------------------------------------------------------------
@@ -97,7 +102,7 @@ def test_only_the_adapters_train_and_sync(model_dir):
 
 def test_zero3_trains_and_exports_the_same_adapter(model_dir, tmp_path):
     """Under ZeRO-3 the adapter is gathered alone (the frozen base stays partitioned)."""
-    plain, z3 = make_engine(model_dir), make_engine(model_dir, zero_stage=3)
+    plain, z3 = make_engine(model_dir), make_engine(model_dir, "training.zero_stage=3")
     train(plain), train(z3)
     a, b = weights(plain), weights(z3)
     # Adam's first step is lr * g / (|g| + eps): where g is within a few eps of zero,
@@ -109,7 +114,7 @@ def test_zero3_trains_and_exports_the_same_adapter(model_dir, tmp_path):
 
 
 def test_kl_reference_is_the_base_model(model_dir):
-    e = make_engine(model_dir, kl_coef=0.1)
+    e = make_engine(model_dir, "policy_loss.kl_coef=0.1")
     assert e.ref is None  # no copy of the model: the adapters are switched off instead
     assert train(e)["kl"] == pytest.approx(0.0, abs=1e-9)  # B = 0: the policy is the base
     assert train(e)["kl"] > 0
@@ -151,7 +156,7 @@ def engine_vs_trainer(engine, trainer, seed_key: str) -> float:
 
 
 def test_refit_serves_the_trained_adapter_with_the_trainers_logprobs(engine, model_dir, tmp_path):
-    trainer = make_engine(model_dir, lr=5e-2)
+    trainer = make_engine(model_dir, "training.lr=5e-2")
     try:
         assert engine_vs_trainer(engine, trainer, "v0") < TOL  # the zero adapter is the base model
         for _ in range(3):
@@ -222,7 +227,7 @@ def test_adapter_loads_keep_no_python_objects(engine, model_dir):
 def test_an_inflight_adapter_refit_labels_each_token_with_its_version(engine, model_dir):
     """The adapter is reloaded in place under one id: requests in flight go on
     with the new one from the next step, as after a full load."""
-    trainer = make_engine(model_dir, lr=5e-2)
+    trainer = make_engine(model_dir, "training.lr=5e-2")
     try:
         for _ in range(3):
             train(trainer)

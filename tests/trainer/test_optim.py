@@ -25,9 +25,3 @@ def test_linear_and_cosine_reach_zero_at_the_last_step():
     expected = [(1 + math.cos(math.pi * s / 4)) / 2 for s in range(5)] + [0.0]
     assert [lr_factor(cos, s) for s in range(6)] == pytest.approx(expected)
 
-
-def test_a_schedule_that_never_starts_is_refused():
-    with pytest.raises(ValueError, match="needs total_steps"):
-        Optimizer(schedule="cosine", warmup_steps=4, total_steps=4)
-    with pytest.raises(ValueError, match="lr schedule 'step'"):
-        Optimizer(schedule="step")
