@@ -31,6 +31,7 @@ from dags.tokens import (
     Resume,
     Rollout,
     StepPlan,
+    Stored,
     Ticket,
     TrainOut,
     ValOut,
@@ -92,7 +93,7 @@ class Controller(Actor):
             # Held until the next sample: a ref sent through a compiled-graph channel is
             # not counted as borrowed, so the owner must keep it alive for the consumer.
             self._live_table = ray.put(table)
-        return Batch(plan.step, tuple(ids), tuple(versions), (self._live_table,),
+        return Batch(plan.step, tuple(ids), tuple(versions), Stored(self._live_table),
                      wait_s=time.perf_counter() - started, metrics=metrics)
 
     @node("top_up")
@@ -165,7 +166,7 @@ class Controller(Actor):
         if len(made) != 1:
             raise RuntimeError(f"the policy ranks disagree on (step, version): {sorted(made)}")
         head = policy[0]
-        if not head.weights_ref and self.cfg.generation.weight_sync == "object_store":
+        if head.weights_ref is None and self.cfg.generation.weight_sync == "object_store":
             raise RuntimeError(f"step {head.step}: the first policy rank sent no weights")
         metrics = dict(head.metrics) | {f"critic/{k}": v for o in outs if isinstance(o, CriticOut)
                                         for k, v in o.metrics}

@@ -19,7 +19,7 @@ import pyarrow as pa
 import ray
 
 from dags.step_graph import build_delivery_graph
-from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Rollout, Ticket, TrainOut, ValOut
+from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Rollout, Stored, Ticket, TrainOut, ValOut
 from pipeline.algos.groups import fill_failed_rewards, flat_group_indices
 from pipeline.generator.engine_loop import EngineLoop, InFlight
 from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
@@ -47,8 +47,8 @@ class GeneratorWorker(Actor):
         self._puts: list = []   # the controller's answers to batches put, not yet checked (the loop's)
 
     def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, incarnation: int = 0,
-                  start_weights: tuple = (), after: Clock = (), reward_model=None) -> Clock:
-        """`start_weights`: (ObjectRef of (version, state),) when starting mid-run (a
+                  start_weights: Stored | None = None, after: Clock = (), reward_model=None) -> Clock:
+        """`start_weights`: the stored (version, state) when starting mid-run (a
         restart, a resume); the load is logged as this worker's refit to that version.
         `after`: the caller's clock (it holds the trainer's, from current_weights).
         `reward_model`: the run's reward model actor, which scores each batch before the buffer takes it."""
@@ -76,8 +76,8 @@ class GeneratorWorker(Actor):
         self.controller = controller
         self.version, self._loaded_step = 0, None
         self._puts = []
-        if start_weights:
-            version, stored = ray.get(start_weights[0])
+        if start_weights is not None:
+            version, stored = start_weights.fetch(cfg.run.deadline_s)
             self.log.emit("weights_fetched", step=version - 1, version=version)
             self.log.emit("refit_start", step=version - 1, version=self.version)
             self.engine.load_weights(packing.unpack(stored))
@@ -108,7 +108,7 @@ class GeneratorWorker(Actor):
         if train.version == self.version + 1 and not collective:
             # Fetched while rollouts may still run: only the load changes the engine.
             with spans.span("weights.get"):
-                fetched = ray.get(train.weights_ref[0])
+                fetched = train.weights_ref.fetch(self.cfg.run.deadline_s)
             self.log.emit("weights_fetched", step=gate.step, version=train.version)
         self._drain(gate.step)
         if self._loaded_step == gate.step and train.version == self.version:

@@ -146,7 +146,7 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
                  *([used.reward_model.ready.remote()] if used.reward_model is not None else [])]
         if ckpt is None:
             # A fresh run's generators start from the model directory, as the trainer does: all start at once.
-            setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, (), log.now(), used.reward_model)
+            setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, None, log.now(), used.reward_model)
                       for g in used.generators]
             log.merge(*_wait(setup, cfg))
         else:

@@ -24,7 +24,7 @@ import threading
 import pyarrow as pa
 import ray
 
-from dags.tokens import Advantages, Batch, CriticOut, Values
+from dags.tokens import Advantages, Batch, CriticOut, Stored, Values
 from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.algos.ppo import compute_advantages
@@ -75,13 +75,13 @@ class CriticWorker(Actor):
     @on_step_thread
     @node("critic_values")
     def critic_values(self, batch: Batch) -> Values:
-        table = ray.get(batch.table_ref[0])
+        table = batch.table_ref.fetch(self.cfg.run.deadline_s)
         with self._lock:
             values = self.engine.values(table, self._shard(table))
         self._live_values = ref = ray.put(values)
         # Only this step's entry: its critic_train comes before the next critic_values.
         self._pending = {batch.step: table}
-        return Values(batch.step, self.rank, (ref,))
+        return Values(batch.step, self.rank, Stored(ref))
 
     @on_step_thread
     @node("advantages")
@@ -91,12 +91,12 @@ class CriticWorker(Actor):
         if sorted(v.rank for v in shards) != list(range(self.world_size)) or {v.step for v in shards} != {step}:
             raise RuntimeError(f"advantages: values of ranks {[v.rank for v in shards]} for steps "
                                f"{sorted({v.step for v in shards})}; expected every rank's of step {step}")
-        values = [row for v in sorted(shards, key=lambda v: v.rank) for row in ray.get(v.values_ref[0])]
+        values = [row for v in sorted(shards, key=lambda v: v.rank) for row in v.values_ref.fetch(self.cfg.run.deadline_s)]
         p = self.cfg.ppo
         targets, stats = compute_advantages(self._pending[step], values, gamma=p.gamma, lam=p.lam,
                                             whiten_advantages=p.whiten_advantages)
         self._live_advantages = ref = ray.put(targets)
-        return Advantages(step, (ref,), tuple(sorted(stats.items())))
+        return Advantages(step, Stored(ref), tuple(sorted(stats.items())))
 
     @on_step_thread
     @node("critic_train")
@@ -105,7 +105,7 @@ class CriticWorker(Actor):
         if table is None:
             raise RuntimeError(f"critic_train of step {adv.step} without its critic_values "
                                f"(pending: {sorted(self._pending)})")
-        targets = ray.get(adv.table_ref[0])
+        targets = adv.table_ref.fetch(self.cfg.run.deadline_s)
         with self._lock:
             metrics = self.engine.train_step(table, targets, self._shard(table))
         self.skipped.check(adv.step, None, metrics)

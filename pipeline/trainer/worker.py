@@ -11,7 +11,7 @@ import time
 import pyarrow as pa
 import ray
 
-from dags.tokens import Advantages, Batch, Clock, Gate, TrainOut, WeightsSent
+from dags.tokens import Advantages, Batch, Clock, Gate, Stored, TrainOut, WeightsSent
 from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.weights import packing
@@ -62,15 +62,15 @@ class TrainerWorker(Actor):
                       packing=self.batching.packed, packing_off=getattr(self.engine, "packing_off", "") or None)
         return self.log.now()
 
-    def current_weights(self) -> tuple[int, tuple, Clock]:
-        """The version, (ObjectRef of (version, weights),) and the clock of the event that
+    def current_weights(self) -> tuple[int, Stored, Clock]:
+        """The version, the stored (version, weights) and the clock of the event that
         made them, for a generator that starts mid-run: its load is after that event."""
         version, ref, clock = self._live
         if ref is None:
             # Only rank 0 is asked; with several ZeRO-3 ranks begin_run has exported already.
             ref = self._put(version, self.engine.export_weights())
             self._live = (version, ref, clock)
-        return version, (ref,), clock
+        return version, Stored(ref), clock
 
     @on_step_thread
     @node("train")
@@ -84,7 +84,7 @@ class TrainerWorker(Actor):
         self.log.emit("train_start", step=batch.step, version=self.version,
                       batches=list(batch.batch_ids), batch_versions=list(batch.versions))
         with spans.span("batch.get"):
-            table = ray.get(batch.table_ref[0])
+            table = batch.table_ref.fetch(self.cfg.run.deadline_s)
         trained, shaped = self._overlong(table)
         if advantages is not None and batch.step < self.cfg.ppo.critic_warmup:
             metrics = {"policy_frozen": 1.0}
@@ -124,7 +124,7 @@ class TrainerWorker(Actor):
                    "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist())),
                    # The model's own tokens: response_tokens less the environments' observations.
                    "model_tokens": float(sum(trained_tokens(table)))}
-        return TrainOut(batch.step, self.version, (weights_ref,) if weights_ref else (),
+        return TrainOut(batch.step, self.version, Stored(weights_ref) if weights_ref else None,
                         tuple(sorted(metrics.items())))
 
     def _overlong(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
@@ -211,7 +211,7 @@ class TrainerWorker(Actor):
         (reinforce_pp.kl_coef; metric reward_kl); else the algorithm's outcome
         advantages of the table's rewards."""
         if advantages is not None:
-            return ray.get(advantages.table_ref[0]), {}
+            return advantages.table_ref.fetch(self.cfg.run.deadline_s), {}
         # Here, not at the top: the driver imports this module and need not import torch.
         from pipeline.algos.advantages import grpo_advantages, kl_reward_advantages
         kl_coef = self.cfg.reinforce_pp.kl_coef

@@ -180,7 +180,7 @@ def test_sample_hands_the_step_its_batches_through_the_object_store(start, ray_s
         put(c, launch.batch_id, 0, trajectories(launch, 0), clock=((f"gen{launch.generator}/rollouts", 3),))
     batch = c.sample(StepPlan(0, False))
     assert (batch.step, batch.batch_ids, batch.versions) == (0, ("t0.g0", "t0.g1"), (0, 0))
-    table = ray_session.get(batch.table_ref[0])
+    table = batch.table_ref.fetch(60)
     assert table.column("prompt_id").to_pylist() == prompt_ids(launches[:2])
     # After both rollouts it waited for: their clocks are in the token it hands on.
     assert dict(batch.clock)["gen0/rollouts"] == dict(batch.clock)["gen1/rollouts"] == 3
@@ -342,7 +342,7 @@ def test_dynamic_sampling_tops_up_a_short_step_and_trains_its_informative_groups
     assert c.top_up(StepPlan(0, False), 2).launches == ()   # 4 informative groups: the step is full
     batch = c.sample(StepPlan(0, False))
     assert batch.batch_ids == ("t0.g0", "t0.g1", "t0.r1.g0", "t0.r1.g1") and batch.versions == (0, 0, 0, 0)
-    assert ray_session.get(batch.table_ref[0]).column("reward").to_pylist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert batch.table_ref.fetch(60).column("reward").to_pylist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
     # The reward metrics are of all 16 rollouts, the left-out ones among them: 8 scored 1, 2 scored 0.5.
     assert dict(batch.metrics) | {"reward_std": 0} == {
         "flat_groups_dropped": 4.0, "surplus_groups_dropped": 0.0, "informative_groups": 4.0, "extra_prompts": 4.0,
@@ -361,5 +361,5 @@ def test_a_step_with_no_informative_group_trains_on_none_and_says_so(start, tmp_
     assert [len(l.prompts) for l in extra] == [1]   # dynamic_sampling.max_prompts
     put_grouped(c, extra[0], [1.0, 1.0])
     batch = c.sample(StepPlan(0, False))
-    assert ray_session.get(batch.table_ref[0]).num_rows == 0
+    assert batch.table_ref.fetch(60).num_rows == 0
     assert dict(batch.metrics)["informative_groups"] == 0.0 and dict(batch.metrics)["flat_groups_dropped"] == 3.0

@@ -176,9 +176,9 @@ def test_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, sim_pool, u
     trainer = TrainerWorker()
     trainer.begin_run(in_process_config(tmp_path, "probe"), str(tmp_path / "probe"), time.time(),
                       str(ckpt / "trainer_state"), RESUMED_AT)
-    version, (weights,) = trainer.current_weights()[:2]   # (version, (ref,), ...)
+    version, weights = trainer.current_weights()[:2]
     saved = json.loads((ckpt / "policy" / "sim_weights.json").read_text())
-    assert version == RESUMED_AT and ray.get(weights) == (RESUMED_AT, saved) == (RESUMED_AT, {"sim_updates": 4})
+    assert version == RESUMED_AT and weights.fetch(60) == (RESUMED_AT, saved) == (RESUMED_AT, {"sim_updates": 4})
 
 
 def test_resume_when_every_batch_had_arrived_at_the_checkpoint(tmp_path, monkeypatch, sim_pool, uninterrupted):

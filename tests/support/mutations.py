@@ -83,8 +83,8 @@ class MutantGenerator(GeneratorWorker):
         self._drain(plan.step)
         deadline = time.monotonic() + self.cfg.run.deadline_s
         while True:
-            _, (ref,), _ = ray.get(self.trainer.current_weights.remote())
-            version, weights = ray.get(ref)
+            _, stored, _ = ray.get(self.trainer.current_weights.remote())
+            version, weights = stored.fetch(self.cfg.run.deadline_s)
             if version == plan.step + 1:
                 break
             if time.monotonic() > deadline:
