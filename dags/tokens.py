@@ -137,10 +137,30 @@ class Launch:
 
 @dataclass(frozen=True)
 class Resume:
+    """The resume node's: collection goes on once every generator holds the new
+    weights and has validated them; the batches to launch, the validation's scores."""
     step: int
     version: int
     launches: tuple[Launch, ...] = ()
     val_scores: tuple[tuple[str, float], ...] = ()
+    clock: Clock = ()
+
+
+@dataclass(frozen=True)
+class TopUp:
+    """A dynamic-sampling round's extra launches for the current step, at its weights (the top_up node)."""
+    step: int
+    version: int
+    launches: tuple[Launch, ...] = ()
+    clock: Clock = ()
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """A dead generator's unfinished batches, for its replacement (the relaunch graph)."""
+    step: int
+    version: int
+    launches: tuple[Launch, ...] = ()
     clock: Clock = ()
 
 

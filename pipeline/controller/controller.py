@@ -27,12 +27,14 @@ from dags.tokens import (
     CriticOut,
     Gate,
     Launch,
+    Relaunch,
     RelaunchPlan,
     Resume,
     Rollout,
     StepPlan,
     Stored,
     Ticket,
+    TopUp,
     TrainOut,
     ValOut,
     WeightsSent,
@@ -97,7 +99,7 @@ class Controller(Actor):
                      wait_s=time.perf_counter() - started, metrics=metrics)
 
     @node("top_up")
-    def top_up(self, plan: StepPlan, round_: int, *started: Ticket) -> Resume:
+    def top_up(self, plan: StepPlan, round_: int, *started: Ticket) -> TopUp:
         """Dynamic sampling's round `round_`: once every rollout of the step is in,
         launch more prompts if they hold fewer informative groups than the step
         needs: as many as the share of informative groups so far says will fill
@@ -116,7 +118,7 @@ class Controller(Actor):
         self.log.emit("top_up", step=plan.step, version=plan.step, round=round_, informative=informative,
                       groups=seen, prompts=count)
         self._top_ups[plan.step] = self._top_ups.get(plan.step, 0) + count
-        return Resume(plan.step, plan.step, tuple(launches))
+        return TopUp(plan.step, plan.step, tuple(launches))
 
     def _informative_groups(self, step: int, table: pa.Table) -> tuple[pa.Table, tuple]:
         """The first prompts_per_step informative groups of the step's batches, in
@@ -225,11 +227,11 @@ class Controller(Actor):
         return launch
 
     @node("relaunch")
-    def relaunch(self, plan: RelaunchPlan) -> Resume:
+    def relaunch(self, plan: RelaunchPlan) -> Relaunch:
         """The dead generator's unfinished batches, for its replacement: same ids, same prompts."""
         launches = [self._relaunch(e.batch_id, plan.version, f"{plan.dead_worker} died", plan.dead_worker)
                     for e in self.buffer.in_flight(plan.generator)]
-        return Resume(self.start_step - 1, plan.version, tuple(launches))
+        return Relaunch(self.start_step - 1, plan.version, tuple(launches))
 
     def interrupt(self, reason: str) -> None:
         self.buffer.interrupt(reason)

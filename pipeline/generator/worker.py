@@ -19,7 +19,7 @@ import pyarrow as pa
 import ray
 
 from dags.step_graph import build_delivery_graph
-from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Rollout, Stored, Ticket, TrainOut, ValOut
+from dags.tokens import Clock, Gate, Launch, Refitted, Relaunch, Resume, Rollout, Stored, Ticket, TopUp, TrainOut, ValOut
 from pipeline.algos.groups import fill_failed_rewards, flat_group_indices
 from pipeline.generator.engine_loop import EngineLoop, InFlight
 from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
@@ -190,7 +190,7 @@ class GeneratorWorker(Actor):
                       validate_s=time.perf_counter() - started)
 
     @node("collect")
-    def collect(self, resume: Resume) -> Ticket:
+    def collect(self, resume: Resume | Relaunch) -> Ticket:
         """Every launched batch starts here, inside the node: the engine loop adds
         its requests and logs rollout_start before it answers, so a rollout can
         only start where the graph puts `collect`, and the Ticket's clock is
@@ -202,7 +202,7 @@ class GeneratorWorker(Actor):
         return self._start_rollouts(resume, self.version)
 
     @node("extra_collect")
-    def extra_collect(self, top_up: Resume) -> Ticket:
+    def extra_collect(self, top_up: TopUp) -> Ticket:
         """Dynamic sampling's extra rollouts for the current step (top_up's launches).
         Rollouts of later steps may still run, under either refit mode: no refit
         comes before this step's training, which waits for these rollouts."""
@@ -210,8 +210,8 @@ class GeneratorWorker(Actor):
             raise RuntimeError(f"asked to roll out with version {top_up.version}, engine holds {self.version}")
         return self._start_rollouts(top_up, self.version)
 
-    def _start_rollouts(self, resume: Resume, version: int) -> Ticket:
-        mine = [launch for launch in resume.launches if launch.generator == self.index]
+    def _start_rollouts(self, launched: Resume | Relaunch | TopUp, version: int) -> Ticket:
+        mine = [launch for launch in launched.launches if launch.generator == self.index]
         for launch in mine:
             self.log.emit("launch", step=launch.target, version=version, batch=launch.batch_id,
                           target=launch.target, **({"round": launch.round} if launch.round else {}))
@@ -219,8 +219,8 @@ class GeneratorWorker(Actor):
         requests = [(launch, [s for seeds in sample_seeds(self.cfg.run.seed, launch.batch_id, list(launch.prompts),
                                                           group) for s in seeds]) for launch in mine]
         busy = self._loop.call("submit", (version, requests), self.cfg.run.deadline_s,
-                               f"collect of step {resume.step}")
-        return Ticket(self.log.worker, resume.step, version, tuple(l.batch_id for l in mine), busy)
+                               f"collect of step {launched.step}")
+        return Ticket(self.log.worker, launched.step, version, tuple(l.batch_id for l in mine), busy)
 
     def _deliver(self, batch: InFlight, completions: list[Completion], profile: dict) -> None:
         """The engine loop's: a finished batch, scored and put. Its clock goes with

@@ -12,7 +12,7 @@ import pytest
 import ray
 from tests.controller.test_controller import trajectories
 
-from dags.tokens import Resume, Rollout, ValOut
+from dags.tokens import Relaunch, Resume, Rollout, TopUp, ValOut
 from pipeline.controller.controller import Controller
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.config import load_config
@@ -77,8 +77,8 @@ def in_process_config(tmp_path, name: str, *overrides: str):
 
 
 class LaunchLog:
-    """Every launch the driver's graph executions returned (the Resume tokens
-    that the collect nodes started), recorded in the driver process."""
+    """Every launch the driver's graph executions returned (the Resume, TopUp and
+    Relaunch tokens that the collect nodes started), recorded in the driver process."""
 
     def __init__(self, monkeypatch):
         self.launches = []
@@ -86,7 +86,7 @@ class LaunchLog:
 
         def run(runner, plan, deadline_s, run_dir):
             out = original(runner, plan, deadline_s, run_dir)
-            self.launches += [launch for token in out.values() if isinstance(token, Resume)
+            self.launches += [launch for token in out.values() if isinstance(token, (Resume, TopUp, Relaunch))
                               for launch in token.launches]
             return out
         monkeypatch.setattr(GraphRunner, "run", run)
