@@ -237,7 +237,7 @@ class Schedule:
 
     def step(self, step: int) -> list:
         """Train step `step` on what has arrived, then launch as its resume does."""
-        self.controller.buffer.take(step, deadline_s=5)
+        self.controller.queue.take(step, deadline_s=5)
         new = self._resume(step, step + 1)
         self.launches += new
         return new
@@ -272,7 +272,7 @@ def test_controller_restores_its_data_position_exactly(tmp_path):
     assert c.order == saved["order"] == run.controller.order
     assert c.cursor == saved["cursor"] == run.controller.cursor
     assert c.rng.getstate() == run.controller.rng.getstate()
-    assert c.buffer.accounting() == run.controller.buffer.accounting()
+    assert c.queue.accounting() == run.controller.queue.accounting()
     # The in-flight batches go out again as they were; the draws from here on are
     # the same, across three reshuffles of the 64 prompts.
     assert [(l.batch_id, l.prompts) for l in resumed.launches] == \
