@@ -9,12 +9,12 @@ and, for each rollout batch that collect started, once it is finished:
 
 The train sub-graph fans out to the policy's data-parallel ranks (train[r],
 each on its shard of the batch) and joins them in train_done, which passes one
-TrainOut on; with one rank and GRPO it is the single `train` node.
+TrainOut on; with one rank and no critic it is the single `train` node.
 
 A node runs only once the nodes whose tokens it takes have returned, so:
 rollouts start only in `collect`, which waits for `resume`, which waits for
 every generator's validation, which waits for that generator's refit, which
-waits for training. GRPO and PPO differ only in the train sub-graph; the rest
+waits for training. Critic-free algorithms and PPO differ only in the train sub-graph; the rest
 is `ordering_subgraph`, shared by both and by the recovery graph.
 
 With dynamic_sampling.max_rounds = R (DAPO), R top-up rounds come before
@@ -51,7 +51,7 @@ def _ranked(name: str, nodes: list) -> Named:
     return [(name, nodes[0])] if len(nodes) == 1 else [(f"{name}[{r}]", n) for r, n in enumerate(nodes)]
 
 
-def grpo_train_subgraph(workers: Workers, batch) -> Named:
+def critic_free_train_subgraph(workers: Workers, batch) -> Named:
     """Every rank trains on its shard; train_done joins them (nothing to join with one rank)."""
     ranks = [t.train.bind(batch) for t in workers.trainers]
     if len(ranks) == 1:
@@ -59,7 +59,7 @@ def grpo_train_subgraph(workers: Workers, batch) -> Named:
     return [*_ranked("train", ranks), ("train_done", workers.controller.train_done.bind(*ranks))]
 
 
-def ppo_train_subgraph(workers: Workers, batch) -> Named:
+def actor_critic_train_subgraph(workers: Workers, batch) -> Named:
     """The old critic's values of every shard -> GAE over the whole batch (critic
     rank 0); then the policy and critic ranks update side by side; train_done
     joins them so nothing downstream runs before all are done."""
@@ -72,7 +72,7 @@ def ppo_train_subgraph(workers: Workers, batch) -> Named:
 
 
 TRAIN_SUBGRAPHS: dict[str, Callable[[Workers, Any], Named]] = {
-    "grpo": grpo_train_subgraph, "ppo": ppo_train_subgraph}
+    "critic_free": critic_free_train_subgraph, "actor_critic": actor_critic_train_subgraph}
 
 
 def ordering_subgraph(workers: Workers, plan, trained, collective: bool = False) -> Named:
@@ -108,7 +108,7 @@ def top_up_subgraph(workers: Workers, plan, rounds: int) -> tuple[Named, list]:
     return named, started
 
 
-def build_step_graph(workers: Workers, train_subgraph: Callable = grpo_train_subgraph,
+def build_step_graph(workers: Workers, train_subgraph: Callable = critic_free_train_subgraph,
                      collective: bool = False, top_up_rounds: int = 0) -> StepGraph:
     with InputNode() as plan:
         top_ups, started = top_up_subgraph(workers, plan, top_up_rounds)

@@ -146,7 +146,7 @@ class Execution:
     def _build(self, new_step_runner: bool = True) -> None:
         actors = actor_names(self.workers, self.incarnations)
         graph = step_graph_for(self.cfg, self.workers)
-        # The node whose TrainOut the ordering sub-graph takes: train (GRPO) or train_done (PPO).
+        # The node whose TrainOut the ordering sub-graph takes: train (critic-free, one rank) or train_done.
         self.trained_node = graph.node_names[graph.node_names.index("validation_gate") - 1]
         if new_step_runner:
             if self.step_runner is not None:

@@ -251,7 +251,7 @@ def render(graph: StepGraph, out_path: str | Path, title: str | None = None) -> 
 
 # ---------------------------------------------------------------- from a config
 
-def viz_workers(num_generators: int, algorithm: str = "grpo", trainers: int = 1, critics: int = 1) -> Workers:
+def viz_workers(num_generators: int, train_graph: str = "critic_free", trainers: int = 1, critics: int = 1) -> Workers:
     """Unstarted actors: ClassNodes only describe an actor, so binding them needs no cluster."""
     import ray
 
@@ -260,7 +260,7 @@ def viz_workers(num_generators: int, algorithm: str = "grpo", trainers: int = 1,
     from pipeline.generator.worker import GeneratorWorker
     from pipeline.trainer.worker import TrainerWorker
     critic_ranks = ()
-    if algorithm == "ppo":
+    if train_graph == "actor_critic":
         from pipeline.trainer.critic_worker import CriticWorker
         critic_ranks = tuple(rank_actor(CriticWorker).bind(r) for r in range(critics))
     return Workers(ray.remote(Controller).bind(), tuple(rank_actor(TrainerWorker).bind(r) for r in range(trainers)),

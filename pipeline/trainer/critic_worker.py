@@ -1,6 +1,6 @@
 """The PPO critic actor: values -> GAE advantages, then the value update.
 
-Three nodes per step (dags/step_graph.py ppo_train_subgraph), on each of the
+Three nodes per step (dags/step_graph.py actor_critic_train_subgraph), on each of the
 critic's data-parallel ranks (ppo.critic_ranks):
 
     critic_values  critic_values(Batch) -> Values   this rank's shard's values under

@@ -1,7 +1,7 @@
 """The trainer actor: the policy update (`train`) and the weights it exports.
 
 The work is done by the training engine (pipeline/trainer/); this actor
-computes the outcome advantages of GRPO and its variants (pipeline/algos/advantages.py), checks versions, logs,
+computes the outcome advantages of the critic-free algorithms (pipeline/algos/advantages.py), checks versions, logs,
 and puts the new weights in the object store for the generators' refits.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ class TrainerWorker(Actor):
     @on_step_thread
     @node("train")
     def train(self, batch: Batch, advantages: Advantages | None = None) -> TrainOut:
-        """GRPO: group advantages from the rewards. PPO: the critic's GAE advantages;
+        """Critic-free: outcome advantages from the rewards. PPO: the critic's GAE advantages;
         during ppo.critic_warmup the policy stays put, but the version still
         rises by one, so every step looks the same to the rest of the graph."""
         if any(v > self.version for v in batch.versions):
@@ -213,7 +213,7 @@ class TrainerWorker(Actor):
         if advantages is not None:
             return advantages.table_ref.fetch(self.cfg.run.deadline_s), {}
         # Here, not at the top: the driver imports this module and need not import torch.
-        from pipeline.algos.advantages import grpo_advantages, kl_reward_advantages
+        from pipeline.algos.advantages import critic_free_advantages, kl_reward_advantages
         kl_coef = self.cfg.reinforce_pp.kl_coef
         if kl_coef:
             # Every rank scores the whole batch: the whitening is over all of its tokens.
@@ -223,7 +223,7 @@ class TrainerWorker(Actor):
                 adv, kl = kl_reward_advantages(table, ref, kl_coef)
             return adv, {"reward_kl": kl}
         with spans.span("train.advantages"):
-            return grpo_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm), {}
+            return critic_free_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm), {}
 
     def save(self, path: str) -> None:
         """Every rank: rank 0 writes the HF checkpoint, the others join its gather."""

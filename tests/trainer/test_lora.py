@@ -16,7 +16,7 @@ import pytest
 import torch
 from tests.support.training_helpers import continue_after_resume, make_table, max_diff, sequence_logprobs, weights
 
-from pipeline.algos.advantages import grpo_advantages
+from pipeline.algos.advantages import critic_free_advantages
 from pipeline.weights import lora
 from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 from pipeline.core.types import Prompt, sample_seeds
@@ -48,7 +48,7 @@ def tiny_table(engine_or_ids, groups=3):
 
 def train(engine, table=None):
     table = table if table is not None else tiny_table(engine)
-    return engine.train_step(table, grpo_advantages(table, 2))
+    return engine.train_step(table, critic_free_advantages(table, 2))
 
 
 # -- config ------------------------------------------------------------------
