@@ -38,9 +38,8 @@ import ray
 from benchmarks.harness import CpuWindow, machine_info, print_table, print_targets, sample_load, shutdown_ray
 from benchmarks.harness import start_ray, stats, write_result
 from benchmarks.overhead_actors import DEADLINE_S, actors, configure, start_pool
-from dags.step_graph import build_prologue_graph, build_step_graph
+from dags.step_graph import Workers, build_prologue_graph, build_step_graph
 from dags.tokens import StepPlan
-from pipeline.run.pool import Workers
 
 MODES = ("compiled", "classic", "hand")
 

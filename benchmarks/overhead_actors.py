@@ -9,12 +9,12 @@ import time
 import ray
 import ray.cloudpickle
 
+from dags.step_graph import Workers
 from dags.tokens import Batch, Gate, Refitted, Resume, Ticket, TrainOut, ValOut
 from pipeline.controller.controller import Controller
 from pipeline.generator.worker import GeneratorWorker
 from pipeline.core.node import rank_actor
 from pipeline.trainer.worker import TrainerWorker
-from pipeline.run.pool import Workers
 
 # Ray's worker processes cannot import this module by name: ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

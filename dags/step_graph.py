@@ -25,20 +25,31 @@ version from the last refit until this step's, so an extra rollout is of age 0.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from ray.dag import InputNode, MultiOutputNode
 
 Named = list[tuple[str, Any]]   # (node name, DAG node) in topological order
 
 
-class Workers(Protocol):
-    """The actor handles a graph binds (pipeline/run/pool.py holds the live ones)."""
-    controller: Any          # sample, validation_gate, resume, train_done, relaunch
+@dataclass(frozen=True)
+class Workers:
+    """A run's actor handles, which the graphs bind (pipeline/run/pool.py starts them)."""
+    controller: Any          # sample, validation_gate, resume, train_done, top_up, relaunch
     trainers: tuple          # train, one per data-parallel rank; rank 0 exports the weights
-    generators: tuple        # refit, validate, collect
-    critics: tuple           # PPO only: critic_values, critic_train, one per rank; rank 0 also advantages
+    generators: tuple        # refit, validate, collect, extra_collect
+    critics: tuple = ()      # PPO only: critic_values, critic_train, one per rank; rank 0 also advantages
+    placement: Any = None    # pipeline.run.placement.Placement, or None: plain fractional CPUs
+    reward_model: Any = None  # the delivery graph's score (reward_model.kind); begin_run's, per run
+
+    def first(self, num_generators: int) -> "Workers":
+        return replace(self, generators=self.generators[:num_generators])
+
+    def replace_generator(self, index: int, actor: Any) -> "Workers":
+        gens = list(self.generators)
+        gens[index] = actor
+        return replace(self, generators=tuple(gens))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from pipeline.controller.rollout_queue import RolloutQueue
 from pipeline.core.types import Prompt
 from pipeline.config import Config
 from pipeline.core import spans
+from pipeline.core.worker_names import CONTROLLER
 
 
 class Controller(Actor):
@@ -54,7 +55,7 @@ class Controller(Actor):
         (data.filter_overlong), so that this process need not import a tokenizer
         to count them again; None: read and fit data.train here."""
         self.cfg = cfg
-        self.log = reopen_log(self, run_dir, "controller", t0)
+        self.log = reopen_log(self, run_dir, CONTROLLER, t0)
         self.log.emit("worker_start", **whereabouts())
         self.queue = RolloutQueue(cfg.schedule.max_age, self.log)
         self.prompts = list(prompts) if prompts is not None else train_prompts(cfg)

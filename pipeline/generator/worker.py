@@ -30,12 +30,8 @@ from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, Prompt, sample_se
 from pipeline.config import Config
 from pipeline.core import memory, spans
 from pipeline.core.graph_calls import submit
+from pipeline.core.worker_names import generator_name
 from pipeline.algos.rewards import combine
-
-
-def generator_name(index: int, incarnation: int = 0) -> str:
-    """gen<i>, and gen<i>r<k> for its k-th replacement: its name in events, metrics and errors."""
-    return f"gen{index}" + (f"r{incarnation}" if incarnation else "")
 
 
 class GeneratorWorker(Actor):

@@ -23,30 +23,20 @@ from pathlib import Path
 import ray
 import yaml
 
-from dags.step_graph import TRAIN_SUBGRAPHS, StepGraph, build_finish_graph, build_prologue_graph, build_step_graph
+from dags.step_graph import TRAIN_SUBGRAPHS, StepGraph, Workers, build_finish_graph, build_prologue_graph, build_step_graph
 from dags.tokens import StepPlan, TrainOut
-from pipeline.generator.worker import generator_name
 from pipeline.trainer.skipped_steps import console_warnings
 from pipeline.config import Config
 from pipeline.inputs.preflight import preflight
 from pipeline.run import checkpoint
 from pipeline.core.events import EventLog, merge_events
 from pipeline.core.memory import one_heap_arena
+from pipeline.core.worker_names import DRIVER, REWARD_MODEL, actor_names, generator_index, generator_name
 from pipeline.core.precision import cpu_bf16_flags, describe_cpu
 from pipeline.run.metrics import MetricSinks, Progress, RunTotals, step_metrics
 from pipeline.run.placement import place
 from pipeline.run.resources import ResourceProbe
-from pipeline.run.pool import (
-    Workers,
-    actor_names,
-    begin_run,
-    end_run,
-    generator_index,
-    replace_generator,
-    start_workers,
-    stop_workers,
-)
-from pipeline.reward_model.worker import NAME as REWARD_MODEL
+from pipeline.run.pool import begin_run, end_run, replace_generator, start_workers, stop_workers
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied
 from pipeline.run.trace import write_trace
 
@@ -170,7 +160,7 @@ class Execution:
                 return self._absorb(runner.run(replace(plan, clock=self.log.now()), self.cfg.run.deadline_s,
                                                self.run_dir))
             except WorkerDied as died:
-                index = generator_index(died.worker, self.workers, self.incarnations)
+                index = generator_index(died.worker, len(self.workers.generators), self.incarnations)
                 collective = self.cfg.generation.weight_sync == "collective"
                 if index is None or runner.mode == "compiled" or collective:
                     why = (f"Ray restarted it up to fault.max_restarts ({self.cfg.fault.max_restarts}) times"
@@ -279,7 +269,7 @@ def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None
         raise
     progress = Progress(cfg.run.steps, start, enabled=not quiet and cfg.metrics.progress)
     t0 = time.time()
-    log = EventLog(run_dir, "driver", t0)
+    log = EventLog(run_dir, DRIVER, t0)
     # Epoch seconds, so that a benchmark can relate the event log's `t` to its own clock.
     summary: dict = {"steps": start, "start_step": start, "error": None, "train_entered_at": entered, "t0": t0}
     if fitted:

@@ -19,9 +19,8 @@ from pathlib import Path
 
 from ray.dag import ClassMethodNode, ClassNode, DAGNode, FunctionNode, InputAttributeNode, InputNode, MultiOutputNode
 
-from dags.step_graph import StepGraph, build_prologue_graph
+from dags.step_graph import StepGraph, Workers, build_prologue_graph
 from pipeline.run.driver import step_graph_for
-from pipeline.run.pool import Workers
 
 FORMATS = (".dot", ".mmd", ".png", ".svg")
 # An actor class keeps its colour across graphs (step and prologue): the slot

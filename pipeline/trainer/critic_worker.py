@@ -29,7 +29,8 @@ from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_l
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.algos.ppo import compute_advantages
 from pipeline.trainer.engines import critic_engine
-from pipeline.core.data_parallel import Batching, Rendezvous, Shard, rank_name, table_shard
+from pipeline.core.data_parallel import Batching, Rendezvous, Shard, table_shard
+from pipeline.core.worker_names import CRITIC, rank_name
 from pipeline.config import Config
 from pipeline.core import memory
 from pipeline.core import spans
@@ -48,7 +49,7 @@ class CriticWorker(Actor):
             old.close()  # a pooled actor: free the last run's optimizer state first
         self.cfg = cfg
         self.world_size = cfg.ppo.critic_ranks
-        self.log = reopen_log(self, run_dir, rank_name("critic", self.rank, self.world_size), t0)
+        self.log = reopen_log(self, run_dir, rank_name(CRITIC, self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         spans.take()
         self.engine = critic_engine(cfg, self.rank, rendezvous)

@@ -16,7 +16,8 @@ from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_l
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.weights import packing
 from pipeline.trainer.engines import training_engine
-from pipeline.core.data_parallel import Batching, Rendezvous, rank_name, table_shard, trained_tokens
+from pipeline.core.data_parallel import Batching, Rendezvous, table_shard, trained_tokens
+from pipeline.core.worker_names import TRAINER, rank_name
 from pipeline.config import Config
 from pipeline.core import memory
 from pipeline.core import spans
@@ -36,7 +37,7 @@ class TrainerWorker(Actor):
         spans.take()
         self.cfg = cfg
         self.world_size = cfg.training.ranks
-        self.log = reopen_log(self, run_dir, rank_name("trainer", self.rank, self.world_size), t0)
+        self.log = reopen_log(self, run_dir, rank_name(TRAINER, self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         self.engine = training_engine(cfg, self.rank, rendezvous)
         # The engine's own: training.packing falls back to padding where its model does not keep rows apart.

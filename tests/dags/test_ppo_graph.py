@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from ray.dag import ClassMethodNode, InputNode
 
-from dags.step_graph import StepGraph, build_step_graph, critic_free_train_subgraph, actor_critic_train_subgraph
-from pipeline.run.pool import Workers
+from dags.step_graph import (StepGraph, Workers, actor_critic_train_subgraph, build_step_graph,
+                             critic_free_train_subgraph)
+from pipeline.core.worker_names import actor_names
 from pipeline.tools.render import viz_workers
 
 # The node that hands the TrainOut to the ordering sub-graph: the policy update
@@ -32,11 +33,11 @@ def structure(graph: StepGraph, workers: Workers) -> dict[str, tuple]:
     """name -> (actor, method, upstream labels) for every node of the graph.
 
     An upstream label is the upstream node's name, or "plan" for the graph's
-    input; the actor is named as in Workers.actors()."""
+    input; the actor is named as in its event log (actor_names)."""
     outputs = list(graph.dag.get_args())
     assert len(outputs) == len(graph.node_names)
     names = {id(n): name for n, name in zip(outputs, graph.node_names)}
-    actors = {id(a): name for name, a in workers.actors().items()}
+    actors = {id(a): name for name, a in actor_names(workers).items()}
 
     def label(arg) -> str:
         if isinstance(arg, InputNode):
