@@ -50,7 +50,7 @@ def long_tailed_table(seed: int = 0):
 def measure(model_dir: Path, table, micro_batch_size: int, max_tokens: int, steps: int, packing: bool = False) -> dict:
     import torch
 
-    from pipeline.algos.advantages import grpo_advantages
+    from pipeline.algos.advantages import critic_free_advantages
     from pipeline.core.data_parallel import Batching, row_lengths
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     torch.set_num_threads(1)
@@ -59,7 +59,7 @@ def measure(model_dir: Path, table, micro_batch_size: int, max_tokens: int, step
         f"training.packing={str(packing).lower()}", f"schedule.group_size={GROUP}"))
     if packing and not engine.batching.packed:
         raise RuntimeError(f"packing fell back: {engine.packing_off}")
-    advantages = grpo_advantages(table, GROUP)
+    advantages = critic_free_advantages(table, GROUP)
     times, metrics = [], {}
     try:
         for _ in range(steps):

@@ -5,7 +5,7 @@ A Llama model of a few hundred million parameters is built from a config
 the same way. On the same synthetic batch, with the same micro-batch size,
 ZeRO stage, dtype and DeepSpeed config:
 
-  worker  pipeline.algos.advantages.grpo_advantages(table) and
+  worker  pipeline.algos.advantages.critic_free_advantages(table) and
           pipeline.trainer.deepspeed_policy.DeepSpeedPolicyEngine.train_step(table, advantages):
           the GRPO trainer as the pipeline runs it (an Arrow table in
           TRAJECTORY_SCHEMA -> group advantages, rows, collation and
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = not args.cpu_smoke
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
-    from pipeline.algos.advantages import grpo_advantages
+    from pipeline.algos.advantages import critic_free_advantages
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 
     info = gpu_machine_info(cuda)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"training.micro_batch_size={size['micro_batch']}", f"training.lr={args.lr}", f"run.seed={args.seed}"))
 
         def worker_step() -> None:
-            worker.train_step(table, grpo_advantages(table, size["group_size"]))
+            worker.train_step(table, critic_free_advantages(table, size["group_size"]))
 
         for _ in range(size["warmup"]):
             worker_step()

@@ -198,7 +198,7 @@ def stage_paths(model_dir: Path, stage: int, bucket_sizes: list[int], size: dict
                 cuda: bool, timer: Timer) -> dict:
     import torch
 
-    from pipeline.algos.advantages import grpo_advantages
+    from pipeline.algos.advantages import critic_free_advantages
     from pipeline.trainer.deepspeed_base import full_params
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     from pipeline.weights.collective import ALIGN
@@ -207,7 +207,7 @@ def stage_paths(model_dir: Path, stage: int, bucket_sizes: list[int], size: dict
     try:
         batch = {**BATCH, "vocab": size["vocab"]}
         table = to_table(build_rows(batch, 0.25, seed))
-        engine.train_step(table, grpo_advantages(table, batch["group_size"]))
+        engine.train_step(table, critic_free_advantages(table, batch["group_size"]))
         module = engine.engine.module
         for _ in range(size["warmup"]):
             engine.export_weights()

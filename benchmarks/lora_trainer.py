@@ -37,7 +37,7 @@ def one(model_dir: str, rank: int, steps: int) -> dict:
     import torch
     torch.set_num_threads(1)
 
-    from pipeline.algos.advantages import grpo_advantages
+    from pipeline.algos.advantages import critic_free_advantages
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     from pipeline.core.types import TRAJECTORY_SCHEMA
     engine = DeepSpeedPolicyEngine(engine_config(model_dir, f"training.micro_batch_size={ROWS}",
@@ -48,7 +48,7 @@ def one(model_dir: str, rank: int, steps: int) -> dict:
                  response_ids=(r := torch.randint(3, 300, (RESPONSE,), generator=gen).tolist()),
                  logprobs=[-5.0] * len(r), reward=float(i % 4)) for i in range(ROWS)]
     table = pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
-    advantages = grpo_advantages(table, 4)
+    advantages = critic_free_advantages(table, 4)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

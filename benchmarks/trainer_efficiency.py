@@ -54,7 +54,7 @@ def batch(seed: int = 0):
 
     import pyarrow as pa
 
-    from pipeline.algos.advantages import grpo_advantages
+    from pipeline.algos.advantages import critic_free_advantages
     from pipeline.core.types import TRAJECTORY_SCHEMA
     rng, rows = random.Random(seed), []
     for p in range(PROMPTS):
@@ -65,7 +65,7 @@ def batch(seed: int = 0):
                              response_ids=[rng.randrange(3, 380) for _ in range(n)],
                              logprobs=[-rng.uniform(0.5, 6.0) for _ in range(n)], reward=float(i % 2)))
     table = pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
-    return table, grpo_advantages(table, GROUP)
+    return table, critic_free_advantages(table, GROUP)
 
 
 class Bare:

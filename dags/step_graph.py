@@ -9,12 +9,12 @@ and, for each rollout batch that collect started, once it is finished:
 
 The train sub-graph fans out to the policy's data-parallel ranks (train[r],
 each on its shard of the batch) and joins them in train_done, which passes one
-TrainOut on; with one rank and GRPO it is the single `train` node.
+TrainOut on; with one rank and no critic it is the single `train` node.
 
 A node runs only once the nodes whose tokens it takes have returned, so:
 rollouts start only in `collect`, which waits for `resume`, which waits for
 every generator's validation, which waits for that generator's refit, which
-waits for training. GRPO and PPO differ only in the train sub-graph; the rest
+waits for training. Critic-free algorithms and PPO differ only in the train sub-graph; the rest
 is `ordering_subgraph`, shared by both and by the recovery graph.
 
 With dynamic_sampling.max_rounds = R (DAPO), R top-up rounds come before
@@ -25,20 +25,31 @@ version from the last refit until this step's, so an extra rollout is of age 0.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from ray.dag import InputNode, MultiOutputNode
 
 Named = list[tuple[str, Any]]   # (node name, DAG node) in topological order
 
 
-class Workers(Protocol):
-    """The actor handles a graph binds (pipeline/run/pool.py holds the live ones)."""
-    controller: Any          # sample, validation_gate, resume, train_done, relaunch
+@dataclass(frozen=True)
+class Workers:
+    """A run's actor handles, which the graphs bind (pipeline/run/pool.py starts them)."""
+    controller: Any          # sample, validation_gate, resume, train_done, top_up, relaunch
     trainers: tuple          # train, one per data-parallel rank; rank 0 exports the weights
-    generators: tuple        # refit, validate, collect
-    critics: tuple           # PPO only: critic_values, critic_train, one per rank; rank 0 also advantages
+    generators: tuple        # refit, validate, collect, extra_collect
+    critics: tuple = ()      # PPO only: critic_values, critic_train, one per rank; rank 0 also advantages
+    placement: Any = None    # pipeline.run.placement.Placement, or None: plain fractional CPUs
+    reward_model: Any = None  # the delivery graph's score (reward_model.kind); begin_run's, per run
+
+    def first(self, num_generators: int) -> "Workers":
+        return replace(self, generators=self.generators[:num_generators])
+
+    def replace_generator(self, index: int, actor: Any) -> "Workers":
+        gens = list(self.generators)
+        gens[index] = actor
+        return replace(self, generators=tuple(gens))
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,7 @@ def _ranked(name: str, nodes: list) -> Named:
     return [(name, nodes[0])] if len(nodes) == 1 else [(f"{name}[{r}]", n) for r, n in enumerate(nodes)]
 
 
-def grpo_train_subgraph(workers: Workers, batch) -> Named:
+def critic_free_train_subgraph(workers: Workers, batch) -> Named:
     """Every rank trains on its shard; train_done joins them (nothing to join with one rank)."""
     ranks = [t.train.bind(batch) for t in workers.trainers]
     if len(ranks) == 1:
@@ -60,7 +71,7 @@ def grpo_train_subgraph(workers: Workers, batch) -> Named:
     return [*_ranked("train", ranks), ("train_done", workers.controller.train_done.bind(*ranks))]
 
 
-def ppo_train_subgraph(workers: Workers, batch) -> Named:
+def actor_critic_train_subgraph(workers: Workers, batch) -> Named:
     """The old critic's values of every shard -> GAE over the whole batch (critic
     rank 0); then the policy and critic ranks update side by side; train_done
     joins them so nothing downstream runs before all are done."""
@@ -73,7 +84,7 @@ def ppo_train_subgraph(workers: Workers, batch) -> Named:
 
 
 TRAIN_SUBGRAPHS: dict[str, Callable[[Workers, Any], Named]] = {
-    "grpo": grpo_train_subgraph, "ppo": ppo_train_subgraph}
+    "critic_free": critic_free_train_subgraph, "actor_critic": actor_critic_train_subgraph}
 
 
 def ordering_subgraph(workers: Workers, plan, trained, collective: bool = False) -> Named:
@@ -109,7 +120,7 @@ def top_up_subgraph(workers: Workers, plan, rounds: int) -> tuple[Named, list]:
     return named, started
 
 
-def build_step_graph(workers: Workers, train_subgraph: Callable = grpo_train_subgraph,
+def build_step_graph(workers: Workers, train_subgraph: Callable = critic_free_train_subgraph,
                      collective: bool = False, top_up_rounds: int = 0) -> StepGraph:
     with InputNode() as plan:
         top_ups, started = top_up_subgraph(workers, plan, top_up_rounds)

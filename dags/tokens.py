@@ -16,9 +16,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
+
 # A vector clock: (lane, count) pairs, sorted by lane. A lane is one sequence of
 # events: a node of one worker, a generator's rollout thread, the driver.
 Clock = tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class Stored:
+    """An object in Ray's object store, by reference. Ray fetches a bare ObjectRef
+    that is a task's own argument before the task runs; one held here reaches the
+    node as a reference, fetched where it decides, within a deadline."""
+    ref: Any  # ray.ObjectRef
+
+    def fetch(self, timeout_s: float) -> Any:
+        return ray.get(self.ref, timeout=timeout_s)
 
 
 @dataclass(frozen=True)
@@ -34,7 +47,7 @@ class Batch:
     step: int
     batch_ids: tuple[str, ...]
     versions: tuple[int, ...]
-    table_ref: tuple[Any, ...] = ()  # (ObjectRef,) wrapped so Ray does not resolve it on the edge
+    table_ref: Stored | None = None
     wait_s: float = 0.0              # how long sample waited for rollouts: exposed generation
     metrics: tuple[tuple[str, float], ...] = ()  # dynamic sampling's: groups left out, extra launches
     clock: Clock = ()
@@ -45,7 +58,7 @@ class Values:
     """PPO: one critic rank's values of its shard of a step's batch."""
     step: int
     rank: int
-    values_ref: tuple[Any, ...] = ()  # (ObjectRef,) of list[list[float]]: per response token of each row
+    values_ref: Stored | None = None  # list[list[float]]: per response token of each row
     clock: Clock = ()
 
 
@@ -53,7 +66,7 @@ class Values:
 class Advantages:
     """PPO: the critic's values, GAE advantages and returns for one step's batch."""
     step: int
-    table_ref: tuple[Any, ...] = ()  # (ObjectRef,) of an Arrow table: advantages, returns, values per token
+    table_ref: Stored | None = None  # an Arrow table: advantages, returns, values per token
     metrics: tuple[tuple[str, float], ...] = ()
     clock: Clock = ()
 
@@ -69,7 +82,7 @@ class CriticOut:
 class TrainOut:
     step: int
     version: int
-    weights_ref: tuple[Any, ...] = ()  # (ObjectRef,) of the exported weights
+    weights_ref: Stored | None = None  # (version, exported weights); None: rank > 0, or a collective sync
     metrics: tuple[tuple[str, float], ...] = ()
     clock: Clock = ()
 
@@ -124,10 +137,30 @@ class Launch:
 
 @dataclass(frozen=True)
 class Resume:
+    """The resume node's: collection goes on once every generator holds the new
+    weights and has validated them; the batches to launch, the validation's scores."""
     step: int
     version: int
     launches: tuple[Launch, ...] = ()
     val_scores: tuple[tuple[str, float], ...] = ()
+    clock: Clock = ()
+
+
+@dataclass(frozen=True)
+class TopUp:
+    """A dynamic-sampling round's extra launches for the current step, at its weights (the top_up node)."""
+    step: int
+    version: int
+    launches: tuple[Launch, ...] = ()
+    clock: Clock = ()
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """A dead generator's unfinished batches, for its replacement (the relaunch graph)."""
+    step: int
+    version: int
+    launches: tuple[Launch, ...] = ()
     clock: Clock = ()
 
 

@@ -27,7 +27,7 @@ from pipeline.algos.groups import flat_group_indices
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA
 
 # The policy update reads only the advantages: PPO's column, on its own.
-GRPO_ADVANTAGE_SCHEMA = pa.schema([ADVANTAGE_SCHEMA.field("advantages")])
+CRITIC_FREE_ADVANTAGE_SCHEMA = pa.schema([ADVANTAGE_SCHEMA.field("advantages")])
 GROUP_KEYS = ("batch_id", "prompt_id", "prompt_ids")
 
 
@@ -88,9 +88,9 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     return adv.view(-1)
 
 
-def grpo_advantages(table: pa.Table, group_size: int, estimator: str = "grpo") -> pa.Table:
+def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "grpo") -> pa.Table:
     """Each row's advantage (outcome_advantages of the `reward` column) on
-    every one of its response tokens: a GRPO_ADVANTAGE_SCHEMA table, row i for
+    every one of its response tokens: a CRITIC_FREE_ADVANTAGE_SCHEMA table, row i for
     row i of `table`, whose rows must be consecutive groups of `group_size`
     samples of one prompt.
     """
@@ -101,13 +101,13 @@ def grpo_advantages(table: pa.Table, group_size: int, estimator: str = "grpo") -
         raise ValueError(f"row {pc.index(pc.is_null(rewards), True).as_py()} has no reward")
     _check_groups(table.select(list(GROUP_KEYS)).to_pylist(), group_size)
     if not table.num_rows:  # torch warns about the std of no samples
-        return GRPO_ADVANTAGE_SCHEMA.empty_table()
+        return CRITIC_FREE_ADVANTAGE_SCHEMA.empty_table()
     adv = outcome_advantages(torch.from_numpy(rewards.to_numpy().astype(np.float32)), group_size, estimator).numpy()
     # Built from offsets, not per-token Python lists: a long response costs one repeat, not a list.
     lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_numpy()
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
     tokens = pa.ListArray.from_arrays(offsets, pa.array(np.repeat(adv, lengths), pa.float32()))
-    return pa.Table.from_arrays([tokens], schema=GRPO_ADVANTAGE_SCHEMA)
+    return pa.Table.from_arrays([tokens], schema=CRITIC_FREE_ADVANTAGE_SCHEMA)
 
 
 def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_coef: float,
@@ -118,7 +118,7 @@ def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_co
     with the rollout's logprobs (the behaviour policy) and the reference's;
     its advantage is the return-to-go sum_{s >= t} r_s (no discount), whitened
     over every model token of the batch (loss_mask 1; the others get 0).
-    Returns the GRPO_ADVANTAGE_SCHEMA table and the batch's mean KL per model token."""
+    Returns the CRITIC_FREE_ADVANTAGE_SCHEMA table and the batch's mean KL per model token."""
     rows = table.select(["logprobs", "loss_mask", "reward"]).to_pylist()
     if len(ref_logprobs) != len(rows):
         raise ValueError(f"{len(ref_logprobs)} reference rows for a table of {len(rows)}")
@@ -143,7 +143,7 @@ def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_co
         scaled = [(g - mean) / (std + eps) * m for g, m in zip(returns, masks)]
     tokens = pa.array([a.astype(np.float32).tolist() for a in scaled], pa.list_(pa.float32()))
     kl_all = np.concatenate(kls) if kls else np.zeros(0)
-    return pa.Table.from_arrays([tokens], schema=GRPO_ADVANTAGE_SCHEMA), float(kl_all.mean()) if kl_all.size else 0.0
+    return pa.Table.from_arrays([tokens], schema=CRITIC_FREE_ADVANTAGE_SCHEMA), float(kl_all.mean()) if kl_all.size else 0.0
 
 
 def _check_groups(rows: list[dict], group_size: int) -> None:

@@ -37,19 +37,6 @@ def _check_right_padded(mask: Tensor) -> Tensor:
     return valid
 
 
-def last_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
-    """[B] sequence rewards -> [B, T] token rewards: r at each row's last real
-    token, 0 elsewhere. A row without tokens gets nothing (it has no action)."""
-    valid = _check_right_padded(mask)
-    if rewards.shape != (valid.shape[0],):
-        raise ValueError(f"rewards must be [B] = [{valid.shape[0]}], got shape {tuple(rewards.shape)}")
-    lengths = valid.sum(dim=1)
-    out = torch.zeros(valid.shape, dtype=torch.float32, device=mask.device)
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    out[rows, lengths[rows] - 1] = rewards.float().to(out.device)[rows]
-    return out
-
-
 def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float,
         lam: float) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation over right-padded response tokens.

@@ -373,11 +373,11 @@ class Config:
 
     @property
     def train_graph(self) -> str:
-        """The training sub-graph (dags/): ppo's with the critic, else grpo's, which
-        every critic-free estimator shares."""
-        return "ppo" if self.algorithm == "ppo" else "grpo"
+        """The training sub-graph (dags/ TRAIN_SUBGRAPHS): ppo's with its critic, else
+        the one every critic-free estimator shares."""
+        return "actor_critic" if self.algorithm == "ppo" else "critic_free"
 
     @property
     def critic_actors(self) -> int:
-        """Critic actors the run starts: ppo.critic_ranks under PPO, none under GRPO."""
+        """Critic actors the run starts: ppo.critic_ranks under PPO, none under a critic-free algorithm."""
         return self.ppo.critic_ranks if self.algorithm == "ppo" else 0

@@ -1,4 +1,4 @@
-"""The controller actor: replay buffer, prompt stream and launch schedule.
+"""The controller actor: rollout queue, prompt stream and launch schedule.
 
 Its graph nodes are sample, validation_gate, resume and train_done; the
 generators' engine loops call `put` and `rollout_failed`; the driver calls
@@ -27,21 +27,25 @@ from dags.tokens import (
     CriticOut,
     Gate,
     Launch,
+    Relaunch,
     RelaunchPlan,
     Resume,
     Rollout,
     StepPlan,
+    Stored,
     Ticket,
+    TopUp,
     TrainOut,
     ValOut,
     WeightsSent,
 )
 from pipeline.algos.groups import choose_groups, flat_group_indices
 from pipeline.core.node import Actor, node, reopen_log, whereabouts
-from pipeline.controller.replay_buffer import ReplayBuffer
+from pipeline.controller.rollout_queue import RolloutQueue
 from pipeline.core.types import Prompt
 from pipeline.config import Config
 from pipeline.core import spans
+from pipeline.core.worker_names import CONTROLLER
 
 
 class Controller(Actor):
@@ -51,9 +55,9 @@ class Controller(Actor):
         (data.filter_overlong), so that this process need not import a tokenizer
         to count them again; None: read and fit data.train here."""
         self.cfg = cfg
-        self.log = reopen_log(self, run_dir, "controller", t0)
+        self.log = reopen_log(self, run_dir, CONTROLLER, t0)
         self.log.emit("worker_start", **whereabouts())
-        self.buffer = ReplayBuffer(cfg.schedule.max_age, self.log)
+        self.queue = RolloutQueue(cfg.schedule.max_age, self.log)
         self.prompts = list(prompts) if prompts is not None else train_prompts(cfg)
         self.rng = random.Random(cfg.run.seed)
         self.order: list[int] = []
@@ -84,7 +88,7 @@ class Controller(Actor):
         """`extra_started`: the last top-up round's extra_collect tickets (dynamic sampling)."""
         started = time.perf_counter()
         with spans.span("buffer.take"):
-            ids, versions, table = self.buffer.take(plan.step, self.cfg.run.deadline_s)
+            ids, versions, table = self.queue.take(plan.step, self.cfg.run.deadline_s)
         metrics = ()
         if self.cfg.dynamic_sampling.max_rounds:
             table, metrics = self._informative_groups(plan.step, table)
@@ -92,18 +96,18 @@ class Controller(Actor):
             # Held until the next sample: a ref sent through a compiled-graph channel is
             # not counted as borrowed, so the owner must keep it alive for the consumer.
             self._live_table = ray.put(table)
-        return Batch(plan.step, tuple(ids), tuple(versions), (self._live_table,),
+        return Batch(plan.step, tuple(ids), tuple(versions), Stored(self._live_table),
                      wait_s=time.perf_counter() - started, metrics=metrics)
 
     @node("top_up")
-    def top_up(self, plan: StepPlan, round_: int, *started: Ticket) -> Resume:
+    def top_up(self, plan: StepPlan, round_: int, *started: Ticket) -> TopUp:
         """Dynamic sampling's round `round_`: once every rollout of the step is in,
         launch more prompts if they hold fewer informative groups than the step
         needs: as many as the share of informative groups so far says will fill
         the gap, at most dynamic_sampling.max_prompts. The generators hold the
         step's version (the last refit's), so these rollouts are of age 0."""
         g, ds = self.cfg.schedule.group_size, self.cfg.dynamic_sampling
-        arrived = self.buffer.arrived(plan.step, self.cfg.run.deadline_s)
+        arrived = self.queue.arrived(plan.step, self.cfg.run.deadline_s)
         seen = sum(t.num_rows // g for _, t in arrived)
         informative = seen - sum(len(flat_group_indices(t.column("reward").to_pylist(), g)) for _, t in arrived)
         missing = self.cfg.schedule.prompts_per_step - informative
@@ -115,7 +119,7 @@ class Controller(Actor):
         self.log.emit("top_up", step=plan.step, version=plan.step, round=round_, informative=informative,
                       groups=seen, prompts=count)
         self._top_ups[plan.step] = self._top_ups.get(plan.step, 0) + count
-        return Resume(plan.step, plan.step, tuple(launches))
+        return TopUp(plan.step, plan.step, tuple(launches))
 
     def _informative_groups(self, step: int, table: pa.Table) -> tuple[pa.Table, tuple]:
         """The first prompts_per_step informative groups of the step's batches, in
@@ -165,7 +169,7 @@ class Controller(Actor):
         if len(made) != 1:
             raise RuntimeError(f"the policy ranks disagree on (step, version): {sorted(made)}")
         head = policy[0]
-        if not head.weights_ref and self.cfg.generation.weight_sync == "object_store":
+        if head.weights_ref is None and self.cfg.generation.weight_sync == "object_store":
             raise RuntimeError(f"step {head.step}: the first policy rank sent no weights")
         metrics = dict(head.metrics) | {f"critic/{k}": v for o in outs if isinstance(o, CriticOut)
                                         for k, v in o.metrics}
@@ -206,35 +210,35 @@ class Controller(Actor):
         return launches
 
     def _launch(self, target: int, version: int, prompts: list[Prompt], round_: int = 0) -> list[Launch]:
-        """The prompts dealt out to the generators, one batch each, expected in the buffer."""
+        """The prompts dealt out to the generators, one batch each, expected in the rollout queue."""
         n, launches = self.cfg.generation.num_generators, []
         for index in range(n):
             shard = tuple(prompts[index::n])
             if shard:
                 batch_id = f"t{target}.r{round_}.g{index}" if round_ else f"t{target}.g{index}"
                 launch = Launch(batch_id, target, index, shard, round_)
-                self.buffer.expect(launch.batch_id, target, version, launch)
+                self.queue.expect(launch.batch_id, target, version, launch)
                 launches.append(launch)
         return launches
 
     def _relaunch(self, batch_id: str, version: int, reason: str, dead: str | None) -> Launch:
-        launch = self.buffer.relaunch(batch_id, version)
+        launch = self.queue.relaunch(batch_id, version)
         self.log.emit("relaunch", step=launch.target, version=version, batch=batch_id,
                       target=launch.target, of=dead, reason=reason)
         return launch
 
     @node("relaunch")
-    def relaunch(self, plan: RelaunchPlan) -> Resume:
+    def relaunch(self, plan: RelaunchPlan) -> Relaunch:
         """The dead generator's unfinished batches, for its replacement: same ids, same prompts."""
         launches = [self._relaunch(e.batch_id, plan.version, f"{plan.dead_worker} died", plan.dead_worker)
-                    for e in self.buffer.in_flight(plan.generator)]
-        return Resume(self.start_step - 1, plan.version, tuple(launches))
+                    for e in self.queue.in_flight(plan.generator)]
+        return Relaunch(self.start_step - 1, plan.version, tuple(launches))
 
     def interrupt(self, reason: str) -> None:
-        self.buffer.interrupt(reason)
+        self.queue.interrupt(reason)
 
     def clear_interrupt(self) -> None:
-        self.buffer.clear_interrupt()
+        self.queue.clear_interrupt()
 
     def put(self, rollout: Rollout) -> None:
         """A finished rollout batch, scored (the delivery graph's last node); its
@@ -245,18 +249,18 @@ class Controller(Actor):
             self.reward_failures += len(failed)
             limit = self.cfg.fault.max_reward_failures
             if self.reward_failures > limit:
-                self.buffer.fatal(f"the reward failed on {self.reward_failures} samples, more than "
+                self.queue.fatal(f"the reward failed on {self.reward_failures} samples, more than "
                                   f"fault.max_reward_failures ({limit}); the last: {failed[-1]}")
-        self.buffer.put(rollout.batch_id, rollout.version, table, rollout.clock)
+        self.queue.put(rollout.batch_id, rollout.version, table, rollout.clock)
 
     def rollout_failed(self, batch_id: str, reason: str, clock: Clock = ()) -> None:
-        self.buffer.fail(batch_id, reason, clock)
+        self.queue.fail(batch_id, reason, clock)
 
     def finish(self, after: Clock = ()) -> dict:
         """`after`: the driver's clock; the drops at the end are after the whole run."""
         self.log.merge(after)
-        self.buffer.drop_all("unused_at_end")
-        return {**self.buffer.accounting(), "reward_failures": self.reward_failures}
+        self.queue.drop_all("unused_at_end")
+        return {**self.queue.accounting(), "reward_failures": self.reward_failures}
 
     # ------------------------------------------------------------ checkpoints
 
@@ -264,7 +268,7 @@ class Controller(Actor):
         """Data position, RNG, counters and every buffered or in-flight batch."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        entries, counters = self.buffer.snapshot()
+        entries, counters = self.queue.snapshot()
         arrived = [e.table for e in entries if e.table is not None]
         if arrived:
             pq.write_table(pa.concat_tables(arrived), out / "buffer.parquet")
@@ -284,7 +288,7 @@ class Controller(Actor):
         self.order, self.cursor = state["order"], state["cursor"]
         self.rng.setstate(_tupled(state["rng"]))
         self.reward_failures = state["reward_failures"]
-        self.buffer.restore_counters(state["counters"])
+        self.queue.restore_counters(state["counters"])
         self._launched_through = state["launched_through"]
         tables = {}
         if (path / "buffer.parquet").is_file():
@@ -294,7 +298,7 @@ class Controller(Actor):
         for e in state["entries"]:
             launch = Launch(e["batch_id"], e["target"], e["generator"], tuple(Prompt(**p) for p in e["prompts"]))
             table = tables.get(e["batch_id"]) if e["arrived"] else None
-            self.buffer.restore(e["batch_id"], e["target"], e["version"], table, launch)
+            self.queue.restore(e["batch_id"], e["target"], e["version"], table, launch)
             if table is not None:
                 self.log.emit("restore", step=e["target"], version=e["version"], batch=e["batch_id"],
                               target=e["target"])

@@ -133,11 +133,6 @@ def batch_shards(response_lengths: list[int], group_size: int, world_size: int,
 
 
 
-def rank_name(role: str, rank: int, world_size: int) -> str:
-    """`role`, or `role<r>` for rank r of several: a rank's name in events, metrics and errors."""
-    return role if world_size == 1 else f"{role}{rank}"
-
-
 def table_shard(table, group_size: int, rank: int, world_size: int, batching: Batching) -> Shard | None:
     """Rank `rank`'s Shard of a trajectory table (pyarrow), or None when it is alone."""
     if world_size == 1:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import ray
 
 from dags.step_graph import build_delivery_graph
-from dags.tokens import Clock, Gate, Launch, Refitted, Resume, Rollout, Ticket, TrainOut, ValOut
+from dags.tokens import Clock, Gate, Launch, Refitted, Relaunch, Resume, Rollout, Stored, Ticket, TopUp, TrainOut, ValOut
 from pipeline.algos.groups import fill_failed_rewards, flat_group_indices
 from pipeline.generator.engine_loop import EngineLoop, InFlight
 from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
@@ -30,12 +30,8 @@ from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, Prompt, sample_se
 from pipeline.config import Config
 from pipeline.core import memory, spans
 from pipeline.core.graph_calls import submit
+from pipeline.core.worker_names import generator_name
 from pipeline.algos.rewards import combine
-
-
-def generator_name(index: int, incarnation: int = 0) -> str:
-    """gen<i>, and gen<i>r<k> for its k-th replacement: its name in events, metrics and errors."""
-    return f"gen{index}" + (f"r{incarnation}" if incarnation else "")
 
 
 class GeneratorWorker(Actor):
@@ -47,8 +43,8 @@ class GeneratorWorker(Actor):
         self._puts: list = []   # the controller's answers to batches put, not yet checked (the loop's)
 
     def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, incarnation: int = 0,
-                  start_weights: tuple = (), after: Clock = (), reward_model=None) -> Clock:
-        """`start_weights`: (ObjectRef of (version, state),) when starting mid-run (a
+                  start_weights: Stored | None = None, after: Clock = (), reward_model=None) -> Clock:
+        """`start_weights`: the stored (version, state) when starting mid-run (a
         restart, a resume); the load is logged as this worker's refit to that version.
         `after`: the caller's clock (it holds the trainer's, from current_weights).
         `reward_model`: the run's reward model actor, which scores each batch before the buffer takes it."""
@@ -76,8 +72,8 @@ class GeneratorWorker(Actor):
         self.controller = controller
         self.version, self._loaded_step = 0, None
         self._puts = []
-        if start_weights:
-            version, stored = ray.get(start_weights[0], timeout=cfg.run.deadline_s)
+        if start_weights is not None:
+            version, stored = start_weights.fetch(cfg.run.deadline_s)
             self.log.emit("weights_fetched", step=version - 1, version=version)
             self.log.emit("refit_start", step=version - 1, version=self.version)
             self.engine.load_weights(packing.unpack(stored))
@@ -108,7 +104,7 @@ class GeneratorWorker(Actor):
         if train.version == self.version + 1 and not collective:
             # Fetched while rollouts may still run: only the load changes the engine.
             with spans.span("weights.get"):
-                fetched = ray.get(train.weights_ref[0], timeout=self.cfg.run.deadline_s)
+                fetched = train.weights_ref.fetch(self.cfg.run.deadline_s)
             self.log.emit("weights_fetched", step=gate.step, version=train.version)
         self._drain(gate.step)
         if self._loaded_step == gate.step and train.version == self.version:
@@ -190,7 +186,7 @@ class GeneratorWorker(Actor):
                       validate_s=time.perf_counter() - started)
 
     @node("collect")
-    def collect(self, resume: Resume) -> Ticket:
+    def collect(self, resume: Resume | Relaunch) -> Ticket:
         """Every launched batch starts here, inside the node: the engine loop adds
         its requests and logs rollout_start before it answers, so a rollout can
         only start where the graph puts `collect`, and the Ticket's clock is
@@ -202,7 +198,7 @@ class GeneratorWorker(Actor):
         return self._start_rollouts(resume, self.version)
 
     @node("extra_collect")
-    def extra_collect(self, top_up: Resume) -> Ticket:
+    def extra_collect(self, top_up: TopUp) -> Ticket:
         """Dynamic sampling's extra rollouts for the current step (top_up's launches).
         Rollouts of later steps may still run, under either refit mode: no refit
         comes before this step's training, which waits for these rollouts."""
@@ -210,8 +206,8 @@ class GeneratorWorker(Actor):
             raise RuntimeError(f"asked to roll out with version {top_up.version}, engine holds {self.version}")
         return self._start_rollouts(top_up, self.version)
 
-    def _start_rollouts(self, resume: Resume, version: int) -> Ticket:
-        mine = [launch for launch in resume.launches if launch.generator == self.index]
+    def _start_rollouts(self, launched: Resume | Relaunch | TopUp, version: int) -> Ticket:
+        mine = [launch for launch in launched.launches if launch.generator == self.index]
         for launch in mine:
             self.log.emit("launch", step=launch.target, version=version, batch=launch.batch_id,
                           target=launch.target, **({"round": launch.round} if launch.round else {}))
@@ -219,8 +215,8 @@ class GeneratorWorker(Actor):
         requests = [(launch, [s for seeds in sample_seeds(self.cfg.run.seed, launch.batch_id, list(launch.prompts),
                                                           group) for s in seeds]) for launch in mine]
         busy = self._loop.call("submit", (version, requests), self.cfg.run.deadline_s,
-                               f"collect of step {resume.step}")
-        return Ticket(self.log.worker, resume.step, version, tuple(l.batch_id for l in mine), busy)
+                               f"collect of step {launched.step}")
+        return Ticket(self.log.worker, launched.step, version, tuple(l.batch_id for l in mine), busy)
 
     def _deliver(self, batch: InFlight, completions: list[Completion], profile: dict) -> None:
         """The engine loop's: a finished batch, scored and put. Its clock goes with

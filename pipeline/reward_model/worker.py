@@ -27,15 +27,9 @@ from pipeline.config import Config
 from pipeline.core.events import EventLog
 from pipeline.core.node import Actor, one_thread, whereabouts
 from pipeline.core.precision import device_dtype
+from pipeline.core.worker_names import REWARD_MODEL, reward_model_name
 from pipeline.algos.rewards import apply_scores
 from pipeline.reward_model.common import row_prompts
-
-NAME = "reward_model"
-
-
-def reward_model_name(incarnation: int) -> str:
-    return NAME + (f"_r{incarnation}" if incarnation else "")
-
 
 def reward_scorer(cfg: Config, incarnation: int):
     """The scorer the recipe names: (prompts, completion texts) -> [(score, why it failed or "")]."""
@@ -58,7 +52,7 @@ class RewardModelWorker(Actor):
         one_thread()
         self.cfg = cfg
         # A restart is a new process with the same arguments: the logs so far count the incarnations.
-        incarnation = sum(1 for _ in (Path(run_dir) / "events").glob(f"{NAME}*.jsonl"))
+        incarnation = sum(1 for _ in (Path(run_dir) / "events").glob(f"{REWARD_MODEL}*.jsonl"))
         self.log = EventLog(run_dir, reward_model_name(incarnation), t0)
         self.log.emit("worker_start", **whereabouts(), incarnation=incarnation)
         self.scorer = reward_scorer(cfg, incarnation)

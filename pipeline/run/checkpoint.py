@@ -22,8 +22,8 @@ from pathlib import Path
 
 import ray
 
+from dags.step_graph import Workers
 from pipeline.config import MOVED, Config
-from pipeline.run.pool import Workers
 from pipeline.run.runner import PipelineError, task_error
 
 # Keys that fix the shape of the launch schedule and the buffer: a resumed run must keep them.

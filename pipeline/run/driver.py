@@ -25,19 +25,19 @@ from pathlib import Path
 
 import ray
 
+from dags.step_graph import Workers
 from dags.tokens import StepPlan
 from pipeline.config import Config
 from pipeline.core.events import EventLog, merge_events
 from pipeline.core.memory import one_heap_arena
+from pipeline.core.worker_names import DRIVER, REWARD_MODEL, generator_name
 from pipeline.core.precision import cpu_bf16_flags, describe_cpu
-from pipeline.generator.worker import generator_name
 from pipeline.inputs.preflight import preflight
-from pipeline.reward_model.worker import NAME as REWARD_MODEL
 from pipeline.run import checkpoint
 from pipeline.run.execution import Execution
 from pipeline.run.metrics import MetricSinks, Progress, RunTotals, step_metrics
 from pipeline.run.placement import place
-from pipeline.run.pool import Workers, begin_run, end_run, start_workers, stop_workers
+from pipeline.run.pool import begin_run, end_run, start_workers, stop_workers
 from pipeline.run.resources import ResourceProbe
 from pipeline.run.runner import GraphRunner, PipelineError
 from pipeline.run.startup import prepare_run_dir, ray_address, real_cores, resolve_dag_mode, start_ray
@@ -141,7 +141,7 @@ class Run:
         self.sinks = MetricSinks(self.run_dir, cfg, self.start_step)
         self.progress = Progress(cfg.run.steps, self.start_step, enabled=not self.quiet and cfg.metrics.progress)
         self.t0 = time.time()
-        self.log = EventLog(self.run_dir, "driver", self.t0)
+        self.log = EventLog(self.run_dir, DRIVER, self.t0)
         # Epoch seconds, so that a benchmark can relate the event log's `t` to its own clock.
         self.summary: dict = {"steps": self.start_step, "start_step": self.start_step, "error": None,
                               "train_entered_at": self.entered, "t0": self.t0}

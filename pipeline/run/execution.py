@@ -10,13 +10,13 @@ from typing import Callable
 
 import ray
 
-from dags.step_graph import TRAIN_SUBGRAPHS, StepGraph, build_finish_graph, build_prologue_graph, build_step_graph
+from dags.step_graph import (TRAIN_SUBGRAPHS, StepGraph, Workers, build_finish_graph, build_prologue_graph,
+                             build_step_graph)
 from dags.tokens import StepPlan, TrainOut
 from pipeline.config import Config
 from pipeline.core.events import EventLog
-from pipeline.generator.worker import generator_name
-from pipeline.reward_model.worker import NAME as REWARD_MODEL
-from pipeline.run.pool import Workers, actor_names, generator_index, replace_generator
+from pipeline.core.worker_names import REWARD_MODEL, actor_names, generator_index, generator_name
+from pipeline.run.pool import replace_generator
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied
 
 
@@ -72,7 +72,7 @@ class Execution:
             try:
                 return self._absorb(runner.run(replace(plan, clock=self.log.now()), deadline_s, self.run_dir))
             except WorkerDied as died:
-                index = generator_index(died.worker, self.workers, self.incarnations)
+                index = generator_index(died.worker, len(self.workers.generators), self.incarnations)
                 self._refuse_recovery(died, index, runner.mode)
                 # A sample waiting for the dead generator's batches would wait out its deadline.
                 ray.get(self.workers.controller.interrupt.remote(str(died)), timeout=deadline_s)

@@ -9,53 +9,25 @@ the trainer's weights and the relaunch are then before the graphs it runs next.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
 
 import ray
 
-from dags.step_graph import build_relaunch_graph
+from dags.step_graph import Workers, build_relaunch_graph
 from dags.tokens import RelaunchPlan
 from pipeline.controller.controller import Controller
 from pipeline.trainer.critic_worker import CriticWorker
-from pipeline.generator.worker import GeneratorWorker, generator_name
+from pipeline.generator.worker import GeneratorWorker
 from pipeline.trainer.worker import TrainerWorker
-from pipeline.core.data_parallel import rank_name
 from pipeline.config import Config
 from pipeline.inputs.models import ModelError
 from pipeline.core.events import EventLog
 from pipeline.core.memory import ONE_ARENA_ENV
 from pipeline.core.node import rank_actor
-from pipeline.reward_model.worker import reward_model_name, start_reward_model
+from pipeline.core.worker_names import actor_names, generator_name
+from pipeline.reward_model.worker import start_reward_model
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, task_error
-
-
-@dataclass(frozen=True)
-class Workers:
-    controller: Any          # sample, validation_gate, resume, train_done, relaunch
-    trainers: tuple          # train, one per data-parallel rank; rank 0 exports the weights
-    generators: tuple        # refit, validate, collect
-    critics: tuple = ()      # PPO only: critic_values, advantages (rank 0), critic_train, one per rank
-    placement: Any = None    # pipeline.run.placement.Placement, or None: plain fractional CPUs
-    reward_model: Any = None  # scores each batch before the buffer takes it (reward_model.kind); begin_run's, per run
-
-    def first(self, num_generators: int) -> "Workers":
-        return replace(self, generators=self.generators[:num_generators])
-
-    def replace_generator(self, index: int, actor: Any) -> "Workers":
-        gens = list(self.generators)
-        gens[index] = actor
-        return replace(self, generators=tuple(gens))
-
-    def actors(self, name_of: Callable[[int], str] = generator_name) -> dict[str, Any]:
-        """Every actor by the name its event log uses."""
-        named = {"controller": self.controller,
-                 **{rank_name("trainer", r, len(self.trainers)): t for r, t in enumerate(self.trainers)},
-                 **{name_of(i): g for i, g in enumerate(self.generators)},
-                 **{rank_name("critic", r, len(self.critics)): c for r, c in enumerate(self.critics)},
-                 **({reward_model_name(0): self.reward_model} if self.reward_model is not None else {})}
-        return named
 
 
 def _options(placement, role: str, index: int = 0) -> dict:
@@ -98,7 +70,7 @@ def _rank(worker: type, placement, role: str, rank: int):
 
 
 def stop_workers(workers: Workers) -> None:
-    for actor in workers.actors().values():
+    for actor in actor_names(workers).values():
         ray.kill(actor)
     if workers.placement is not None:
         workers.placement.remove()
@@ -108,17 +80,6 @@ def end_run(workers: Workers) -> None:
     """What begin_run started for one run alone: the reward model."""
     if workers.reward_model is not None:
         ray.kill(workers.reward_model, no_restart=True)
-
-
-def actor_names(workers: Workers, incarnations: dict[int, int]) -> dict[str, object]:
-    """Actors by the name their event log uses (a replaced generator is gen<i>r<k>)."""
-    return workers.actors(lambda i: generator_name(i, incarnations.get(i, 0)))
-
-
-def generator_index(name: str, workers: Workers, incarnations: dict[int, int]) -> int | None:
-    """Which generator a worker name is, or None for the controller, a trainer or critic rank."""
-    return next((i for i in range(len(workers.generators))
-                 if generator_name(i, incarnations.get(i, 0)) == name), None)
 
 
 def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_step: int,
@@ -146,7 +107,7 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
                  *([used.reward_model.ready.remote()] if used.reward_model is not None else [])]
         if ckpt is None:
             # A fresh run's generators start from the model directory, as the trainer does: all start at once.
-            setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, (), log.now(), used.reward_model)
+            setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, None, log.now(), used.reward_model)
                       for g in used.generators]
             log.merge(*_wait(setup, cfg))
         else:

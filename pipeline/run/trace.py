@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.core.events import load_events
+from pipeline.core.worker_names import CONTROLLER, DRIVER, TRAINER
 
 # start event -> (end event, kind, key fields that pair them). A generator's
 # rollouts run on their own thread, so their spans overlap its node spans
@@ -25,7 +26,7 @@ SPANS = {
 ENDS = {end: start for start, (end, _, _) in SPANS.items()}
 COLORS = {"generation": "#59a14f", "training": "#4e79a7", "refit": "#f28e2b",
           "validation": "#b07aa1", "node": "#9d9d9d"}
-WORKER_ORDER = ("driver", "controller", "trainer")
+WORKER_ORDER = (DRIVER, CONTROLLER, TRAINER)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from pipeline.core.events import load_events
+from pipeline.core.worker_names import DRIVER, TRAINER, first_rank_names
 from pipeline.tools.check_bounds import weight_copies_bounded
 from pipeline.tools.check_sampling import flat_groups_never_trained
 from pipeline.tools.check_scoring import batches_scored_before_training
@@ -209,7 +210,7 @@ def each_batch_trained_once_or_dropped(events: list[dict], finished: bool) -> It
 def generator_names(events: list[dict]) -> list[str]:
     """The workers that roll out and load weights: neither the driver nor a trainer rank."""
     names = {e.get("worker") for e in events if e.get("ev") in ("launch", "rollout_start", "refit_start", "refit_end")}
-    return sorted(w for w in names if w != "driver" and not str(w).startswith("trainer"))
+    return sorted(w for w in names if w != DRIVER and not str(w).startswith(TRAINER))
 
 
 def versions_rise_by_one(events: list[dict], finished: bool) -> Iterator[Violation]:
@@ -225,7 +226,8 @@ def versions_rise_by_one(events: list[dict], finished: bool) -> Iterator[Violati
     for worker, ends in sorted(ends_by_rank.items()):  # every data-parallel rank
         yield from _rises_by_one(ends, worker)
     # The generators load what rank 0 exports.
-    train_ends = ends_by_rank.get("trainer") or ends_by_rank.get("trainer0", [])
+    alone, among_several = first_rank_names(TRAINER)
+    train_ends = ends_by_rank.get(alone) or ends_by_rank.get(among_several, [])
 
     refit_ends: dict[str, list[dict]] = defaultdict(list)
     for e in of(events, "refit_end"):

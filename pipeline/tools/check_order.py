@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from pipeline.core.worker_names import TRAINER, first_rank_names
 from pipeline.tools.check_chain import Candidates, chain_of, happened_before, has_clock
 
 
@@ -282,7 +283,7 @@ def weights_come_from_the_trainer(events: list[dict], judge: Judge, generators: 
     """Invariant 5: a generator's version v is the trainer's v: each refit_end
     for step s happened after the train_end of step s of the trainer (of its
     rank 0, which exports the weights, when there are several)."""
-    train_end = {e.get("step"): e for e in of(events, "train_end") if e.get("worker") in ("trainer", "trainer0")}
+    train_end = {e.get("step"): e for e in of(events, "train_end") if e.get("worker") in first_rank_names(TRAINER)}
     gens = set(generators)
     for fe in of(events, "refit_end"):
         te = train_end.get(fe.get("step"))

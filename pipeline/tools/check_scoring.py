@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterator
 
+from pipeline.core.worker_names import REWARD_MODEL
 from pipeline.tools.check_order import Violation, has_clock, of, t_
 from pipeline.tools.check_chain import happened_before
 
-REWARD_MODEL = "reward_model"   # the worker names of pipeline/reward_model/worker.py start so
 
 
 def _before(a: dict, b: dict) -> bool:

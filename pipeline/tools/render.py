@@ -19,9 +19,8 @@ from pathlib import Path
 
 from ray.dag import ClassMethodNode, ClassNode, DAGNode, FunctionNode, InputAttributeNode, InputNode, MultiOutputNode
 
-from dags.step_graph import StepGraph, build_prologue_graph
+from dags.step_graph import StepGraph, Workers, build_prologue_graph
 from pipeline.run.execution import step_graph_for
-from pipeline.run.pool import Workers
 
 FORMATS = (".dot", ".mmd", ".png", ".svg")
 # An actor class keeps its colour across graphs (step and prologue): the slot
@@ -251,7 +250,7 @@ def render(graph: StepGraph, out_path: str | Path, title: str | None = None) -> 
 
 # ---------------------------------------------------------------- from a config
 
-def viz_workers(num_generators: int, algorithm: str = "grpo", trainers: int = 1, critics: int = 1) -> Workers:
+def viz_workers(num_generators: int, train_graph: str = "critic_free", trainers: int = 1, critics: int = 1) -> Workers:
     """Unstarted actors: ClassNodes only describe an actor, so binding them needs no cluster."""
     import ray
 
@@ -260,7 +259,7 @@ def viz_workers(num_generators: int, algorithm: str = "grpo", trainers: int = 1,
     from pipeline.generator.worker import GeneratorWorker
     from pipeline.trainer.worker import TrainerWorker
     critic_ranks = ()
-    if algorithm == "ppo":
+    if train_graph == "actor_critic":
         from pipeline.trainer.critic_worker import CriticWorker
         critic_ranks = tuple(rank_actor(CriticWorker).bind(r) for r in range(critics))
     return Workers(ray.remote(Controller).bind(), tuple(rank_actor(TrainerWorker).bind(r) for r in range(trainers)),

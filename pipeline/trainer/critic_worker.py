@@ -1,6 +1,6 @@
 """The PPO critic actor: values -> GAE advantages, then the value update.
 
-Three nodes per step (dags/step_graph.py ppo_train_subgraph), on each of the
+Three nodes per step (dags/step_graph.py actor_critic_train_subgraph), on each of the
 critic's data-parallel ranks (ppo.critic_ranks):
 
     critic_values  critic_values(Batch) -> Values   this rank's shard's values under
@@ -24,11 +24,12 @@ import threading
 import pyarrow as pa
 import ray
 
-from dags.tokens import Advantages, Batch, CriticOut, Values
+from dags.tokens import Advantages, Batch, CriticOut, Stored, Values
 from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.trainer.engines import critic_engine
-from pipeline.core.data_parallel import Batching, Rendezvous, Shard, rank_name, table_shard
+from pipeline.core.data_parallel import Batching, Rendezvous, Shard, table_shard
+from pipeline.core.worker_names import CRITIC, rank_name
 from pipeline.config import Config
 from pipeline.core import memory
 from pipeline.core import spans
@@ -47,7 +48,7 @@ class CriticWorker(Actor):
             old.close()  # a pooled actor: free the last run's optimizer state first
         self.cfg = cfg
         self.world_size = cfg.ppo.critic_ranks
-        self.log = reopen_log(self, run_dir, rank_name("critic", self.rank, self.world_size), t0)
+        self.log = reopen_log(self, run_dir, rank_name(CRITIC, self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         spans.take()
         self.engine = critic_engine(cfg, self.rank, rendezvous)
@@ -74,13 +75,13 @@ class CriticWorker(Actor):
     @on_step_thread
     @node("critic_values")
     def critic_values(self, batch: Batch) -> Values:
-        table = ray.get(batch.table_ref[0], timeout=self.cfg.run.deadline_s)
+        table = batch.table_ref.fetch(self.cfg.run.deadline_s)
         with self._lock:
             values = self.engine.values(table, self._shard(table))
         self._live_values = ref = ray.put(values)
         # Only this step's entry: its critic_train comes before the next critic_values.
         self._pending = {batch.step: table}
-        return Values(batch.step, self.rank, (ref,))
+        return Values(batch.step, self.rank, Stored(ref))
 
     @on_step_thread
     @node("advantages")
@@ -91,13 +92,13 @@ class CriticWorker(Actor):
             raise RuntimeError(f"advantages: values of ranks {[v.rank for v in shards]} for steps "
                                f"{sorted({v.step for v in shards})}; expected every rank's of step {step}")
         values = [row for v in sorted(shards, key=lambda v: v.rank)
-                  for row in ray.get(v.values_ref[0], timeout=self.cfg.run.deadline_s)]
+                  for row in v.values_ref.fetch(self.cfg.run.deadline_s)]
         p = self.cfg.ppo
         from pipeline.algos.ppo import compute_advantages  # torch: the driver imports this module
         targets, stats = compute_advantages(self._pending[step], values, gamma=p.gamma, lam=p.lam,
                                             whiten_advantages=p.whiten_advantages)
         self._live_advantages = ref = ray.put(targets)
-        return Advantages(step, (ref,), tuple(sorted(stats.items())))
+        return Advantages(step, Stored(ref), tuple(sorted(stats.items())))
 
     @on_step_thread
     @node("critic_train")
@@ -106,7 +107,7 @@ class CriticWorker(Actor):
         if table is None:
             raise RuntimeError(f"critic_train of step {adv.step} without its critic_values "
                                f"(pending: {sorted(self._pending)})")
-        targets = ray.get(adv.table_ref[0], timeout=self.cfg.run.deadline_s)
+        targets = adv.table_ref.fetch(self.cfg.run.deadline_s)
         with self._lock:
             metrics = self.engine.train_step(table, targets, self._shard(table))
         self.skipped.check(adv.step, None, metrics)

@@ -219,12 +219,6 @@ def greedy_eval(model: Any, tokenizer: Any, env_cls: type, env_args: dict, promp
     return play(model, tokenizer, env_cls, env_args, prompts, temperature=0.0, samples=1, **kwargs)
 
 
-def greedy_reward(model: Any, tokenizer: Any, env_cls: type, env_args: dict, prompts: list[Prompt],
-                  **kwargs: Any) -> float:
-    """The mean greedy reward (greedy_eval's reward)."""
-    return greedy_eval(model, tokenizer, env_cls, env_args, prompts, **kwargs).reward
-
-
 def train_on(model: Any, episodes: list[Episode], *, steps: int, lr: float, batch_size: int,
              seed: int, pad_id: int) -> list[float]:
     """AdamW on cross-entropy over the model-turn tokens; the per-step losses."""

@@ -1,7 +1,7 @@
 """The trainer actor: the policy update (`train`) and the weights it exports.
 
 The work is done by the training engine (pipeline/trainer/); this actor
-computes the outcome advantages of GRPO and its variants (pipeline/algos/advantages.py), checks versions, logs,
+computes the outcome advantages of the critic-free algorithms (pipeline/algos/advantages.py), checks versions, logs,
 and puts the new weights in the object store for the generators' refits.
 """
 from __future__ import annotations
@@ -11,12 +11,13 @@ import time
 import pyarrow as pa
 import ray
 
-from dags.tokens import Advantages, Batch, Clock, Gate, TrainOut, WeightsSent
+from dags.tokens import Advantages, Batch, Clock, Gate, Stored, TrainOut, WeightsSent
 from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.weights import packing
 from pipeline.trainer.engines import training_engine
-from pipeline.core.data_parallel import Batching, Rendezvous, rank_name, table_shard, trained_tokens
+from pipeline.core.data_parallel import Batching, Rendezvous, table_shard, trained_tokens
+from pipeline.core.worker_names import TRAINER, rank_name
 from pipeline.config import Config
 from pipeline.core import memory
 from pipeline.core import spans
@@ -36,7 +37,7 @@ class TrainerWorker(Actor):
         spans.take()
         self.cfg = cfg
         self.world_size = cfg.training.ranks
-        self.log = reopen_log(self, run_dir, rank_name("trainer", self.rank, self.world_size), t0)
+        self.log = reopen_log(self, run_dir, rank_name(TRAINER, self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         self.engine = training_engine(cfg, self.rank, rendezvous)
         # The engine's own: training.packing falls back to padding where its model does not keep rows apart.
@@ -62,20 +63,20 @@ class TrainerWorker(Actor):
                       packing=self.batching.packed, packing_off=getattr(self.engine, "packing_off", "") or None)
         return self.log.now()
 
-    def current_weights(self) -> tuple[int, tuple, Clock]:
-        """The version, (ObjectRef of (version, weights),) and the clock of the event that
+    def current_weights(self) -> tuple[int, Stored, Clock]:
+        """The version, the stored (version, weights) and the clock of the event that
         made them, for a generator that starts mid-run: its load is after that event."""
         version, ref, clock = self._live
         if ref is None:
             # Only rank 0 is asked; with several ZeRO-3 ranks begin_run has exported already.
             ref = self._put(version, self.engine.export_weights())
             self._live = (version, ref, clock)
-        return version, (ref,), clock
+        return version, Stored(ref), clock
 
     @on_step_thread
     @node("train")
     def train(self, batch: Batch, advantages: Advantages | None = None) -> TrainOut:
-        """GRPO: group advantages from the rewards. PPO: the critic's GAE advantages;
+        """Critic-free: outcome advantages from the rewards. PPO: the critic's GAE advantages;
         during ppo.critic_warmup the policy stays put, but the version still
         rises by one, so every step looks the same to the rest of the graph."""
         if any(v > self.version for v in batch.versions):
@@ -84,7 +85,7 @@ class TrainerWorker(Actor):
         self.log.emit("train_start", step=batch.step, version=self.version,
                       batches=list(batch.batch_ids), batch_versions=list(batch.versions))
         with spans.span("batch.get"):
-            table = ray.get(batch.table_ref[0], timeout=self.cfg.run.deadline_s)
+            table = batch.table_ref.fetch(self.cfg.run.deadline_s)
         trained, shaped = self._overlong(table)
         if advantages is not None and batch.step < self.cfg.ppo.critic_warmup:
             metrics = {"policy_frozen": 1.0}
@@ -124,7 +125,7 @@ class TrainerWorker(Actor):
                    "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist())),
                    # The model's own tokens: response_tokens less the environments' observations.
                    "model_tokens": float(sum(trained_tokens(table)))}
-        return TrainOut(batch.step, self.version, (weights_ref,) if weights_ref else (),
+        return TrainOut(batch.step, self.version, Stored(weights_ref) if weights_ref else None,
                         tuple(sorted(metrics.items())))
 
     def _overlong(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
@@ -211,9 +212,9 @@ class TrainerWorker(Actor):
         (reinforce_pp.kl_coef; metric reward_kl); else the algorithm's outcome
         advantages of the table's rewards."""
         if advantages is not None:
-            return ray.get(advantages.table_ref[0], timeout=self.cfg.run.deadline_s), {}
+            return advantages.table_ref.fetch(self.cfg.run.deadline_s), {}
         # Here, not at the top: the driver imports this module and need not import torch.
-        from pipeline.algos.advantages import grpo_advantages, kl_reward_advantages
+        from pipeline.algos.advantages import critic_free_advantages, kl_reward_advantages
         kl_coef = self.cfg.reinforce_pp.kl_coef
         if kl_coef:
             # Every rank scores the whole batch: the whitening is over all of its tokens.
@@ -223,7 +224,7 @@ class TrainerWorker(Actor):
                 adv, kl = kl_reward_advantages(table, ref, kl_coef)
             return adv, {"reward_kl": kl}
         with spans.span("train.advantages"):
-            return grpo_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm), {}
+            return critic_free_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm), {}
 
     def save(self, path: str) -> None:
         """Every rank: rank 0 writes the HF checkpoint, the others join its gather."""

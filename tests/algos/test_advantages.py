@@ -13,7 +13,7 @@ import pytest
 import torch
 from tests.support.training_helpers import make_table, policy_loss
 
-from pipeline.algos.advantages import (GRPO_ADVANTAGE_SCHEMA, flat_groups, group_advantages, grpo_advantages,
+from pipeline.algos.advantages import (CRITIC_FREE_ADVANTAGE_SCHEMA, flat_groups, group_advantages, critic_free_advantages,
                                        kl_reward_advantages,
                                       outcome_advantages)
 from pipeline.core.types import TRAJECTORY_SCHEMA
@@ -113,7 +113,7 @@ def test_flat_groups_are_counted_and_unknown_estimators_refused():
 def test_advantages_table_uses_the_estimator_it_is_given():
     # Group [1, 0]: rloo gives 1 - 0 = 1 and 0 - 1 = -1 on every token of each row.
     table = make_table(groups=1, responses=[[5, 6], [7]], rewards=[1.0, 0.0])
-    got = grpo_advantages(table, 2, "rloo").column("advantages").to_pylist()
+    got = critic_free_advantages(table, 2, "rloo").column("advantages").to_pylist()
     assert got == [[1.0, 1.0], [-1.0]]
 
 
@@ -123,8 +123,8 @@ def test_advantages_table_repeats_each_rows_group_advantage_on_its_tokens():
     # Groups [1, 0] and [0, 0]: the first gives +-0.5 / (0.5 + 1e-6), the second
     # is flat and gives exact zeros. Responses of 2, 1, 3 and 1 tokens.
     table = make_table(groups=2, responses=[[5, 6], [7], [8, 8, 8], [9]], rewards=[1.0, 0.0, 0.0, 0.0])
-    out = grpo_advantages(table, 2)
-    assert out.schema == GRPO_ADVANTAGE_SCHEMA
+    out = critic_free_advantages(table, 2)
+    assert out.schema == CRITIC_FREE_ADVANTAGE_SCHEMA
     assert out.schema.field("advantages").type == pa.list_(pa.float32())
     a = 0.5 / (0.5 + 1e-6)
     got = out.column("advantages").to_pylist()
@@ -137,25 +137,25 @@ def test_advantages_table_repeats_each_rows_group_advantage_on_its_tokens():
 
 
 def test_advantages_table_of_no_rows_is_empty():
-    assert grpo_advantages(TRAJECTORY_SCHEMA.empty_table(), 4).num_rows == 0
+    assert critic_free_advantages(TRAJECTORY_SCHEMA.empty_table(), 4).num_rows == 0
 
 
 def test_misordered_groups_are_rejected():
     rows = make_table().to_pylist()
     rows[1], rows[2] = rows[2], rows[1]
     with pytest.raises(ValueError, match="must be one prompt group"):
-        grpo_advantages(pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), 2)
+        critic_free_advantages(pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), 2)
     with pytest.raises(ValueError, match="groups of 2"):
-        grpo_advantages(make_table().slice(0, 5), 2)
+        critic_free_advantages(make_table().slice(0, 5), 2)
     with pytest.raises(ValueError, match="rows 0..1 must be one prompt group; found"):
-        grpo_advantages(make_table(groups=2, group_size=1), 2)  # two prompts, one sample each
+        critic_free_advantages(make_table(groups=2, group_size=1), 2)  # two prompts, one sample each
 
 
 def test_a_row_without_reward_is_refused():
     rows = make_table().to_pylist()
     rows[3]["reward"] = None
     with pytest.raises(ValueError, match="row 3 has no reward"):
-        grpo_advantages(pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), 2)
+        critic_free_advantages(pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), 2)
 
 
 # ------------------------------------------------------- REINFORCE++ with the KL in the reward

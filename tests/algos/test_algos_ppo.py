@@ -1,4 +1,4 @@
-"""Hand-computed checks of pipeline/algos/ppo.py: the token rewards, GAE,
+"""Hand-computed checks of pipeline/algos/ppo.py: GAE,
 whitening, explained variance, the clipped value loss, and the advantages
 table of a trajectory table (compute_advantages).
 
@@ -18,7 +18,6 @@ from pipeline.algos.ppo import (
     compute_advantages,
     explained_variance,
     gae,
-    last_token_rewards,
     value_loss,
     whiten,
 )
@@ -28,13 +27,6 @@ pytestmark = pytest.mark.unit
 
 # ------------------------------------------------------------------ GAE by hand
 
-def test_last_token_rewards_sit_on_each_rows_last_real_token():
-    # lengths 3, 1, 0: the empty row has no action and gets no reward anywhere
-    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
-    r = last_token_rewards(torch.tensor([2.0, -1.0, 5.0]), mask)
-    assert torch.equal(r, torch.tensor([[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
-
-
 def test_gae_gamma_lam_one_is_return_minus_value():
     # r = [0, 0, 1], V = [0.5, 0.2, 0.7], V after the end = 0:
     #   t=2: delta = 1 + 0 - 0.7 = 0.3,             A = 0.3
@@ -42,7 +34,7 @@ def test_gae_gamma_lam_one_is_return_minus_value():
     #   t=0: delta = 0 + 0.2 - 0.5 = -0.3,          A = -0.3 + 0.8 = 0.5
     # i.e. A = R - V with the Monte-Carlo return R = 1 at every token.
     mask = torch.ones(1, 3, dtype=torch.bool)
-    adv, ret = gae(last_token_rewards(torch.tensor([1.0]), mask), torch.tensor([[0.5, 0.2, 0.7]]), mask,
+    adv, ret = gae(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.2, 0.7]]), mask,
                    gamma=1.0, lam=1.0)
     torch.testing.assert_close(adv, torch.tensor([[0.5, 0.8, 0.3]]), atol=1e-6, rtol=0)
     torch.testing.assert_close(ret, torch.ones(1, 3), atol=1e-6, rtol=0)
@@ -59,7 +51,7 @@ def test_gae_gamma_and_lam_below_one_with_padding():
     #   t=0 is the last token: delta = -1 + 0 - 0.4 = -1.4 = A0, R0 = -1.0; padding: A = R = 0
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     values = torch.tensor([[1.0, 0.5, 0.25], [0.4, 9.0, 9.0]])
-    adv, ret = gae(last_token_rewards(torch.tensor([2.0, -1.0]), mask), values, mask, gamma=0.9, lam=0.8)
+    adv, ret = gae(torch.tensor([[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0]]), values, mask, gamma=0.9, lam=0.8)
     torch.testing.assert_close(adv, torch.tensor([[0.1592, 0.985, 1.75], [-1.4, 0.0, 0.0]]), atol=1e-6, rtol=0)
     torch.testing.assert_close(ret, torch.tensor([[1.1592, 1.485, 2.0], [-1.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
 
@@ -68,7 +60,7 @@ def test_gae_lam_one_gives_discounted_returns():
     # gamma 0.9, lam 1: R_t = 0.9^(T-1-t) * 2 = [1.62, 1.8, 2.0] whatever V is;
     # A = R - V = [1.62 - 1.0, 1.8 - 0.5, 2.0 - 0.25] = [0.62, 1.3, 1.75]
     mask = torch.ones(1, 3, dtype=torch.bool)
-    adv, ret = gae(last_token_rewards(torch.tensor([2.0]), mask), torch.tensor([[1.0, 0.5, 0.25]]), mask,
+    adv, ret = gae(torch.tensor([[0.0, 0.0, 2.0]]), torch.tensor([[1.0, 0.5, 0.25]]), mask,
                    gamma=0.9, lam=1.0)
     torch.testing.assert_close(ret, torch.tensor([[1.62, 1.8, 2.0]]), atol=1e-6, rtol=0)
     torch.testing.assert_close(adv, torch.tensor([[0.62, 1.3, 1.75]]), atol=1e-6, rtol=0)

@@ -95,7 +95,7 @@ def test_rules_between_the_algorithm_keys(overrides, needle):
 
 def test_reinforce_pp_needs_no_groups():
     assert load_config("examples/sim_grpo.yaml", ["algorithm=reinforce_pp", "schedule.group_size=1"]).train_graph \
-        == "grpo"
+        == "critic_free"
 
 
 def test_the_override_that_set_a_key_is_blamed(tmp_path):

@@ -95,10 +95,10 @@ def test_the_prologue_fills_max_age_plus_one_targets_split_across_generators(sta
     for t in range(3):
         drawn = [c.prompts[i] for i in c.order[8 * t:8 * t + 8]]
         assert [l.prompts for l in out.launches[3 * t:3 * t + 3]] == [tuple(drawn[g::3]) for g in range(3)]
-    entries, counters = c.buffer.snapshot()
+    entries, counters = c.queue.snapshot()
     assert [(e.batch_id, e.version, e.table) for e in entries] == [(l.batch_id, 0, None) for l in out.launches]
     assert [e.launch for e in entries] == list(out.launches)
-    assert counters["launched"] == 9 and c.buffer.accounting()["in_flight"] == 9
+    assert counters["launched"] == 9 and c.queue.accounting()["in_flight"] == 9
 
 
 def test_each_step_tops_up_one_target_and_nothing_past_the_last_step(start):
@@ -106,7 +106,7 @@ def test_each_step_tops_up_one_target_and_nothing_past_the_last_step(start):
     assert ids(c.resume(*vals(-1, 0)).launches) == ["t0.g0", "t0.g1", "t1.g0", "t1.g1"]
     tops = [ids(c.resume(*vals(step, step + 1)).launches) for step in range(5)]
     assert tops == [["t2.g0", "t2.g1"], ["t3.g0", "t3.g1"], ["t4.g0", "t4.g1"], [], []]
-    assert [(e.batch_id, e.version) for e in c.buffer.snapshot()[0] if e.target >= 2] == [
+    assert [(e.batch_id, e.version) for e in c.queue.snapshot()[0] if e.target >= 2] == [
         ("t2.g0", 1), ("t2.g1", 1), ("t3.g0", 2), ("t3.g1", 2), ("t4.g0", 3), ("t4.g1", 3)]
     assert c.cursor == 5 * 8   # no prompts drawn for targets that are never launched
 
@@ -157,7 +157,7 @@ def test_resume_refuses_generators_that_disagree_on_the_version(start, tmp_path)
     with pytest.raises(NodeError, match=r"node 'resume' on worker 'controller' failed at step 3: RuntimeError: "
                                         r"generators disagree on the weight version: \[3, 4\]"):
         c.resume(ValOut("gen0", 3, 4, False), ValOut("gen1", 3, 3, False))
-    assert c.buffer.accounting()["launched"] == 0 and c.cursor == 0   # nothing launched
+    assert c.queue.accounting()["launched"] == 0 and c.cursor == 0   # nothing launched
     assert [e["node"] for e in events(tmp_path / "run", "node_error")] == ["resume"]
 
 
@@ -180,11 +180,11 @@ def test_sample_hands_the_step_its_batches_through_the_object_store(start, ray_s
         put(c, launch.batch_id, 0, trajectories(launch, 0), clock=((f"gen{launch.generator}/rollouts", 3),))
     batch = c.sample(StepPlan(0, False))
     assert (batch.step, batch.batch_ids, batch.versions) == (0, ("t0.g0", "t0.g1"), (0, 0))
-    table = ray_session.get(batch.table_ref[0])
+    table = batch.table_ref.fetch(60)
     assert table.column("prompt_id").to_pylist() == prompt_ids(launches[:2])
     # After both rollouts it waited for: their clocks are in the token it hands on.
     assert dict(batch.clock)["gen0/rollouts"] == dict(batch.clock)["gen1/rollouts"] == 3
-    assert c.buffer.accounting()["trained"] == 2
+    assert c.queue.accounting()["trained"] == 2
 
 
 def test_a_failed_rollout_is_dropped_and_a_step_without_batches_names_it(start):
@@ -202,9 +202,9 @@ def test_the_run_stops_at_the_first_reward_failure_past_the_limit(start):
     c = start("fault.max_reward_failures=2", "generation.num_generators=1")
     (t0, t1) = c.resume(*vals(-1, 0, generators=1)).launches
     put(c, t0.batch_id, 0, trajectories(t0, 0, reward_errors=2))   # 2: at the limit, not past it
-    assert c.buffer.take(0, deadline_s=5)[0] == ["t0.g0"]
+    assert c.queue.take(0, deadline_s=5)[0] == ["t0.g0"]
     put(c, t1.batch_id, 0, trajectories(t1, 0, reward_errors=1))
-    assert c.buffer.accounting()["buffered"] == 1   # the batch is kept; the run stops at the next sample
+    assert c.queue.accounting()["buffered"] == 1   # the batch is kept; the run stops at the next sample
     with pytest.raises(NodeError, match=r"node 'sample' .* failed at step 1: RuntimeError: the reward "
                                         r"failed on 3 samples, more than fault.max_reward_failures \(2\); "
                                         r"the last: ValueError: bad answer 0$"):
@@ -221,7 +221,7 @@ def test_relaunch_gives_the_dead_generators_unfinished_batches_to_its_replacemen
     assert out.version == 0
     (event,) = events(tmp_path / "run", "relaunch")
     assert (event["batch"], event["of"], event["reason"], event["target"]) == ("t1.g1", "gen1", "gen1 died", 1)
-    assert c.buffer.accounting()["launched"] == 6   # still one launch each
+    assert c.queue.accounting()["launched"] == 6   # still one launch each
 
 
 def test_an_interrupt_stops_sample_until_it_is_cleared(start, ray_session):
@@ -257,7 +257,7 @@ def run_to_checkpoint(start, tmp_path, **last):
         put(c, batch_id, 0, trajectories(sent[batch_id], 0, reward_errors=int(batch_id == "t1.g0")))
     c.rollout_failed("t1.g1", "failed: engine died")
     for step in range(2):
-        c.buffer.take(step, deadline_s=5)
+        c.queue.take(step, deadline_s=5)
         sent.update({l.batch_id: l for l in c.resume(*vals(step, step + 1)).launches})
     put(c, "t2.g0", 1, trajectories(sent["t2.g0"], 1))
     for batch_id, how in last.items():
@@ -276,7 +276,7 @@ def test_save_state_then_begin_run_restores_the_controller(start, tmp_path):
     assert (resumed.order, resumed.cursor) == (run.order, run.cursor) and run.cursor == 4 * 4
     assert resumed.rng.getstate() == run.rng.getstate()
     assert resumed.reward_failures == run.reward_failures == 1
-    assert resumed.buffer.accounting() == run.buffer.accounting() == {
+    assert resumed.queue.accounting() == run.queue.accounting() == {
         "launched": 8, "trained": 3, "buffered": 1, "in_flight": 3, "dropped": 1,
         "dropped_by_reason": {"failed": 1}, "balanced": True}
     assert [e["batch"] for e in events(tmp_path / "resumed", "restore")] == ["t2.g0"]
@@ -290,7 +290,7 @@ def test_save_state_then_begin_run_restores_the_controller(start, tmp_path):
     with pytest.raises(ValueError, match="launched for version 2 but generated with version 1"):
         put(resumed, "t2.g1", 1, trajectories(sent["t2.g1"], 1))
     put(resumed, "t2.g1", 2, trajectories(sent["t2.g1"], 2))
-    ids_, versions, table = resumed.buffer.take(2, deadline_s=5)
+    ids_, versions, table = resumed.queue.take(2, deadline_s=5)
     assert (ids_, versions) == (["t2.g0", "t2.g1"], [1, 2])
     assert table.slice(0, 2).equals(trajectories(sent["t2.g0"], 1))   # the buffered table, as it arrived
     # From here the resumed run draws what the interrupted one would have.
@@ -305,7 +305,7 @@ def test_a_checkpoint_whose_batches_had_all_arrived_relaunches_nothing(start, tm
     assert resumed.resume(*vals(1, 2)).launches == ()
     restored = sorted(e["batch"] for e in events(tmp_path / "resumed", "restore"))
     assert restored == ["t2.g0", "t2.g1", "t3.g0", "t3.g1"]
-    assert resumed.buffer.accounting() == run.buffer.accounting()
+    assert resumed.queue.accounting() == run.queue.accounting()
 
 
 def test_a_resume_does_not_launch_again_a_target_whose_batches_all_failed(start, tmp_path):
@@ -342,14 +342,14 @@ def test_dynamic_sampling_tops_up_a_short_step_and_trains_its_informative_groups
     assert c.top_up(StepPlan(0, False), 2).launches == ()   # 4 informative groups: the step is full
     batch = c.sample(StepPlan(0, False))
     assert batch.batch_ids == ("t0.g0", "t0.g1", "t0.r1.g0", "t0.r1.g1") and batch.versions == (0, 0, 0, 0)
-    assert ray_session.get(batch.table_ref[0]).column("reward").to_pylist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert batch.table_ref.fetch(60).column("reward").to_pylist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
     # The reward metrics are of all 16 rollouts, the left-out ones among them: 8 scored 1, 2 scored 0.5.
     assert dict(batch.metrics) | {"reward_std": 0} == {
         "flat_groups_dropped": 4.0, "surplus_groups_dropped": 0.0, "informative_groups": 4.0, "extra_prompts": 4.0,
         "reward_mean": 0.5625, "reward_std": 0}
     assert [(e["batch"], e["groups"], e["reason"]) for e in events(tmp_path / "run", "group_drop")] == [
         ("t0.g0", [1], "flat"), ("t0.g1", [0, 1], "flat"), ("t0.r1.g0", [1], "flat")]
-    assert c.buffer.accounting()["trained"] == 4
+    assert c.queue.accounting()["trained"] == 4
 
 
 def test_a_step_with_no_informative_group_trains_on_none_and_says_so(start, tmp_path, ray_session):
@@ -361,5 +361,5 @@ def test_a_step_with_no_informative_group_trains_on_none_and_says_so(start, tmp_
     assert [len(l.prompts) for l in extra] == [1]   # dynamic_sampling.max_prompts
     put_grouped(c, extra[0], [1.0, 1.0])
     batch = c.sample(StepPlan(0, False))
-    assert ray_session.get(batch.table_ref[0]).num_rows == 0
+    assert batch.table_ref.fetch(60).num_rows == 0
     assert dict(batch.metrics)["informative_groups"] == 0.0 and dict(batch.metrics)["flat_groups_dropped"] == 3.0

@@ -1,4 +1,4 @@
-"""The replay buffer's stale drop in a whole simulated run (invariants 3 and 4).
+"""The rollout queue's stale drop in a whole simulated run (invariants 3 and 4).
 
 The launch schedule never produces a stale batch (a batch launched at version v
 targets v + max_age, and relaunches and resumes only raise its version), so a
@@ -6,7 +6,7 @@ run reaches the stale drop only through a controller that launches too far
 ahead: this test plants one in a simulated run and checks that the checker and
 the run's accounting take the drop as a recorded use, not a loss.
 
-The buffer's own unit tests, the stale drop included: tests/controller/test_replay_buffer.py."""
+The queue's own unit tests, the stale drop included: tests/controller/test_rollout_queue.py."""
 from __future__ import annotations
 
 import sys
@@ -29,7 +29,7 @@ class LaunchesOneTooFarAhead(Controller):
             from dags.tokens import Launch
             target = step + 2 + self.cfg.schedule.max_age + 1
             extra = Launch(f"x{target}.g0", target, 0, tuple(self._next_prompts(2)))
-            self.buffer.expect(extra.batch_id, target, version, extra)
+            self.queue.expect(extra.batch_id, target, version, extra)
             launches.append(extra)
         return launches
 
@@ -40,7 +40,8 @@ def test_a_stale_drop_in_a_simulated_run_passes_the_checker(tmp_path, ray_sessio
 
     from pipeline.config import load_config
     from pipeline.run.driver import train_on
-    from pipeline.run.pool import Workers, start_workers, stop_workers
+    from dags.step_graph import Workers
+    from pipeline.run.pool import start_workers, stop_workers
     from pipeline.core.events import load_events
     from pipeline.tools.check import check_events
 

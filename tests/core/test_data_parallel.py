@@ -18,7 +18,7 @@ import pytest
 import ray
 import torch
 
-from dags.tokens import Batch
+from dags.tokens import Batch, Stored
 from pipeline.core.node import rank_actor
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.weights import packing as flat
@@ -94,10 +94,10 @@ def _step(cfg, table, tmp_path) -> tuple[dict, list[dict]]:
     try:
         meet = ray.get(actors[0].rendezvous.remote(ranks, 60.0))
         ray.get([a.begin_run.remote(cfg, str(tmp_path), time.time(), None, 0, meet) for a in actors], timeout=300)
-        batch = Batch(0, ("b0",), (0,), (ray.put(table),))
+        batch = Batch(0, ("b0",), (0,), Stored(ray.put(table)))
         outs = ray.get([a.train.remote(batch) for a in actors], timeout=300)
-        _, stored = ray.get(outs[0].weights_ref[0])
-        assert all(not out.weights_ref for out in outs[1:])  # only rank 0 exports
+        _, stored = outs[0].weights_ref.fetch(300)
+        assert all(out.weights_ref is None for out in outs[1:])  # only rank 0 exports
         return ({k: v.clone() for k, v in flat.unpack(stored).items()}, [dict(out.metrics) for out in outs])
     finally:
         for a in actors:

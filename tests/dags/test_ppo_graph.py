@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from ray.dag import ClassMethodNode, InputNode
 
-from dags.step_graph import StepGraph, build_step_graph, grpo_train_subgraph, ppo_train_subgraph
-from pipeline.run.pool import Workers
+from dags.step_graph import (StepGraph, Workers, actor_critic_train_subgraph, build_step_graph,
+                             critic_free_train_subgraph)
+from pipeline.core.worker_names import actor_names
 from pipeline.tools.render import viz_workers
 
 # The node that hands the TrainOut to the ordering sub-graph: the policy update
@@ -32,11 +33,11 @@ def structure(graph: StepGraph, workers: Workers) -> dict[str, tuple]:
     """name -> (actor, method, upstream labels) for every node of the graph.
 
     An upstream label is the upstream node's name, or "plan" for the graph's
-    input; the actor is named as in Workers.actors()."""
+    input; the actor is named as in its event log (actor_names)."""
     outputs = list(graph.dag.get_args())
     assert len(outputs) == len(graph.node_names)
     names = {id(n): name for n, name in zip(outputs, graph.node_names)}
-    actors = {id(a): name for name, a in workers.actors().items()}
+    actors = {id(a): name for name, a in actor_names(workers).items()}
 
     def label(arg) -> str:
         if isinstance(arg, InputNode):
@@ -65,9 +66,9 @@ def ordering_part(graph: StepGraph, workers: Workers, algorithm: str) -> dict[st
 
 @pytest.mark.parametrize("generators", [1, 2, 3])
 def test_ordering_subgraph_is_identical_for_grpo_and_ppo(generators):
-    grpo_workers, ppo_workers = viz_workers(generators, "grpo"), viz_workers(generators, "ppo")
-    grpo = build_step_graph(grpo_workers, grpo_train_subgraph)
-    ppo = build_step_graph(ppo_workers, ppo_train_subgraph)
+    grpo_workers, ppo_workers = viz_workers(generators, "critic_free"), viz_workers(generators, "actor_critic")
+    grpo = build_step_graph(grpo_workers, critic_free_train_subgraph)
+    ppo = build_step_graph(ppo_workers, actor_critic_train_subgraph)
     a, b = ordering_part(grpo, grpo_workers, "grpo"), ordering_part(ppo, ppo_workers, "ppo")
     assert a == b
     g = range(generators)
@@ -96,10 +97,10 @@ def test_the_structural_comparison_sees_a_missing_edge(resume_after):
     tests/support/mutations.py's validate_not_before_resume and refit_not_before_resume edges."""
     import ray
     from tests.support.mutations import MutantController, rewired
-    grpo_workers, ppo_workers = viz_workers(2, "grpo"), viz_workers(2, "ppo")
+    grpo_workers, ppo_workers = viz_workers(2, "critic_free"), viz_workers(2, "actor_critic")
     mutant_workers = replace(grpo_workers, controller=ray.remote(MutantController).bind())
     mutated = ordering_part(rewired(mutant_workers, resume_after=resume_after), mutant_workers, "grpo")
-    ppo = build_step_graph(ppo_workers, ppo_train_subgraph)
+    ppo = build_step_graph(ppo_workers, actor_critic_train_subgraph)
     expected = ordering_part(ppo, ppo_workers, "ppo")
     # The mutant's resume is another method; the comparison must see the edges, not the name.
     assert mutated["resume"][0] == expected["resume"][0] and mutated["resume"][2] != expected["resume"][2]
@@ -175,7 +176,7 @@ def check_ppo_schedule(tmp_path, pool, runner, s: dict) -> None:
 @pytest.mark.parametrize("generators", [1, 3])
 def test_ppo_invariants_hold_over_random_schedules(tmp_path, ppo_pool, generators):
     workers = ppo_pool.first(generators)
-    runner = GraphRunner(build_step_graph(workers, ppo_train_subgraph), "classic", first_deadline_s=60)
+    runner = GraphRunner(build_step_graph(workers, actor_critic_train_subgraph), "classic", first_deadline_s=60)
     try:
         @settings(max_examples=16, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

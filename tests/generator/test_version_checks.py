@@ -16,7 +16,7 @@ import time
 import pytest
 import ray
 
-from dags.tokens import Batch, Gate, TrainOut
+from dags.tokens import Batch, Gate, Stored, TrainOut
 from pipeline.controller.controller import Controller
 from pipeline.generator.worker import GeneratorWorker
 from pipeline.core.node import NodeError, rank_actor
@@ -51,12 +51,12 @@ def trainer(tmp_path, start_version: int = 0) -> TrainerWorker:
     return worker
 
 
-def weights(version: int, updates: int | None = None) -> tuple:
-    """A TrainOut's weights_ref: (ObjectRef of (version, sim weights),)."""
-    return (ray.put((version, {"sim_updates": version if updates is None else updates})),)
+def weights(version: int, updates: int | None = None) -> Stored:
+    """A TrainOut's weights_ref: the stored (version, sim weights)."""
+    return Stored(ray.put((version, {"sim_updates": version if updates is None else updates})))
 
 
-def refit(gen: GeneratorWorker, step: int, version: int, ref: tuple = ()):
+def refit(gen: GeneratorWorker, step: int, version: int, ref: Stored | None = None):
     return gen.refit(TrainOut(step, version, ref), Gate(step, version, False))
 
 
@@ -133,9 +133,9 @@ def test_train_accepts_batches_of_its_own_version(tmp_path, ray_session):
     worker = trainer(tmp_path)
     # One prompt group (an empty batch would skip the update: dynamic sampling's case).
     table = make_table(groups=1, group_size=worker.cfg.schedule.group_size)
-    out = worker.train(Batch(0, ("t0.g0",), (0,), (ray.put(table),)))
+    out = worker.train(Batch(0, ("t0.g0",), (0,), Stored(ray.put(table))))
     assert out.version == 1 and worker.version == 1
-    assert ray.get(out.weights_ref[0]) == (1, {"sim_updates": 1})
+    assert out.weights_ref.fetch(60) == (1, {"sim_updates": 1})
 
 
 def test_the_refusal_reaches_the_driver_as_a_node_error(tmp_path, ray_session):

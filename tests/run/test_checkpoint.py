@@ -16,6 +16,7 @@ import pytest
 import ray
 from ray import cloudpickle
 
+from dags.step_graph import Workers
 from dags.tokens import ValOut
 from pipeline.controller.controller import Controller
 from pipeline.core.node import rank_actor
@@ -23,7 +24,6 @@ from pipeline.trainer.worker import TrainerWorker
 from pipeline.config import load_config
 from pipeline.run import checkpoint
 from pipeline.run.checkpoint import CheckpointError, archive_attempt, latest, read_meta
-from pipeline.run.pool import Workers
 from pipeline.run.runner import PipelineError
 
 pytestmark = pytest.mark.unit

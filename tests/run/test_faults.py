@@ -130,7 +130,7 @@ def test_reward_failures_are_counted_then_stop_the_run(tmp_path, ray_session):
 
 
 def test_controller_death_is_an_error_not_a_hang(tmp_path, ray_session):
-    """The controller owns the replay buffer: killing it mid-run must end the run with its name."""
+    """The controller owns the rollout queue: killing it mid-run must end the run with its name."""
     import threading
 
     import ray

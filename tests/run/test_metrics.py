@@ -16,12 +16,12 @@ pytestmark = pytest.mark.unit
 
 
 def _train(step: int, **metrics: float) -> TrainOut:
-    return TrainOut(step, step + 1, (), tuple(sorted(metrics.items())))
+    return TrainOut(step, step + 1, None, tuple(sorted(metrics.items())))
 
 
 def _grpo_out(step: int = 4) -> dict:
     return {
-        "sample": Batch(step, ("a", "b"), (3, 4), (), wait_s=0.2),
+        "sample": Batch(step, ("a", "b"), (3, 4), wait_s=0.2),
         "train": _train(step, loss=0.75, reward_mean=0.5, reward_std=0.25, age_mean=0.5, age_max=1.0,
                         response_tokens=120.0, time_s=0.5),
         "refit[0]": Refitted("gen0", step, step + 1, True, refit_s=0.1),

@@ -12,7 +12,7 @@ import pytest
 import ray
 from tests.controller.test_controller import trajectories
 
-from dags.tokens import Resume, Rollout, ValOut
+from dags.tokens import Relaunch, Resume, Rollout, TopUp, ValOut
 from pipeline.controller.controller import Controller
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.config import load_config
@@ -77,8 +77,8 @@ def in_process_config(tmp_path, name: str, *overrides: str):
 
 
 class LaunchLog:
-    """Every launch the driver's graph executions returned (the Resume tokens
-    that the collect nodes started), recorded in the driver process."""
+    """Every launch the driver's graph executions returned (the Resume, TopUp and
+    Relaunch tokens that the collect nodes started), recorded in the driver process."""
 
     def __init__(self, monkeypatch):
         self.launches = []
@@ -86,7 +86,7 @@ class LaunchLog:
 
         def run(runner, plan, deadline_s, run_dir):
             out = original(runner, plan, deadline_s, run_dir)
-            self.launches += [launch for token in out.values() if isinstance(token, Resume)
+            self.launches += [launch for token in out.values() if isinstance(token, (Resume, TopUp, Relaunch))
                               for launch in token.launches]
             return out
         monkeypatch.setattr(GraphRunner, "run", run)
@@ -176,9 +176,9 @@ def test_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, sim_pool, u
     trainer = TrainerWorker()
     trainer.begin_run(in_process_config(tmp_path, "probe"), str(tmp_path / "probe"), time.time(),
                       str(ckpt / "trainer_state"), RESUMED_AT)
-    version, (weights,) = trainer.current_weights()[:2]   # (version, (ref,), ...)
+    version, weights = trainer.current_weights()[:2]
     saved = json.loads((ckpt / "policy" / "sim_weights.json").read_text())
-    assert version == RESUMED_AT and ray.get(weights) == (RESUMED_AT, saved) == (RESUMED_AT, {"sim_updates": 4})
+    assert version == RESUMED_AT and weights.fetch(60) == (RESUMED_AT, saved) == (RESUMED_AT, {"sim_updates": 4})
 
 
 def test_resume_when_every_batch_had_arrived_at_the_checkpoint(tmp_path, monkeypatch, sim_pool, uninterrupted):
@@ -237,7 +237,7 @@ class Schedule:
 
     def step(self, step: int) -> list:
         """Train step `step` on what has arrived, then launch as its resume does."""
-        self.controller.buffer.take(step, deadline_s=5)
+        self.controller.queue.take(step, deadline_s=5)
         new = self._resume(step, step + 1)
         self.launches += new
         return new
@@ -272,7 +272,7 @@ def test_controller_restores_its_data_position_exactly(tmp_path):
     assert c.order == saved["order"] == run.controller.order
     assert c.cursor == saved["cursor"] == run.controller.cursor
     assert c.rng.getstate() == run.controller.rng.getstate()
-    assert c.buffer.accounting() == run.controller.buffer.accounting()
+    assert c.queue.accounting() == run.controller.queue.accounting()
     # The in-flight batches go out again as they were; the draws from here on are
     # the same, across three reshuffles of the 64 prompts.
     assert [(l.batch_id, l.prompts) for l in resumed.launches] == \

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from pipeline.algos.advantages import grpo_advantages
+from pipeline.algos.advantages import critic_free_advantages
 from pipeline.core.types import TRAJECTORY_SCHEMA, Prompt, sample_seeds
 from pipeline.inputs.tiny import build_tiny_model, tiny_prompt
 from tests.support.training_helpers import engine_config, sequence_logprobs
@@ -67,7 +67,7 @@ def measure(family: str, out_dir: Path) -> dict:
     try:
         before = table_of(engine.sample(PROMPTS, sample_seeds(0, "before", PROMPTS, 2)))
         initial = sequence_logprobs(trainer, before)
-        m = trainer.train_step(before, grpo_advantages(before, 2))
+        m = trainer.train_step(before, critic_free_advantages(before, 2))
         engine.load_weights(trainer.export_weights())
         after = table_of(engine.sample(PROMPTS, sample_seeds(0, "after", PROMPTS, 2)))
         trained = sequence_logprobs(trainer, after)

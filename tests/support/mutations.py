@@ -28,13 +28,12 @@ import ray
 import ray.cloudpickle
 from ray.dag import InputNode
 
-from dags.step_graph import StepGraph, build_delivery_graph, build_step_graph, graph_of
+from dags.step_graph import StepGraph, Workers, build_delivery_graph, build_step_graph, graph_of
 from dags.tokens import Gate, Refitted, Resume, StepPlan, Ticket, ValOut
 from pipeline.controller.controller import Controller
 from pipeline.generator.worker import GeneratorWorker
 from pipeline.core.node import node, rank_actor
 from pipeline.trainer.worker import TrainerWorker
-from pipeline.run.pool import Workers
 from pipeline.run.runner import GraphRunner
 
 # The actors below are defined in a test module that Ray's workers cannot
@@ -83,8 +82,8 @@ class MutantGenerator(GeneratorWorker):
         self._drain(plan.step)
         deadline = time.monotonic() + self.cfg.run.deadline_s
         while True:
-            _, (ref,), _ = ray.get(self.trainer.current_weights.remote())
-            version, weights = ray.get(ref)
+            _, stored, _ = ray.get(self.trainer.current_weights.remote())
+            version, weights = stored.fetch(self.cfg.run.deadline_s)
             if version == plan.step + 1:
                 break
             if time.monotonic() > deadline:

@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 
 @pytest.mark.parametrize("backend", ["sim", "real"])
 def test_critic_worker_nodes(tmp_path, ray_session, model_dir, backend):
-    from dags.tokens import Advantages, Batch, CriticOut, Values
+    from dags.tokens import Advantages, Batch, CriticOut, Stored, Values
     from pipeline.trainer.critic_worker import CriticWorker
     from pipeline.core.node import NodeError
     from pipeline.config import load_config
@@ -27,11 +27,11 @@ def test_critic_worker_nodes(tmp_path, ray_session, model_dir, backend):
     table = make_table()
     w = CriticWorker()
     w.begin_run(cfg, str(tmp_path / "run"), time.time())
-    values = w.critic_values(Batch(3, ("b0",), (2,), (ray.put(table),)))
+    values = w.critic_values(Batch(3, ("b0",), (2,), Stored(ray.put(table))))
     assert isinstance(values, Values) and values.step == 3 and values.rank == 0
     adv = w.advantages(values)
     assert isinstance(adv, Advantages) and adv.step == 3
-    got = ray.get(adv.table_ref[0])
+    got = adv.table_ref.fetch(60)
     # values start at 0 for both engines, so A = R = the row's reward on every token
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
     rewards = table.column("reward").to_pylist()

@@ -23,7 +23,7 @@ from tests.support.training_helpers import (  # noqa: F401  (model_dir is a fixt
     weights,
 )
 
-from pipeline.algos.advantages import grpo_advantages
+from pipeline.algos.advantages import critic_free_advantages
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA
 from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 
@@ -40,7 +40,7 @@ def make_engine(model_dir, *overrides):
 
 def grpo_step(engine, table, group_size=2):
     """One update with the group advantages the trainer actor would pass."""
-    return engine.train_step(table, grpo_advantages(table, group_size))
+    return engine.train_step(table, critic_free_advantages(table, group_size))
 
 
 def on_policy(table, lp):

@@ -23,7 +23,7 @@ from tests.support.training_helpers import (
     weights,
 )
 
-from pipeline.algos.advantages import grpo_advantages
+from pipeline.algos.advantages import critic_free_advantages
 from pipeline.weights import lora
 from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 from pipeline.core.types import Prompt, sample_seeds
@@ -54,7 +54,7 @@ def tiny_table(engine_or_ids, groups=3):
 
 def train(engine, table=None):
     table = table if table is not None else tiny_table(engine)
-    return engine.train_step(table, grpo_advantages(table, 2))
+    return engine.train_step(table, critic_free_advantages(table, 2))
 
 
 # -- config ------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 from tests.support.training_helpers import make_table
 
-from dags.tokens import Batch
+from dags.tokens import Batch, Stored
 from pipeline.core.node import NodeError
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.core.types import TRAJECTORY_SCHEMA
@@ -33,7 +33,7 @@ def test_grpo_train_passes_group_advantages_and_reports_the_rewards(tmp_path, ra
     train_step = worker.engine.train_step
     worker.engine.train_step = lambda table, advantages: passed.append(advantages) or train_step(table, advantages)
     table = make_table()  # rewards [0, 1] in each of 3 groups of 2
-    out = worker.train(Batch(0, ("b0",), (0,), (ray_session.put(table),)))
+    out = worker.train(Batch(0, ("b0",), (0,), Stored(ray_session.put(table))))
     metrics = dict(out.metrics)
     # mean 0.5; population std 0.5: every reward is 0.5 from the mean
     assert metrics["reward_mean"] == 0.5 and metrics["reward_std"] == 0.5
@@ -52,7 +52,7 @@ def test_grpo_train_refuses_misordered_groups(tmp_path, ray_session):
     rows[1], rows[2] = rows[2], rows[1]
     table = pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
     with pytest.raises(NodeError, match="must be one prompt group"):
-        worker.train(Batch(0, ("b0",), (0,), (ray_session.put(table),)))
+        worker.train(Batch(0, ("b0",), (0,), Stored(ray_session.put(table))))
     assert worker.engine.updates == 0 and worker.version == 0  # nothing trained
     worker.log.close()
 
@@ -74,6 +74,6 @@ def test_train_lets_its_weight_copy_go_before_the_heap_check(tmp_path, ray_sessi
 
     worker.engine.export_weights = export_weights
     worker.heap.check_logged = lambda log, step: alive_at_check.append(copies[-1]() is not None)
-    out = worker.train(Batch(0, ("b0",), (0,), (ray_session.put(make_table()),)))
+    out = worker.train(Batch(0, ("b0",), (0,), Stored(ray_session.put(make_table()))))
     assert out.weights_ref and alive_at_check == [False]
     worker.log.close()

@@ -1,4 +1,6 @@
-"""Replay buffer keyed by weight version, with conservation accounting.
+"""The rollout queue: finished rollout batches wait here, keyed by id with the
+weight version they were launched at, until the step they target takes them;
+each batch is trained once. With conservation accounting.
 
 Every launched batch ends in exactly one place: trained, dropped with a
 reason, or still buffered; `accounting()` says which, and the event log
@@ -36,7 +38,7 @@ def _launch_order(e: _Entry) -> tuple:
     return (getattr(e.launch, "round", 0), e.batch_id)
 
 
-class ReplayBuffer:
+class RolloutQueue:
     def __init__(self, max_age: int, log: EventLog):
         self.max_age = max_age
         self.log = log

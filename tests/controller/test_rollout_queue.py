@@ -1,4 +1,4 @@
-"""ReplayBuffer (pipeline/controller/replay_buffer.py) on its own, without Ray.
+"""RolloutQueue (pipeline/controller/rollout_queue.py) on its own, without Ray.
 
 The stale drop (invariants 3 and 4): at `take(step)` every entry whose weight
 version is more than max_age behind the step is dropped with reason "stale",
@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dags.tokens import Launch
-from pipeline.controller.replay_buffer import Interrupted, ReplayBuffer
+from pipeline.controller.rollout_queue import Interrupted, RolloutQueue
 from pipeline.core.types import TRAJECTORY_SCHEMA
 from pipeline.core.events import EventLog
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.unit
 
 
 def rows(batch_id: str, target: int, version: int, n: int = 2) -> pa.Table:
-    """A batch's trajectories: only batch_id, target and version matter to the buffer."""
+    """A batch's trajectories: only batch_id, target and version matter to the queue."""
     given = {"batch_id": batch_id, "target": target, "version": version}
     blank = {pa.types.is_string: "", pa.types.is_integer: 0, pa.types.is_floating: 0.0, pa.types.is_list: [],
              pa.types.is_boolean: False}
@@ -48,17 +48,17 @@ def drops(run_dir) -> list[tuple[str, str]]:
 
 
 @pytest.fixture
-def buffer(tmp_path):
+def queue(tmp_path):
     log = EventLog(tmp_path, "controller", time.time())
     try:
-        yield ReplayBuffer(max_age=1, log=log)
+        yield RolloutQueue(max_age=1, log=log)
     finally:
         log.close()
 
 
-def arrive(buffer: ReplayBuffer, batch_id: str, target: int, version: int) -> None:
-    buffer.expect(batch_id, target, version)
-    buffer.put(batch_id, version, rows(batch_id, target, version))
+def arrive(queue: RolloutQueue, batch_id: str, target: int, version: int) -> None:
+    queue.expect(batch_id, target, version)
+    queue.put(batch_id, version, rows(batch_id, target, version))
 
 
 def launch(batch_id: str, target: int, generator: int) -> Launch:
@@ -67,14 +67,14 @@ def launch(batch_id: str, target: int, generator: int) -> Launch:
 
 # ------------------------------------------------------------------ stale drops
 
-def test_a_batch_older_than_max_age_is_dropped_as_stale(tmp_path, buffer):
-    arrive(buffer, "fresh", target=3, version=2)   # age 1 at step 3: trains
-    arrive(buffer, "old", target=3, version=1)     # age 2 > max_age 1: stale
-    arrive(buffer, "edge", target=3, version=2)    # age exactly max_age: trains
-    ids, versions, table = buffer.take(3, deadline_s=5)
+def test_a_batch_older_than_max_age_is_dropped_as_stale(tmp_path, queue):
+    arrive(queue, "fresh", target=3, version=2)   # age 1 at step 3: trains
+    arrive(queue, "old", target=3, version=1)     # age 2 > max_age 1: stale
+    arrive(queue, "edge", target=3, version=2)    # age exactly max_age: trains
+    ids, versions, table = queue.take(3, deadline_s=5)
     assert ids == ["edge", "fresh"] and versions == [2, 2]
     assert set(table.column("batch_id").to_pylist()) == {"edge", "fresh"} and table.num_rows == 4
-    acc = buffer.accounting()
+    acc = queue.accounting()
     assert acc == {"launched": 3, "trained": 2, "buffered": 0, "in_flight": 0, "dropped": 1,
                    "dropped_by_reason": {"stale": 1}, "balanced": True}
     drop_events = [e for e in events(tmp_path) if e["ev"] == "drop"]
@@ -82,43 +82,43 @@ def test_a_batch_older_than_max_age_is_dropped_as_stale(tmp_path, buffer):
         ("old", "stale", 3, 1, "controller")]
 
 
-def test_stale_is_judged_against_the_step_taken_not_the_target(tmp_path, buffer):
+def test_stale_is_judged_against_the_step_taken_not_the_target(tmp_path, queue):
     """An entry for a later step that is already too old now is dropped now,
     whether it has arrived or is still in flight; its late arrival is refused."""
-    arrive(buffer, "now", target=4, version=3)
-    arrive(buffer, "later_arrived", target=6, version=2)
-    buffer.expect("later_in_flight", target=6, version=2)
-    arrive(buffer, "later_ok", target=6, version=3)
-    ids, _, _ = buffer.take(4, deadline_s=5)
+    arrive(queue, "now", target=4, version=3)
+    arrive(queue, "later_arrived", target=6, version=2)
+    queue.expect("later_in_flight", target=6, version=2)
+    arrive(queue, "later_ok", target=6, version=3)
+    ids, _, _ = queue.take(4, deadline_s=5)
     assert ids == ["now"]
-    acc = buffer.accounting()
+    acc = queue.accounting()
     assert acc["dropped_by_reason"] == {"stale": 2} and acc["buffered"] == 1 and acc["in_flight"] == 0
     assert acc["balanced"]
     assert sorted(e["batch"] for e in events(tmp_path) if e["ev"] == "drop") == ["later_arrived", "later_in_flight"]
     with pytest.raises(ValueError, match="batch later_in_flight arrived but was not in flight"):
-        buffer.put("later_in_flight", 2, rows("later_in_flight", 6, 2))
+        queue.put("later_in_flight", 2, rows("later_in_flight", 6, 2))
 
 
-def test_a_step_whose_every_batch_is_stale_is_an_error_and_still_balanced(tmp_path, buffer):
-    arrive(buffer, "a", target=5, version=2)
-    arrive(buffer, "b", target=5, version=3)
+def test_a_step_whose_every_batch_is_stale_is_an_error_and_still_balanced(tmp_path, queue):
+    arrive(queue, "a", target=5, version=2)
+    arrive(queue, "b", target=5, version=3)
     with pytest.raises(RuntimeError, match=r"step 5: no trajectories to train on") as err:
-        buffer.take(5, deadline_s=5)
+        queue.take(5, deadline_s=5)
     assert "stale" in str(err.value)
-    acc = buffer.accounting()
+    acc = queue.accounting()
     assert acc["dropped_by_reason"] == {"stale": 2} and acc["trained"] == 0 and acc["balanced"]
 
 
-def test_a_step_that_lost_every_batch_names_the_first_cause(tmp_path, buffer):
+def test_a_step_that_lost_every_batch_names_the_first_cause(tmp_path, queue):
     """The engine's reason for a failed rollout must reach the run's error, not
     only a drop event (a model vLLM could not run once stopped a run with just
     "every batch failed or was stale")."""
     for batch_id in ("t0.g0", "t0.g1"):
-        buffer.expect(batch_id, 0, 0)
-    buffer.fail("t0.g0", "failed: RuntimeError: Unsupported CPU attention configuration: head_dim=16")
-    buffer.fail("t0.g1", "failed: RuntimeError: engine died")
+        queue.expect(batch_id, 0, 0)
+    queue.fail("t0.g0", "failed: RuntimeError: Unsupported CPU attention configuration: head_dim=16")
+    queue.fail("t0.g1", "failed: RuntimeError: engine died")
     with pytest.raises(RuntimeError) as err:
-        buffer.take(0, deadline_s=5)
+        queue.take(0, deadline_s=5)
     assert str(err.value) == ("step 0: no trajectories to train on: every batch for this step failed or was "
                               "stale; the first: batch t0.g0 failed: RuntimeError: Unsupported CPU attention "
                               "configuration: head_dim=16 (1 more dropped)")
@@ -127,182 +127,182 @@ def test_a_step_that_lost_every_batch_names_the_first_cause(tmp_path, buffer):
 def test_max_age_zero_keeps_only_the_current_version(tmp_path):
     log = EventLog(tmp_path, "controller", time.time())
     try:
-        buffer = ReplayBuffer(max_age=0, log=log)
-        arrive(buffer, "sync", target=2, version=2)
-        arrive(buffer, "one_behind", target=2, version=1)
-        assert buffer.take(2, deadline_s=5)[0] == ["sync"]
-        assert buffer.accounting()["dropped_by_reason"] == {"stale": 1}
+        queue = RolloutQueue(max_age=0, log=log)
+        arrive(queue, "sync", target=2, version=2)
+        arrive(queue, "one_behind", target=2, version=1)
+        assert queue.take(2, deadline_s=5)[0] == ["sync"]
+        assert queue.accounting()["dropped_by_reason"] == {"stale": 1}
     finally:
         log.close()
 
 
-def test_counters_with_a_stale_drop_survive_a_checkpoint(tmp_path, buffer):
-    arrive(buffer, "old", target=3, version=1)
-    arrive(buffer, "new", target=3, version=3)
-    buffer.take(3, deadline_s=5)
-    _, counters = buffer.snapshot()
+def test_counters_with_a_stale_drop_survive_a_checkpoint(tmp_path, queue):
+    arrive(queue, "old", target=3, version=1)
+    arrive(queue, "new", target=3, version=3)
+    queue.take(3, deadline_s=5)
+    _, counters = queue.snapshot()
     log = EventLog(tmp_path, "restored", time.time())
     try:
-        restored = ReplayBuffer(max_age=1, log=log)
+        restored = RolloutQueue(max_age=1, log=log)
         restored.restore_counters(json.loads(json.dumps(counters)))
-        assert restored.accounting() == buffer.accounting()
+        assert restored.accounting() == queue.accounting()
         assert restored.accounting()["dropped_by_reason"] == {"stale": 1}
     finally:
         log.close()
 
 
-def test_a_stale_batch_in_flight_is_no_longer_relaunchable(buffer):
-    buffer.expect("t3.g0", 3, 0, launch("t3.g0", 3, 0))
-    arrive(buffer, "t2.g0", 2, 2)
-    assert [e.batch_id for e in buffer.in_flight(0)] == ["t3.g0"]
-    buffer.take(2, deadline_s=5)   # 2 - 0 > max_age: dropped here, before its own step
-    assert buffer.in_flight(0) == []
-    assert buffer.accounting()["dropped_by_reason"] == {"stale": 1}
+def test_a_stale_batch_in_flight_is_no_longer_relaunchable(queue):
+    queue.expect("t3.g0", 3, 0, launch("t3.g0", 3, 0))
+    arrive(queue, "t2.g0", 2, 2)
+    assert [e.batch_id for e in queue.in_flight(0)] == ["t3.g0"]
+    queue.take(2, deadline_s=5)   # 2 - 0 > max_age: dropped here, before its own step
+    assert queue.in_flight(0) == []
+    assert queue.accounting()["dropped_by_reason"] == {"stale": 1}
 
 
 # ------------------------------------------------------------------ take
 
-def test_expecting_a_batch_twice_is_refused(buffer):
-    buffer.expect("t0.g0", 0, 0)
+def test_expecting_a_batch_twice_is_refused(queue):
+    queue.expect("t0.g0", 0, 0)
     with pytest.raises(ValueError, match="batch t0.g0 launched twice"):
-        buffer.expect("t0.g0", 1, 0)
-    assert buffer.accounting()["launched"] == 1
+        queue.expect("t0.g0", 1, 0)
+    assert queue.accounting()["launched"] == 1
 
 
-def test_take_hands_out_only_its_steps_batches_sorted_by_id(buffer):
+def test_take_hands_out_only_its_steps_batches_sorted_by_id(queue):
     for batch_id, target in [("t2.g1", 2), ("t1.g1", 1), ("t1.g0", 1), ("t2.g0", 2), ("t1.g2", 1)]:
-        buffer.expect(batch_id, target, target)
+        queue.expect(batch_id, target, target)
     for batch_id in ("t2.g0", "t1.g2", "t2.g1", "t1.g0", "t1.g1"):   # they arrive out of order
         target = int(batch_id[1])
-        buffer.put(batch_id, target, rows(batch_id, target, target, n=1 + int(batch_id[-1])))
-    ids, versions, table = buffer.take(1, deadline_s=5)
+        queue.put(batch_id, target, rows(batch_id, target, target, n=1 + int(batch_id[-1])))
+    ids, versions, table = queue.take(1, deadline_s=5)
     assert ids == ["t1.g0", "t1.g1", "t1.g2"] and versions == [1, 1, 1]
     assert table.schema == TRAJECTORY_SCHEMA
     assert table.column("batch_id").to_pylist() == ["t1.g0", "t1.g1", "t1.g1", "t1.g2", "t1.g2", "t1.g2"]
-    assert buffer.accounting()["buffered"] == 2
-    ids, _, table = buffer.take(2, deadline_s=5)
+    assert queue.accounting()["buffered"] == 2
+    ids, _, table = queue.take(2, deadline_s=5)
     assert ids == ["t2.g0", "t2.g1"] and set(table.column("target").to_pylist()) == {2}
-    assert buffer.accounting() == {"launched": 5, "trained": 5, "buffered": 0, "in_flight": 0, "dropped": 0,
+    assert queue.accounting() == {"launched": 5, "trained": 5, "buffered": 0, "in_flight": 0, "dropped": 0,
                                    "dropped_by_reason": {}, "balanced": True}
 
 
-def test_take_does_not_hand_out_part_of_a_step(buffer):
+def test_take_does_not_hand_out_part_of_a_step(queue):
     """A batch of the step still in flight holds the step back until the deadline; one
     of a later step does not."""
-    arrive(buffer, "t0.g0", 0, 0)
-    buffer.expect("t0.g1", 0, 0)
-    buffer.expect("t1.g0", 1, 0)
+    arrive(queue, "t0.g0", 0, 0)
+    queue.expect("t0.g1", 0, 0)
+    queue.expect("t1.g0", 1, 0)
     with pytest.raises(TimeoutError, match=r"step 0: batches \['t0.g1'\] still in flight after 0 s"):
-        buffer.take(0, deadline_s=0.05)
-    assert buffer.accounting()["trained"] == 0 and buffer.accounting()["buffered"] == 1
-    buffer.put("t0.g1", 0, rows("t0.g1", 0, 0))
-    assert buffer.take(0, deadline_s=5)[0] == ["t0.g0", "t0.g1"]   # t1.g0 still in flight
+        queue.take(0, deadline_s=0.05)
+    assert queue.accounting()["trained"] == 0 and queue.accounting()["buffered"] == 1
+    queue.put("t0.g1", 0, rows("t0.g1", 0, 0))
+    assert queue.take(0, deadline_s=5)[0] == ["t0.g0", "t0.g1"]   # t1.g0 still in flight
 
 
-def test_a_put_from_another_thread_completes_a_waiting_take(buffer):
-    buffer.expect("t0.g0", 0, 0)
-    put = threading.Thread(target=buffer.put, args=("t0.g0", 0, rows("t0.g0", 0, 0)))
+def test_a_put_from_another_thread_completes_a_waiting_take(queue):
+    queue.expect("t0.g0", 0, 0)
+    put = threading.Thread(target=queue.put, args=("t0.g0", 0, rows("t0.g0", 0, 0)))
     put.start()
     try:
-        assert buffer.take(0, deadline_s=60)[0] == ["t0.g0"]
+        assert queue.take(0, deadline_s=60)[0] == ["t0.g0"]
     finally:
         put.join()
 
 
-def test_put_refuses_a_batch_not_in_flight_or_of_another_version(buffer):
+def test_put_refuses_a_batch_not_in_flight_or_of_another_version(queue):
     with pytest.raises(ValueError, match="batch nope arrived but was not in flight"):
-        buffer.put("nope", 0, rows("nope", 0, 0))
-    buffer.expect("t1.g0", 1, 1)
+        queue.put("nope", 0, rows("nope", 0, 0))
+    queue.expect("t1.g0", 1, 1)
     with pytest.raises(ValueError, match="launched for version 1 but generated with version 0"):
-        buffer.put("t1.g0", 0, rows("t1.g0", 1, 0))
-    buffer.put("t1.g0", 1, rows("t1.g0", 1, 1))
+        queue.put("t1.g0", 0, rows("t1.g0", 1, 0))
+    queue.put("t1.g0", 1, rows("t1.g0", 1, 1))
     with pytest.raises(ValueError, match="batch t1.g0 arrived but was not in flight"):
-        buffer.put("t1.g0", 1, rows("t1.g0", 1, 1))   # twice
-    assert buffer.accounting()["buffered"] == 1
+        queue.put("t1.g0", 1, rows("t1.g0", 1, 1))   # twice
+    assert queue.accounting()["buffered"] == 1
 
 
 # ------------------------------------------------------------------ failures and relaunches
 
-def test_a_failed_rollout_is_dropped_by_its_reasons_first_word(tmp_path, buffer):
-    buffer.expect("t0.g0", 0, 0)
-    arrive(buffer, "t0.g1", 0, 0)
-    buffer.fail("t0.g0", "failed: RuntimeError: engine died", clock=(("gen0/rollouts", 7),))
-    buffer.fail("unknown", "failed: nothing")   # not launched here: nothing to drop
-    acc = buffer.accounting()
+def test_a_failed_rollout_is_dropped_by_its_reasons_first_word(tmp_path, queue):
+    queue.expect("t0.g0", 0, 0)
+    arrive(queue, "t0.g1", 0, 0)
+    queue.fail("t0.g0", "failed: RuntimeError: engine died", clock=(("gen0/rollouts", 7),))
+    queue.fail("unknown", "failed: nothing")   # not launched here: nothing to drop
+    acc = queue.accounting()
     assert acc["dropped_by_reason"] == {"failed": 1} and acc["in_flight"] == 0 and acc["balanced"]
     (drop,) = [e for e in events(tmp_path) if e["ev"] == "drop"]
     assert (drop["batch"], drop["reason"], drop["step"]) == ("t0.g0", "failed: RuntimeError: engine died", 0)
     assert drop["vc"]["gen0/rollouts"] == 7   # after the failed rollout's end
-    assert buffer.take(0, deadline_s=5)[0] == ["t0.g1"]   # the failed batch no longer holds the step
+    assert queue.take(0, deadline_s=5)[0] == ["t0.g1"]   # the failed batch no longer holds the step
 
 
-def test_relaunch_moves_an_in_flight_batch_to_a_new_version_as_the_same_launch(buffer):
+def test_relaunch_moves_an_in_flight_batch_to_a_new_version_as_the_same_launch(queue):
     first = launch("t2.g1", 2, 1)
-    buffer.expect("t2.g1", 2, 1, first)
-    buffer.expect("t2.g0", 2, 1, launch("t2.g0", 2, 0))
-    assert [e.batch_id for e in buffer.in_flight(1)] == ["t2.g1"]
-    assert buffer.relaunch("t2.g1", 2) is first
+    queue.expect("t2.g1", 2, 1, first)
+    queue.expect("t2.g0", 2, 1, launch("t2.g0", 2, 0))
+    assert [e.batch_id for e in queue.in_flight(1)] == ["t2.g1"]
+    assert queue.relaunch("t2.g1", 2) is first
     with pytest.raises(ValueError, match="launched for version 2 but generated with version 1"):
-        buffer.put("t2.g1", 1, rows("t2.g1", 2, 1))   # the dead generator's late result
-    buffer.put("t2.g1", 2, rows("t2.g1", 2, 2))
-    assert buffer.in_flight(1) == [] and [e.batch_id for e in buffer.in_flight(0)] == ["t2.g0"]
+        queue.put("t2.g1", 1, rows("t2.g1", 2, 1))   # the dead generator's late result
+    queue.put("t2.g1", 2, rows("t2.g1", 2, 2))
+    assert queue.in_flight(1) == [] and [e.batch_id for e in queue.in_flight(0)] == ["t2.g0"]
     with pytest.raises(ValueError, match="batch t2.g1 already arrived; it cannot be relaunched"):
-        buffer.relaunch("t2.g1", 3)
-    assert buffer.accounting()["launched"] == 2   # a relaunch is the same launch
+        queue.relaunch("t2.g1", 3)
+    assert queue.accounting()["launched"] == 2   # a relaunch is the same launch
 
 
 # ------------------------------------------------------------------ interrupt and fatal
 
-def test_an_interrupt_stops_take_until_cleared(buffer):
-    arrive(buffer, "t0.g0", 0, 0)
-    buffer.interrupt("gen1 died")
+def test_an_interrupt_stops_take_until_cleared(queue):
+    arrive(queue, "t0.g0", 0, 0)
+    queue.interrupt("gen1 died")
     with pytest.raises(Interrupted, match="step 0: gen1 died"):
-        buffer.take(0, deadline_s=5)
-    assert buffer.accounting()["buffered"] == 1   # nothing was taken or dropped
-    buffer.clear_interrupt()
-    assert buffer.take(0, deadline_s=5)[0] == ["t0.g0"]
+        queue.take(0, deadline_s=5)
+    assert queue.accounting()["buffered"] == 1   # nothing was taken or dropped
+    queue.clear_interrupt()
+    assert queue.take(0, deadline_s=5)[0] == ["t0.g0"]
 
 
-def test_an_interrupt_wakes_a_take_waiting_for_a_rollout(buffer):
-    buffer.expect("t0.g0", 0, 0)   # never arrives
-    stop = threading.Thread(target=buffer.interrupt, args=("trainer died",))
+def test_an_interrupt_wakes_a_take_waiting_for_a_rollout(queue):
+    queue.expect("t0.g0", 0, 0)   # never arrives
+    stop = threading.Thread(target=queue.interrupt, args=("trainer died",))
     stop.start()
     try:
         with pytest.raises(Interrupted, match="trainer died"):
-            buffer.take(0, deadline_s=60)
+            queue.take(0, deadline_s=60)
     finally:
         stop.join()
 
 
-def test_fatal_stops_every_later_take_and_wins_over_an_interrupt(buffer):
-    buffer.expect("t0.g0", 0, 0)
-    stop = threading.Thread(target=buffer.fatal, args=("the reward function failed",))
+def test_fatal_stops_every_later_take_and_wins_over_an_interrupt(queue):
+    queue.expect("t0.g0", 0, 0)
+    stop = threading.Thread(target=queue.fatal, args=("the reward function failed",))
     stop.start()
     try:
         with pytest.raises(RuntimeError, match="the reward function failed") as err:
-            buffer.take(0, deadline_s=60)
+            queue.take(0, deadline_s=60)
     finally:
         stop.join()
     assert not isinstance(err.value, Interrupted)
-    buffer.put("t0.g0", 0, rows("t0.g0", 0, 0))
-    buffer.interrupt("gen0 died")
+    queue.put("t0.g0", 0, rows("t0.g0", 0, 0))
+    queue.interrupt("gen0 died")
     with pytest.raises(RuntimeError, match="^the reward function failed$"):
-        buffer.take(0, deadline_s=5)
-    buffer.clear_interrupt()
+        queue.take(0, deadline_s=5)
+    queue.clear_interrupt()
     with pytest.raises(RuntimeError, match="^the reward function failed$"):
-        buffer.take(0, deadline_s=5)
+        queue.take(0, deadline_s=5)
 
 
 # ------------------------------------------------------------------ conservation
 
-def test_drop_all_drops_what_is_buffered_and_in_flight(tmp_path, buffer):
-    arrive(buffer, "t3.g0", 3, 2)
-    buffer.expect("t4.g0", 4, 3)
-    buffer.drop_all("unused_at_end")
-    assert buffer.accounting() == {"launched": 2, "trained": 0, "buffered": 0, "in_flight": 0, "dropped": 2,
+def test_drop_all_drops_what_is_buffered_and_in_flight(tmp_path, queue):
+    arrive(queue, "t3.g0", 3, 2)
+    queue.expect("t4.g0", 4, 3)
+    queue.drop_all("unused_at_end")
+    assert queue.accounting() == {"launched": 2, "trained": 0, "buffered": 0, "in_flight": 0, "dropped": 2,
                                    "dropped_by_reason": {"unused_at_end": 2}, "balanced": True}
     assert sorted(drops(tmp_path)) == [("t3.g0", "unused_at_end"), ("t4.g0", "unused_at_end")]
-    assert buffer.snapshot()[0] == []
+    assert queue.snapshot()[0] == []
 
 
 batch_fates = st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["arrive", "fail", "stale", "late"])),
@@ -318,36 +318,36 @@ def test_every_launched_batch_is_trained_or_dropped_exactly_once(fates, max_age,
     with tempfile.TemporaryDirectory() as run_dir:
         log = EventLog(run_dir, "controller", time.time())
         try:
-            buffer = ReplayBuffer(max_age=max_age, log=log)
+            queue = RolloutQueue(max_age=max_age, log=log)
             expected_trained = {}
             for i, (target, fate) in enumerate(fates):
                 batch_id, version = f"t{target}.b{i}", max(target - max_age, 0)
                 if fate == "stale":
                     version = target - max_age - 1   # may be negative: a batch from before the run
-                buffer.expect(batch_id, target, version)
+                queue.expect(batch_id, target, version)
                 if fate == "fail":
-                    buffer.fail(batch_id, "failed: injected")
+                    queue.fail(batch_id, "failed: injected")
                 elif fate in ("arrive", "stale"):
-                    buffer.put(batch_id, version, rows(batch_id, target, version, n=1))
+                    queue.put(batch_id, version, rows(batch_id, target, version, n=1))
                     if fate == "arrive" and target < steps:
                         expected_trained[batch_id] = target
                 # "late": still in flight at its step (taken only past the run) or dropped at the end
-                assert buffer.accounting()["balanced"]
+                assert queue.accounting()["balanced"]
             trained = {}
             for step in range(steps):
                 if any(t == step and fate == "late" for t, fate in fates):
-                    buffer.drop_all("interrupted")   # cannot wait for it: end the run here
+                    queue.drop_all("interrupted")   # cannot wait for it: end the run here
                     break
                 try:
-                    ids, _, table = buffer.take(step, deadline_s=5)
+                    ids, _, table = queue.take(step, deadline_s=5)
                 except RuntimeError as exc:
                     assert "no trajectories" in str(exc)
                     continue
                 assert table.num_rows == len(ids)
                 trained.update({batch_id: step for batch_id in ids})
-                assert buffer.accounting()["balanced"]
-            buffer.drop_all("unused_at_end")
-            acc = buffer.accounting()
+                assert queue.accounting()["balanced"]
+            queue.drop_all("unused_at_end")
+            acc = queue.accounting()
             dropped = drops(run_dir)
             assert acc["balanced"] and acc["buffered"] == acc["in_flight"] == 0
             assert acc["launched"] == len(fates) == acc["trained"] + acc["dropped"]
@@ -364,21 +364,21 @@ def test_every_launched_batch_is_trained_or_dropped_exactly_once(fates, max_age,
             log.close()
 
 
-def test_snapshot_and_restore_give_the_same_buffer(tmp_path, buffer):
-    buffer.expect("t3.g0", 3, 2, launch("t3.g0", 3, 0))
-    buffer.put("t3.g0", 2, rows("t3.g0", 3, 2))
-    buffer.expect("t3.g1", 3, 2, launch("t3.g1", 3, 1))
-    buffer.expect("t2.g0", 2, 1, launch("t2.g0", 2, 0))
-    buffer.fail("t2.g0", "failed: x")
-    entries, counters = buffer.snapshot()
-    buffer.put("t3.g1", 2, rows("t3.g1", 3, 2))   # after the snapshot: not in it
+def test_snapshot_and_restore_give_the_same_buffer(tmp_path, queue):
+    queue.expect("t3.g0", 3, 2, launch("t3.g0", 3, 0))
+    queue.put("t3.g0", 2, rows("t3.g0", 3, 2))
+    queue.expect("t3.g1", 3, 2, launch("t3.g1", 3, 1))
+    queue.expect("t2.g0", 2, 1, launch("t2.g0", 2, 0))
+    queue.fail("t2.g0", "failed: x")
+    entries, counters = queue.snapshot()
+    queue.put("t3.g1", 2, rows("t3.g1", 3, 2))   # after the snapshot: not in it
     assert [(e.batch_id, e.target, e.version, e.table is not None, e.launch.generator) for e in entries] == [
         ("t3.g0", 3, 2, True, 0), ("t3.g1", 3, 2, False, 1)]
     assert counters == {"launched": 3, "trained": 0, "dropped": {"failed": 1}}
 
     log = EventLog(tmp_path, "restored", time.time())
     try:
-        restored = ReplayBuffer(max_age=1, log=log)
+        restored = RolloutQueue(max_age=1, log=log)
         for e in entries:
             restored.restore(e.batch_id, e.target, e.version, e.table, e.launch)
         assert restored.accounting()["launched"] == 0   # counted in the run that launched them
