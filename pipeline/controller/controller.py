@@ -19,7 +19,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import ray
 
 from dags.tokens import (
     Batch,
@@ -32,7 +31,6 @@ from dags.tokens import (
     Resume,
     Rollout,
     StepPlan,
-    Stored,
     Ticket,
     TopUp,
     TrainOut,
@@ -93,10 +91,8 @@ class Controller(Actor):
         if self.cfg.dynamic_sampling.max_rounds:
             table, metrics = self._informative_groups(plan.step, table)
         with spans.span("batch.put"):
-            # Held until the next sample: a ref sent through a compiled-graph channel is
-            # not counted as borrowed, so the owner must keep it alive for the consumer.
-            self._live_table = ray.put(table)
-        return Batch(plan.step, tuple(ids), tuple(versions), Stored(self._live_table),
+            stored = self.put_for_step("batch", table)
+        return Batch(plan.step, tuple(ids), tuple(versions), stored,
                      wait_s=time.perf_counter() - started, metrics=metrics)
 
     @node("top_up")

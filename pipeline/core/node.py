@@ -1,6 +1,7 @@
 """What every actor behind the step graph shares: the node decorator that logs
-and stamps each node, the liveness probe, one torch thread, the one Ray thread
-a rank computes on, a log per run.
+and stamps each node (and trims the heap after it, where asked), the liveness
+probe, the objects it holds in the store for a step's readers, one torch
+thread, the one Ray thread a rank computes on, a log per run.
 """
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import dataclasses
 import functools
 import os
 
+from dags.tokens import Stored
 from pipeline.core.data_parallel import Rendezvous, free_port
 from pipeline.core import spans
 from pipeline.core.events import EventLog
+from pipeline.core.memory import HeapCap
 
 
 class NodeError(RuntimeError):
@@ -53,13 +56,17 @@ def on_step_thread(method):
     return method
 
 
-def node(name: str):
+def node(name: str, trim_heap: bool = False):
     """Log node_start/node_end and name the node, worker and step in any failure.
 
     The node logs on its own lane (`<worker>/<node>`, pipeline/core/events.py),
     after the clocks of the tokens it takes; the token it returns carries the
     clock at its node_end. Two nodes of one actor are ordered only if the graph
-    orders them, not because they happened to run one after the other."""
+    orders them, not because they happened to run one after the other.
+
+    `trim_heap`: a node that frees a lot (a training step its activations, a
+    refit a weight copy) checks the actor's HeapCap once its body's objects are
+    gone (pipeline/core/memory.py)."""
     def wrap(method):
         @functools.wraps(method)
         def run(self, *tokens):
@@ -73,6 +80,8 @@ def node(name: str):
                     self.log.emit("node_error", step=step, node=name, error=f"{type(exc).__name__}: {exc}")
                     raise NodeError(f"node {name!r} on worker {self.log.worker!r} failed at step {step}: "
                                     f"{type(exc).__name__}: {exc}") from exc
+                if trim_heap:
+                    self.heap.check_logged(self.log, step)
                 self.log.emit("node_end", step=step, node=name, spans=spans.take())
                 return dataclasses.replace(out, clock=self.log.now())
         return run
@@ -97,6 +106,18 @@ def reopen_log(worker, run_dir: str, name: str, t0: float) -> EventLog:
 class Actor:
     """The driver's liveness probe (pipeline/run/runner.py dead_actors). It takes
     no lock, so a busy threaded actor still answers on its spare thread."""
+
+    def __init__(self) -> None:
+        self.heap = HeapCap()
+        self._held: dict[str, object] = {}
+
+    def put_for_step(self, kind: str, value) -> Stored:
+        """`value` into the object store for this step's readers, held until this
+        actor's next put of `kind`: a ref sent through a compiled graph's channel
+        is not borrowed, so its owner must keep it alive until they have read it."""
+        import ray
+        ref = self._held[kind] = ray.put(value)
+        return Stored(ref)
 
     def ping(self) -> bool:
         return True

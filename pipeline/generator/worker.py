@@ -19,16 +19,17 @@ import pyarrow as pa
 import ray
 
 from dags.step_graph import build_delivery_graph
-from dags.tokens import Clock, Gate, Launch, Refitted, Relaunch, Resume, Rollout, Stored, Ticket, TopUp, TrainOut, ValOut
+from dags.tokens import (Clock, Gate, Launch, Refitted, Relaunch, Resume, Rollout, Stored, Ticket, TopUp, TrainOut,
+                         ValOut)
 from pipeline.algos.groups import fill_failed_rewards, flat_group_indices
 from pipeline.generator.engine_loop import EngineLoop, InFlight
 from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
-from pipeline.weights import packing
+from pipeline.weights import sync
 from pipeline.generator.engines import generation_engine, reward_function, val_prompts
 from pipeline.inputs.rewards import load_reward
 from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
 from pipeline.config import Config
-from pipeline.core import memory, spans
+from pipeline.core import spans
 from pipeline.core.graph_calls import submit
 from pipeline.core.worker_names import generator_name
 from pipeline.algos.rewards import combine
@@ -38,9 +39,12 @@ class GeneratorWorker(Actor):
     """One generation engine, driven by its engine loop."""
 
     def __init__(self, index: int):
+        super().__init__()
+        one_thread()
         self.index = index
         self._loop: EngineLoop | None = None
         self._puts: list = []   # the controller's answers to batches put, not yet checked (the loop's)
+        self.weights = None
 
     def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, incarnation: int = 0,
                   start_weights: Stored | None = None, after: Clock = (), reward_model=None) -> Clock:
@@ -60,7 +64,6 @@ class GeneratorWorker(Actor):
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, generator_name(self.index, incarnation), t0)
         self.log.merge(after)
-        self.heap = memory.HeapCap()
         self.log.emit("worker_start", **whereabouts(), incarnation=incarnation, generator=self.index)
         self.engine = generation_engine(cfg, self.index, incarnation)
         self.reward_fn = reward_function(cfg)
@@ -72,16 +75,6 @@ class GeneratorWorker(Actor):
         self.controller = controller
         self.version, self._loaded_step = 0, None
         self._puts = []
-        if start_weights is not None:
-            version, stored = start_weights.fetch(cfg.run.deadline_s)
-            self.log.emit("weights_fetched", step=version - 1, version=version)
-            self.log.emit("refit_start", step=version - 1, version=self.version)
-            self.engine.load_weights(packing.unpack(stored))
-            del stored
-            self.log.emit("weights_dropped", step=version - 1, version=version)
-            self.engine.set_version(version)
-            self.version, self._loaded_step = version, version - 1
-            self.log.emit("refit_end", step=version - 1, version=self.version)
         env = cfg.env if cfg.env.class_ else None
         workers = None
         if env is not None and env.actors:
@@ -90,22 +83,26 @@ class GeneratorWorker(Actor):
             workers.wait_ready(cfg.run.startup_deadline_s)
         self._loop = EngineLoop(self.engine, self.log, self._deliver, self._fail, self.version,
                                 cfg.schedule.group_size, env, workers)
+        if self.weights is not None:
+            self.weights.close()  # a pooled actor: the last run's weight-sync group
+        self.weights = sync.receiver(cfg, self.log)
+        if start_weights is not None:
+            # Logged as a refit to that version, after the step that made it.
+            start = sync.StoreReceiver(cfg, self.log)
+            version = start.fetch(start_weights)
+            self._install(start, version, version - 1)
         self.log.emit("worker_ready", spans=spans.take())
         return self.log.now()
 
-    @node("refit")
+    @node("refit", trim_heap=True)
     def refit(self, train: TrainOut, gate: Gate) -> Refitted:
         """Drain: wait until no rollout is in flight, then load. Inflight: hand
         the load to the engine loop, which runs it between two steps; the
         rollouts in flight go on with the new weights. The loop logs both ends."""
         started = time.perf_counter()
-        collective = self.cfg.generation.weight_sync == "collective"
-        fetched = None
-        if train.version == self.version + 1 and not collective:
+        if train.version == self.version + 1:
             # Fetched while rollouts may still run: only the load changes the engine.
-            with spans.span("weights.get"):
-                fetched = train.weights_ref.fetch(self.cfg.run.deadline_s)
-            self.log.emit("weights_fetched", step=gate.step, version=train.version)
+            self.weights.prefetch(train, gate.step)
         self._drain(gate.step)
         if self._loaded_step == gate.step and train.version == self.version:
             # Recovery re-runs a step's tail after a generator restart; whoever
@@ -114,33 +111,18 @@ class GeneratorWorker(Actor):
         if train.version != self.version + 1:
             raise RuntimeError(f"weight sync: trainer sent version {train.version}, "
                                f"generator holds {self.version}; expected {self.version + 1}")
-        if collective:
-            from pipeline.weights import collective  # torch: not in the driver, which imports this module
-
-            def load() -> None:
-                with spans.span("weights.receive"):
-                    # The trainer's send_weights node broadcasts at the same time; both sides
-                    # check the version before any bytes move.
-                    collective.receive_into(self._sync, self.engine, train.version)
-        else:
-            sent_version, stored = fetched
-            if sent_version != train.version:
-                raise RuntimeError(f"weight sync: the weights in the object store are version {sent_version}, "
-                                   f"the trainer announced {train.version}")
-
-            def load() -> None:
-                self.engine.load_weights(packing.unpack(stored))
-        spans.add(self._loop.call("install", (load, gate.step, train.version), self.cfg.run.deadline_s,
-                                  f"the refit of step {gate.step}"))
-        if fetched is not None:
-            # The engine has its own copy now; a view kept of the store's buffer would pin it there.
-            del fetched, stored, load
-            self.log.emit("weights_dropped", step=gate.step, version=train.version)
-        # A refit frees a weight copy, as a train step frees its activations.
-        self.heap.check_logged(self.log, gate.step)
-        self.version, self._loaded_step = train.version, gate.step
+        self._install(self.weights, train.version, gate.step)
         return Refitted(self.log.worker, gate.step, self.version, gate.validate,
                         refit_s=time.perf_counter() - started)
+
+    def _install(self, receiver: sync.StoreReceiver, version: int, step: int) -> None:
+        """Every load of new weights, a refit's or a start's: the engine loop runs
+        it between two engine steps and logs refit_start and refit_end."""
+        load = receiver.loader(self.engine, version)
+        spans.add(self._loop.call("install", (load, step, version), self.cfg.run.deadline_s,
+                                  f"the refit of step {step}"))
+        receiver.release(step, version)
+        self.version, self._loaded_step = version, step
 
     def _drain(self, step: int) -> None:
         """refit_mode drain: wait until no rollout is in flight. Either mode: raise what failed."""
@@ -156,11 +138,7 @@ class GeneratorWorker(Actor):
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str,
                          timeout_s: float) -> None:
         """generation.weight_sync collective: join trainer rank 0's group as `rank` (1..G)."""
-        from pipeline.weights import collective
-        if getattr(self, "_sync", None) is not None:
-            collective.leave(self._sync)  # a pooled actor: the last run's group
-        self._sync = collective.join(host, port, rank, world_size, backend, timeout_s, engine=self.engine,
-                                      bucket_bytes=int(self.cfg.generation.sync_bucket_mb * 2**20))
+        self.weights.join(host, port, rank, world_size, backend, timeout_s, self.engine)
 
     @node("validate")
     def validate(self, ready: Refitted | Gate) -> ValOut:

@@ -22,27 +22,26 @@ from __future__ import annotations
 import threading
 
 import pyarrow as pa
-import ray
 
-from dags.tokens import Advantages, Batch, CriticOut, Stored, Values
+from dags.tokens import Advantages, Batch, CriticOut, Values
 from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.trainer.engines import critic_engine
 from pipeline.core.data_parallel import Batching, Rendezvous, Shard, table_shard
 from pipeline.core.worker_names import CRITIC, rank_name
 from pipeline.config import Config
-from pipeline.core import memory
 from pipeline.core import spans
 
 
 class CriticWorker(Actor):
     def __init__(self, rank: int = 0):
+        super().__init__()
+        one_thread()
         self.rank = rank
 
     @on_step_thread
     def begin_run(self, cfg: Config, run_dir: str, t0: float, restore_dir: str | None = None,
                   rendezvous: Rendezvous | None = None) -> None:
-        one_thread()
         old = getattr(self, "engine", None)
         if old is not None and hasattr(old, "close"):
             old.close()  # a pooled actor: free the last run's optimizer state first
@@ -58,14 +57,9 @@ class CriticWorker(Actor):
             self.engine.load_state(restore_dir)
         # One step's batch, from critic_values to critic_train of that step.
         self._pending: dict[int, pa.Table] = {}
-        # Held until the next step's nodes: a ref sent through a compiled-graph
-        # channel is not borrowed, so its owner must keep it alive until the
-        # readers (advantages, the trainer's train) have read it.
-        self._live_values = self._live_advantages = None
         # save_state arrives on a spare thread; it must not see half an update.
         self._lock = threading.Lock()
         self.skipped = SkippedSteps(self.log, "critic", cfg.fault.max_nonfinite_steps, loss_key="value_loss")
-        self.heap = memory.HeapCap()
         self.log.emit("worker_ready", spans=spans.take(), dtype=getattr(self.engine, "dtype", None))
 
     def _shard(self, table: pa.Table) -> Shard | None:
@@ -78,10 +72,9 @@ class CriticWorker(Actor):
         table = batch.table_ref.fetch(self.cfg.run.deadline_s)
         with self._lock:
             values = self.engine.values(table, self._shard(table))
-        self._live_values = ref = ray.put(values)
         # Only this step's entry: its critic_train comes before the next critic_values.
         self._pending = {batch.step: table}
-        return Values(batch.step, self.rank, Stored(ref))
+        return Values(batch.step, self.rank, self.put_for_step("values", values))
 
     @on_step_thread
     @node("advantages")
@@ -97,11 +90,10 @@ class CriticWorker(Actor):
         from pipeline.algos.ppo import compute_advantages  # torch: the driver imports this module
         targets, stats = compute_advantages(self._pending[step], values, gamma=p.gamma, lam=p.lam,
                                             whiten_advantages=p.whiten_advantages)
-        self._live_advantages = ref = ray.put(targets)
-        return Advantages(step, Stored(ref), tuple(sorted(stats.items())))
+        return Advantages(step, self.put_for_step("advantages", targets), tuple(sorted(stats.items())))
 
     @on_step_thread
-    @node("critic_train")
+    @node("critic_train", trim_heap=True)
     def critic_train(self, adv: Advantages) -> CriticOut:
         table = self._pending.pop(adv.step, None)
         if table is None:
@@ -111,7 +103,6 @@ class CriticWorker(Actor):
         with self._lock:
             metrics = self.engine.train_step(table, targets, self._shard(table))
         self.skipped.check(adv.step, None, metrics)
-        self.heap.check_logged(self.log, adv.step)
         return CriticOut(adv.step, tuple(sorted({**dict(adv.metrics), **metrics}.items())))
 
     def save_state(self, path: str) -> None:

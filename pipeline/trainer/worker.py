@@ -1,39 +1,40 @@
 """The trainer actor: the policy update (`train`) and the weights it exports.
 
 The work is done by the training engine (pipeline/trainer/); this actor
-computes the outcome advantages of the critic-free algorithms (pipeline/algos/advantages.py), checks versions, logs,
-and puts the new weights in the object store for the generators' refits.
+computes the outcome advantages of the critic-free algorithms (pipeline/algos/advantages.py),
+checks versions, logs, and publishes each new version of the weights for the
+generators' refits (pipeline/weights/sync.py).
 """
 from __future__ import annotations
 
 import time
 
 import pyarrow as pa
-import ray
 
 from dags.tokens import Advantages, Batch, Clock, Gate, Stored, TrainOut, WeightsSent
 from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
-from pipeline.weights import packing
+from pipeline.weights import sync
 from pipeline.trainer.engines import training_engine
 from pipeline.core.data_parallel import Batching, Rendezvous, table_shard, trained_tokens
 from pipeline.core.worker_names import TRAINER, rank_name
 from pipeline.config import Config
-from pipeline.core import memory
 from pipeline.core import spans
 
 
 class TrainerWorker(Actor):
-    """One data-parallel rank of the policy. Rank 0 also exports the weights
-    the generators load."""
+    """One data-parallel rank of the policy. Rank 0 also hands the weights it
+    makes to the generators (pipeline/weights/sync.py)."""
 
     def __init__(self, rank: int = 0):
+        super().__init__()
+        one_thread()
         self.rank = rank
+        self.weights = None
 
     @on_step_thread
     def begin_run(self, cfg: Config, run_dir: str, t0: float, restore_dir: str | None = None,
                   start_version: int = 0, rendezvous: Rendezvous | None = None) -> Clock:
-        one_thread()
         spans.take()
         self.cfg = cfg
         self.world_size = cfg.training.ranks
@@ -47,34 +48,20 @@ class TrainerWorker(Actor):
             self.engine.load_state(restore_dir)
         self.version = start_version
         self.skipped = SkippedSteps(self.log, "policy", cfg.fault.max_nonfinite_steps)
-        self.heap = memory.HeapCap()
-        # (version, ObjectRef of (version, weights) or None, clock of their making): exported
-        # on first need, since most runs never replace a generator. One attribute, so a
-        # reader on a spare thread never pairs one step's weights with another's clock.
-        self._live = (start_version, None, self.log.now())
-        if self.world_size > 1 and cfg.training.zero_stage == 3:
-            # current_weights runs on rank 0 alone, and a ZeRO-3 gather needs every rank: export
-            # the start weights now, all ranks together (a resume or a restart may ask for them).
-            exported = self.engine.export_weights()
-            if self.rank == 0:
-                self._hold(start_version, self._put(start_version, exported))
+        if self.weights is not None:
+            self.weights.close()  # a pooled actor: the last run's weight-sync group
+        self.weights = sync.publisher(cfg, self.engine, self.log, self.rank, start_version)
         # training.dtype as this rank resolved it (auto: by its own device).
         self.log.emit("worker_ready", spans=spans.take(), dtype=getattr(self.engine, "dtype", None),
                       packing=self.batching.packed, packing_off=getattr(self.engine, "packing_off", "") or None)
         return self.log.now()
 
     def current_weights(self) -> tuple[int, Stored, Clock]:
-        """The version, the stored (version, weights) and the clock of the event that
-        made them, for a generator that starts mid-run: its load is after that event."""
-        version, ref, clock = self._live
-        if ref is None:
-            # Only rank 0 is asked; with several ZeRO-3 ranks begin_run has exported already.
-            ref = self._put(version, self.engine.export_weights())
-            self._live = (version, ref, clock)
-        return version, Stored(ref), clock
+        """Rank 0: the weights for a generator that starts mid-run (Publisher.current)."""
+        return self.weights.current()
 
     @on_step_thread
-    @node("train")
+    @node("train", trim_heap=True)
     def train(self, batch: Batch, advantages: Advantages | None = None) -> TrainOut:
         """Critic-free: outcome advantages from the rewards. PPO: the critic's GAE advantages;
         during ppo.critic_warmup the policy stays put, but the version still
@@ -98,35 +85,10 @@ class TrainerWorker(Actor):
             # Every rank sees the same skip (the engine agrees on it), so all raise together.
             self.skipped.check(batch.step, self.version, metrics)
         self.version += 1
-        weights_ref, exported = None, None
-        collective = self.cfg.generation.weight_sync == "collective"
-        if not collective or self.cfg.training.zero_stage == 3:
-            # Under ZeRO-3 the gather of the full weights needs every rank, so it happens here
-            # even for a collective sync; send_weights then sends this copy.
-            with spans.span("export_weights"):
-                exported = self.engine.export_weights()
-        if self.rank == 0 and not collective:
-            with spans.span("weights.put"):
-                weights_ref = self._put(self.version, exported)
-        self._exported = exported if collective else None
-        # The object store has its own copy now; this one (a full weight copy) must
-        # not be alive at the heap check below, or the floor it measures holds it.
-        del exported
+        weights = self.weights.publish(self.version)
         self.log.emit("train_end", step=batch.step, version=self.version)
-        # Kept alive until the next step's refits are done (see Controller.sample).
-        self._hold(self.version, weights_ref)
-        self.heap.check_logged(self.log, batch.step)
-        failed = sum(1 for e in table.column("reward_error").to_pylist() if e)
-        metrics = {**metrics, **self._batch_shape(table), "reward_failures": float(failed),
-                   "reward_mean": _mean(table.column("reward").to_pylist()),
-                   "reward_std": _std(table.column("reward").to_pylist()),
-                   "age_mean": _mean([batch.step - v for v in batch.versions]),
-                   "age_max": float(max((batch.step - v for v in batch.versions), default=0)),
-                   "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist())),
-                   # The model's own tokens: response_tokens less the environments' observations.
-                   "model_tokens": float(sum(trained_tokens(table)))}
-        return TrainOut(batch.step, self.version, Stored(weights_ref) if weights_ref else None,
-                        tuple(sorted(metrics.items())))
+        metrics = {**metrics, **self._batch_shape(table), **_batch_metrics(batch, table)}
+        return TrainOut(batch.step, self.version, weights, tuple(sorted(metrics.items())))
 
     def _overlong(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         """The table the policy trains on: with overlong.*, rewards less DAPO's
@@ -153,23 +115,6 @@ class TrainerWorker(Actor):
             shape["response_clip_share"] = _mean([float(t) for t in truncated.to_pylist()])
         return shape
 
-    def _put(self, version: int, exported: dict) -> ray.ObjectRef:
-        """One version of the weights into the object store, logged for the bound on copies (invariant 7)."""
-        packed = packing.pack(exported)
-        ref = ray.put((version, packed))
-        self.log.emit("weights_put", version=version, bytes=int(getattr(getattr(packed, "buffer", None), "nbytes", 0)))
-        return ref
-
-    def _hold(self, version: int, ref: ray.ObjectRef | None) -> None:
-        """Keep this version's weights for a generator that starts mid-run, and
-        let the last version go: every refit of it is over once a newer one is
-        made (the graph orders the step before this one's train)."""
-        old_version, old_ref, _ = self._live
-        self._live = (version, ref, self.log.now())
-        if old_ref is not None and old_ref != ref:
-            del old_ref
-            self.log.emit("weights_released", version=old_version)
-
     @on_step_thread
     @node("send_weights")
     def send_weights(self, train: TrainOut, gate: Gate) -> WeightsSent:
@@ -177,27 +122,19 @@ class TrainerWorker(Actor):
         to the generators, whose refit nodes receive them at the same time."""
         if train.version != self.version:
             raise RuntimeError(f"weight sync: asked to send version {train.version}, the trainer holds {self.version}")
-        from pipeline.weights import collective  # torch: not in the driver, which imports this module
         started = time.perf_counter()
         self.log.emit("send_start", step=gate.step, version=self.version)
-        named = self._exported if self.cfg.training.zero_stage == 3 else self.engine.live_weights()
-        with spans.span("weights.broadcast"):
-            sent = collective.send(self._sync, named.items(), self.version)
+        sent = self.weights.send(self.version)
         self.log.emit("send_end", step=gate.step, version=self.version, bytes=sent)
         return WeightsSent(gate.step, self.version, sent, time.perf_counter() - started)
 
     def weight_sync_address(self) -> tuple[str, int]:
         """Rank 0: where the weight-sync group (this rank and the generators) meets."""
-        from pipeline.weights import collective
-        return collective.sync_address()
+        return self.weights.address()
 
     def join_weight_sync(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         """Rank 0 of the weight-sync group; every generator joins at the same time."""
-        from pipeline.weights import collective
-        if getattr(self, "_sync", None) is not None:
-            collective.leave(self._sync)  # a pooled actor: the last run's group
-        self._sync = collective.join(host, port, 0, world_size, backend, timeout_s,
-                                      bucket_bytes=int(self.cfg.generation.sync_bucket_mb * 2**20))
+        self.weights.join(host, port, world_size, backend, timeout_s)
 
     def _train_shard(self, table: pa.Table, advantages: pa.Table) -> dict[str, float]:
         """This rank's update: its whole prompt groups of the batch (all of it when alone)."""
@@ -233,6 +170,18 @@ class TrainerWorker(Actor):
     def save_state(self, path: str) -> None:
         """Every rank: each writes its own optimizer partition into the same directory."""
         self.engine.save_state(path)
+
+
+def _batch_metrics(batch: Batch, table: pa.Table) -> dict[str, float]:
+    """The batch's rewards, ages and token counts, as every rank saw them."""
+    rewards = table.column("reward").to_pylist()
+    ages = [batch.step - v for v in batch.versions]
+    return {"reward_failures": float(sum(1 for e in table.column("reward_error").to_pylist() if e)),
+            "reward_mean": _mean(rewards), "reward_std": _std(rewards),
+            "age_mean": _mean(ages), "age_max": float(max(ages, default=0)),
+            "response_tokens": float(sum(len(r) for r in table.column("response_ids").to_pylist())),
+            # The model's own tokens: response_tokens less the environments' observations.
+            "model_tokens": float(sum(trained_tokens(table)))}
 
 
 def _mean(xs: list[float]) -> float:

@@ -32,9 +32,10 @@ from dags.step_graph import StepGraph, Workers, build_delivery_graph, build_step
 from dags.tokens import Gate, Refitted, Resume, StepPlan, Ticket, ValOut
 from pipeline.controller.controller import Controller
 from pipeline.generator.worker import GeneratorWorker
-from pipeline.core.node import node, rank_actor
+from pipeline.core.node import node, on_step_thread, rank_actor
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.run.runner import GraphRunner
+from pipeline.weights.sync import StorePublisher
 
 # The actors below are defined in a test module that Ray's workers cannot
 # import by name: ship the classes by value.
@@ -155,13 +156,21 @@ class MutantTrainer(TrainerWorker):
     hoard = False
 
     def configure(self, hoard: bool = False) -> None:
-        self.hoard, self._hoard = hoard, []
+        self.hoard = hoard
+
+    @on_step_thread
+    def begin_run(self, *args, **kwargs):
+        clock = super().begin_run(*args, **kwargs)
+        if self.hoard:
+            self.weights = HoardingPublisher(self.cfg, self.engine, self.log, self.rank, self.version)
+        return clock
+
+
+class HoardingPublisher(StorePublisher):
+    """Keeps every version of the weights it put, and logs none released."""
 
     def _hold(self, version, ref) -> None:
-        if not self.hoard:
-            super()._hold(version, ref)
-            return
-        self._hoard.append(self._live[1])
+        self.__dict__.setdefault("hoard", []).append(self._live[1])
         self._live = (version, ref, self.log.now())
 
 
