@@ -7,11 +7,12 @@ real reward model would.
 The completions mix what a policy emits on the way: random tokens of the
 vocabulary (a random policy), and runs of either character, the asked one or
 the other, with spaces and strays at every share (a learning one, and one
-that ignores the prompt). Measured here (2 cores,
-one thread, seed 0): 400 steps of 64 in about 25 s, then on 256 held-out
-completions a squared error of 0.0034 against a reward variance of 0.096
-(correlation 0.984); 16 copies of the asked character score 0.95-0.99, of
-the other one -0.02-0.00.
+that ignores the prompt). The fit is portable_fit's, so the saved weights
+are the same bytes on every x86 CPU. Measured here (2 cores, seed 0): 400
+steps of 64, the whole build about 80 s of CPU time, then on 256 held-out
+completions a squared error of 0.0048 against a reward variance of 0.096
+(correlation 0.978); 16 copies of the asked character score 0.92-1.01, of
+the other one 0.00-0.03.
 """
 from __future__ import annotations
 
