@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # the chat template is not in the digest's files), models/tiny_rm.
 TINY_DIGEST = "2bed0ac384fe274256d303218e4aeba1e4f8606cfd19b71b302c2fd92bd43772"
 TINY_RM_DIGEST = "2fe6f041d0b6036dfaec0da959d4b3e2dc99a68369dd3a729320bc9e7dbe788c"
-# Each imitates another x86 CPU: ATen's kernels at AVX2 or without SIMD, oneDNN's and MKL's at AVX2, two threads.
+# Each imitates another x86 CPU: ATen's kernels at AVX2 (this one's are AVX-512), oneDNN's and MKL's at
+# AVX2, two threads. Not ATen's scalar kernels (ATEN_CPU_CAPABILITY=default, a CPU without AVX2): see portable_fit.
 SETTINGS = {
     "this CPU": ({}, 1),
     "ATen AVX2": ({"ATEN_CPU_CAPABILITY": "avx2"}, 1),
-    "ATen no SIMD": ({"ATEN_CPU_CAPABILITY": "default"}, 1),
     "oneDNN AVX2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, 1),
     "MKL AVX2": ({"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, 1),
     "two threads": ({}, 2),
