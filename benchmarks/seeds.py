@@ -26,7 +26,7 @@ this project; its figures are recorded below with how they were taken.
         --steps 60 --result seeds_algos     # the presets: 7 x 2 modes x 5 seeds, ~34 min on 2 cores
     .venv/bin/python -m benchmarks.seeds --algorithms gspo cispo --steps 60 --result seeds_algos --merge
         # adds runs to an existing result (each run records the commit it ran at)
-    .venv/bin/python -m benchmarks.seeds --algorithms reward_model --steps 60 --result seeds_reward_model
+    .venv/bin/python -m benchmarks.seeds --algorithms reward_model --result seeds_reward_model
         # a fitted classifier's score as the reward (built here, as make builds models/tiny_rm)
 
 The result is written after every run, so a benchmark stopped half-way keeps what it measured.
