@@ -66,7 +66,7 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("token_versions", pa.list_(pa.int32())),
     ("text", pa.string()),
     ("reward", pa.float32()),
-    # Why the reward function or the environment failed this sample, or "" (see GeneratorWorker._score).
+    # Why the reward function or the environment failed this sample, or "" (see pipeline/rewards/scoring.py).
     ("reward_error", pa.string()),
     # 1 where the model sampled the response token, 0 where an environment's
     # observation put it (multi-turn): only the 1s are trained. Null: all 1s.

@@ -19,7 +19,7 @@ import random
 from pathlib import Path
 
 from pipeline.core.types import Prompt
-from pipeline.inputs.rewards import tiny_reward
+from pipeline.rewards.rules import tiny_reward
 from pipeline.inputs.tiny import TINY_ALPHABET, build_tiny_model, tiny_prompt
 
 STRAYS = (" ", ":", "a")

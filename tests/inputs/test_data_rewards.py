@@ -1,7 +1,9 @@
 """Datasets, reward functions and the tiny task (no vLLM, no Ray)."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,7 +14,9 @@ from hypothesis import strategies as st
 
 from pipeline.core.types import Prompt
 from pipeline.inputs.datasets import GSM8K_TEMPLATE, DataError, load_prompts
-from pipeline.inputs.rewards import RewardError, extract_last_number, gsm8k_reward, load_reward, tiny_reward
+from pipeline.rewards.rules import extract_last_number, gsm8k_reward, tiny_reward
+from pipeline.rewards.math_verifier import math_verify_reward
+from pipeline.rewards.specs import MOVED, RewardError, load_reward
 from pipeline.inputs.tiny import TINY_ALPHABET, tiny_prompt
 
 pytestmark = pytest.mark.unit
@@ -219,15 +223,15 @@ def test_gsm8k_reward_reads_formatted_integers(n):
 
 
 def test_load_reward_resolves_and_names_the_spec():
-    assert load_reward("pipeline.inputs.rewards:tiny_reward") is tiny_reward
+    assert load_reward("pipeline.rewards.rules:tiny_reward") is tiny_reward
     cases = [
-        ("pipeline.inputs.rewards.tiny_reward", "expected 'module:function'"),
-        ("pipeline.inputs.rewards:", "both parts non-empty"),
+        ("pipeline.rewards.rules.tiny_reward", "expected 'module:function'"),
+        ("pipeline.rewards.rules:", "both parts non-empty"),
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-        ("pipeline.inputs.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("pipeline.rewards.rules:no_such_fn", "has no attribute 'no_such_fn'"),
         ("math:pi", "'pi' is a float, not callable"),
         ("os.path:basename", r"basename\(p\) cannot be called as basename\(prompt, completion_text\)"),
-        ("pipeline.inputs.rewards:extract_last_number", "cannot be called as extract_last_number"),
+        ("pipeline.rewards.rules:extract_last_number", "cannot be called as extract_last_number"),
     ]
     for spec, expected in cases:
         with pytest.raises(RewardError, match=expected) as err:
@@ -281,10 +285,29 @@ def test_tiny_task_is_learnable_by_plain_grpo(tmp_path):
     assert start < 0.1 and end > 0.3, [round(m, 3) for m in means]
 
 
-def test_a_reward_spec_from_before_the_move_is_told_where_the_rewards_went():
-    for old in ("pipeline.rewards", "pipeline.io.rewards"):
-        with pytest.raises(RewardError, match=rf"cannot import module '{old}'.*are in 'pipeline.inputs.rewards'"):
-            load_reward(f"{old}:tiny_reward")
+def test_a_reward_spec_of_a_module_that_moved_loads_the_same_function():
+    for old in ("pipeline.inputs.rewards", "pipeline.rewards", "pipeline.io.rewards"):
+        assert load_reward(f"{old}:tiny_reward") is tiny_reward
+        assert load_reward(f"{old}:gsm8k_reward") is gsm8k_reward
+    assert load_reward("pipeline.inputs.math_reward:math_verify_reward") is math_verify_reward
+    # What a moved module did not have is still refused, naming where the spec was looked up.
+    with pytest.raises(RewardError, match="'pipeline.inputs.rewards:nope': module 'pipeline.rewards.rules' has no"):
+        load_reward("pipeline.inputs.rewards:nope")
+    # Every old name leads to a module that is there now, and to no other old name.
+    for new in MOVED.values():
+        assert new not in MOVED and importlib.util.find_spec(new) is not None, new
+
+
+def test_the_recipes_and_guides_name_rewards_where_they_are():
+    root = DATA.parent
+    pages = [*sorted((root / "examples").glob("*.yaml")), root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    specs = {spec for page in pages for spec in re.findall(r"\b(pipeline\.[\w.]+:\w+)", page.read_text())}
+    assert "pipeline.rewards.rules:tiny_reward" in specs
+    for spec in specs:
+        module = spec.split(":")[0]
+        assert module not in MOVED, spec
+        if module.startswith("pipeline.rewards."):
+            load_reward(spec)
 
 
 # -- over-long prompts (data.filter_overlong) --------------------------------
