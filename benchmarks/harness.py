@@ -1,7 +1,8 @@
 """What every benchmark shares to run and to record: a local Ray started and
-stopped, machine info (platform, versions, cores, memory, commit, a dirty
-tree, load average), statistics over repeats, tables, and the JSON result
-file in benchmarks/results.
+stopped, an engine's config and a generation engine's requests run to the
+end (the engine tests use both too), machine info (platform, versions,
+cores, memory, commit, a dirty tree, load average), statistics over
+repeats, tables, and the JSON result file in benchmarks/results.
 
 Benchmarks measure; they do not assert. Ratios are taken within one repeat
 (the compared variants run back to back), so a slow moment of the shared
@@ -36,10 +37,51 @@ def engine_config(model_dir, *overrides: str):
                               *overrides])
 
 
+def sample_all(engine, prompts: list, seeds: list[list[int]]) -> list[list]:
+    """len(seeds[i]) completions of prompt i, sample j drawn with seeds[i][j], on an idle
+    generation engine (pipeline/core/types.py). One request per sample, each with its own
+    seed: vLLM seeds a request of n samples with seed, seed + 1, ..., so n > 1 would let
+    the streams of two requests overlap (the shared prompt is computed once anyway)."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"sample: {len(seeds)} seed lists for {len(prompts)} prompts")
+    flat = _run_all(engine, [(f"s{i}.{j}", p, seed) for i, (p, group) in enumerate(zip(prompts, seeds))
+                             for j, seed in enumerate(group)])
+    it = iter(flat)
+    return [[next(it) for _ in group] for group in seeds]
+
+
+def greedy_all(engine, prompts: list) -> list:
+    """One greedy completion per prompt, on an idle generation engine."""
+    return _run_all(engine, [(f"g{i}", p, None) for i, p in enumerate(prompts)])
+
+
+def _run_all(engine, requests: list[tuple]) -> list:
+    """Add the (key, prompt, seed) requests, step until all are done; completions in request order."""
+    if engine.busy():
+        raise RuntimeError("the engine must be idle: requests of another caller are in flight")
+    for key, prompt, seed in requests:
+        engine.add(key, prompt, seed)
+    done = {}
+    try:
+        while engine.busy():
+            done.update(engine.step())
+    finally:
+        engine.abort_all()
+    return [done[key] for key, _, _ in requests]
+
+
 # --- reading runs and summarising repeats ---------------------------------------------------
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def event_log_epoch(summary: dict, events: list[dict]) -> float:
+    """The epoch seconds at which a run's event-log `t` is 0 (to a millisecond): the
+    driver's `startup` event holds to_first_step_s, counted from the summary's
+    train_entered_at, and was logged at that moment."""
+    startup = next(e for e in events if e["ev"] == "startup")
+    return summary["train_entered_at"] + startup["to_first_step_s"] - startup["t"]
 
 
 def first_crossing(rewards: list[float], threshold: float, window: int) -> int | None:

@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.harness import ROOT, machine_info, print_table, read_jsonl, sample_load, write_result
+from benchmarks.harness import ROOT, machine_info, print_table, read_jsonl, sample_all, sample_load, write_result
 from benchmarks.workloads import RECIPES, build_model, run_recipe
 
 RECIPE = RECIPES["grpo"]   # as workloads.run_recipe runs it
@@ -84,12 +84,11 @@ def span_medians(events: list[dict], steps: range) -> dict:
 
 def startup(events: list[dict], summary: dict, launched: float) -> dict:
     """Seconds from process launch to the first step, and what each worker spent starting."""
-    t0 = summary["t0"]
     phases = dict(summary["startup"])
-    out = {"launch to first step": round(t0 + _first(events, "startup") - launched, 3),
+    out = {"launch to first step": round(summary["train_entered_at"] + phases["to_first_step_s"] - launched, 3),
            "launch to train() (interpreter, imports, config)": round(summary["train_entered_at"] - launched, 3),
            **{f"driver: {k[:-2]}": v for k, v in phases.items() if k != "to_first_step_s"}}
-    # Worker times count from t0: Ray is up and the run directory made.
+    # Worker times count from the event log's start: Ray is up and the run directory made.
     for e in events:
         if e["ev"] == "worker_start":
             out[f"{e['worker']}: process up"] = round(e["t"], 3)
@@ -154,19 +153,21 @@ def leaves(model: Path, calls: int = 20) -> dict:
     prompts = [Prompt(f"p{i}", "repeat: 1 1 1 1 1 1 1 1") for i in range(8)]
     seeds = sample_seeds(0, "profile", prompts, 4)
     for _ in range(3):
-        engine.sample(prompts, seeds)
+        sample_all(engine, prompts, seeds)
     walls = []
     prof = cProfile.Profile()
     for _ in range(calls):
         t = time.perf_counter()
-        engine.sample(prompts, seeds)
+        sample_all(engine, prompts, seeds)
         walls.append(time.perf_counter() - t)
     prof.enable()
     for _ in range(calls):
-        engine.sample(prompts, seeds)
+        sample_all(engine, prompts, seeds)
     prof.disable()
     table = pstats.Stats(prof).stats
-    total = sum(ct for (f, _, fn), (_, _, _, ct, _) in table.items() if fn == "sample" and "vllm_generator" in f)
+    # By its code object, not a spelled file name, which a rename leaves stale.
+    call = sample_all.__code__
+    total = sum(ct for (f, _, fn), (_, _, _, ct, _) in table.items() if (f, fn) == (call.co_filename, call.co_name))
     buckets = {name: sum(ct for (f, _, fn), (_, _, _, ct, _) in table.items() if f.endswith(file) and fn == func)
                for name, (file, func) in VLLM_BUCKETS.items()}
     engine.close()

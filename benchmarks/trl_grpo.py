@@ -29,7 +29,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Only pipeline.inputs.rewards is taken from dagrl. It is not standard-library only:
+# Only pipeline.rewards.rules is taken from dagrl. It is not standard-library only:
 # pipeline.core.types (which defines Prompt) imports pyarrow, which datasets
 # installs here anyway. dagrl's runtime stack must stay out of this process.
 DAGRL_RUNTIME = {"torch", "vllm", "ray", "deepspeed", "transformers"}
@@ -42,11 +42,11 @@ def load_tiny_reward():
     vllm, ray) into this process.
     """
     before = {name.split(".")[0] for name in sys.modules}
-    module = importlib.import_module("pipeline.inputs.rewards")
+    module = importlib.import_module("pipeline.rewards.rules")
     added = {name.split(".")[0] for name in sys.modules} - before
     extra = sorted(DAGRL_RUNTIME & added)
     if extra:
-        raise RuntimeError(f"importing pipeline.inputs.rewards pulled in {extra}; "
+        raise RuntimeError(f"importing pipeline.rewards.rules pulled in {extra}; "
                            "this baseline must not depend on dagrl's runtime")
     return module.tiny_reward
 
@@ -162,7 +162,7 @@ def main():
                      "torch": torch.__version__, "datasets": datasets.__version__},
         "settings": {**settings, "model": args.model, "train": args.train,
                      "prompts_per_step": args.prompts_per_step, "torch_threads": torch.get_num_threads(),
-                     "reward": "pipeline.inputs.rewards:tiny_reward", "prompt_format": "plain text, no chat template"},
+                     "reward": "pipeline.rewards.rules:tiny_reward", "prompt_format": "plain text, no chat template"},
         "seed": args.seed,
     }
     out = Path(args.out)

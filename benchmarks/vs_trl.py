@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import ROOT, first_crossing, machine_info, print_table, print_targets, read_jsonl
-from benchmarks.harness import sample_load, write_result
+from benchmarks.harness import event_log_epoch, sample_load, write_result
 from benchmarks.workloads import build_model, run_recipe
 
 THRESHOLD, WINDOW = 0.7, 3
@@ -53,7 +53,7 @@ def run_dagrl(tmp: Path, name: str, max_age: int, steps: int, seed: int) -> dict
     summary = json.loads((run_dir / "summary.json").read_text())
     events = read_jsonl(run_dir / "events.jsonl")
     metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] >= 0]
-    since_launch = summary["t0"] - run["launched"]
+    since_launch = event_log_epoch(summary, events) - run["launched"]
     begin = {e["step"]: e["t"] for e in reversed(events) if e["ev"] == "node_start" and e["node"] == "sample"}
     end: dict[int, float] = {}
     for e in events:

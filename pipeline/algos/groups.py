@@ -22,23 +22,6 @@ def flat_group_indices(rewards: list[float], group_size: int) -> list[int]:
     return [k for k, g in enumerate(groups) if max(g) == min(g)]
 
 
-def fill_failed_rewards(rewards: list[float], failed: list[bool], group_size: int) -> list[float]:
-    """A sample whose reward failed gets the mean of its group's good rewards:
-    its advantage is then zero, so it teaches nothing, and the rest of the
-    group keeps its ranking (0.0 where the whole group failed)."""
-    if len(failed) != len(rewards):
-        raise ValueError(f"{len(rewards)} rewards but {len(failed)} failure flags")
-    flat_group_indices(rewards, group_size)  # the same split check
-    out = list(rewards)
-    for start in range(0, len(rewards), group_size):
-        good = [r for r, bad in zip(rewards[start:start + group_size], failed[start:start + group_size]) if not bad]
-        fill = sum(good) / len(good) if good else 0.0
-        for i in range(start, start + group_size):
-            if failed[i]:
-                out[i] = fill
-    return out
-
-
 @dataclass(frozen=True)
 class GroupChoice:
     keep: dict[str, tuple[int, ...]]      # batch id -> the groups trained, in the batch's order

@@ -66,7 +66,7 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("token_versions", pa.list_(pa.int32())),
     ("text", pa.string()),
     ("reward", pa.float32()),
-    # Why the reward function or the environment failed this sample, or "" (see GeneratorWorker._score).
+    # Why the reward function or the environment failed this sample, or "" (see pipeline/rewards/scoring.py).
     ("reward_error", pa.string()),
     # 1 where the model sampled the response token, 0 where an environment's
     # observation put it (multi-turn): only the 1s are trained. Null: all 1s.
@@ -127,36 +127,6 @@ class GenerationEngine(Protocol):
 
     def set_version(self, version: int) -> None:
         """Label the weights now loaded: tokens sampled from here on carry it."""
-
-
-def run_all(engine: GenerationEngine, requests: list[tuple[str, Prompt, int | None]]) -> list[Completion]:
-    """Add the requests to an idle engine, step until all are done; completions in request order."""
-    if engine.busy():
-        raise RuntimeError("run_all needs an idle engine: requests of the engine loop are in flight")
-    for key, prompt, seed in requests:
-        engine.add(key, prompt, seed)
-    done: dict[str, Completion] = {}
-    try:
-        while engine.busy():
-            done.update(engine.step())
-    finally:
-        engine.abort_all()
-    return [done[key] for key, _, _ in requests]
-
-
-def sample_all(engine: GenerationEngine, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
-    """len(seeds[i]) completions of prompt i, sample j drawn with seeds[i][j]."""
-    if len(seeds) != len(prompts):
-        raise ValueError(f"sample: {len(seeds)} seed lists for {len(prompts)} prompts")
-    flat = run_all(engine, [(f"s{i}.{j}", p, seed) for i, (p, group) in enumerate(zip(prompts, seeds))
-                            for j, seed in enumerate(group)])
-    it = iter(flat)
-    return [[next(it) for _ in group] for group in seeds]
-
-
-def greedy_all(engine: GenerationEngine, prompts: list[Prompt]) -> list[Completion]:
-    """One greedy completion per prompt."""
-    return run_all(engine, [(f"g{i}", p, None) for i, p in enumerate(prompts)])
 
 
 class TrainingEngine(Protocol):

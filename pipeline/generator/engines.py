@@ -59,7 +59,7 @@ def reward_function(cfg: Config) -> Callable[[Prompt, str], float] | None:
     if cfg.backend == "sim":
         from pipeline.sim.engines import faulty_sim_reward, sim_reward
         return faulty_sim_reward(cfg.inject) if cfg.inject.fault == "reward_raise" else sim_reward
-    from pipeline.inputs.rewards import load_reward
+    from pipeline.rewards.specs import load_reward
     return load_reward(cfg.data.reward) if cfg.data.reward else None
 
 

@@ -25,7 +25,7 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from pipeline.core.data_parallel import without_flight_recorder  # noqa: E402
 from pipeline.core.precision import request_amx  # noqa: E402
 from pipeline.weights import lora  # noqa: E402
-from pipeline.core.types import Completion, Prompt, greedy_all, sample_all  # noqa: E402
+from pipeline.core.types import Completion, Prompt  # noqa: E402
 from pipeline.inputs.models import DEFAULT_MAX_MODEL_LEN, ModelError, check_model_dir  # noqa: E402
 from pipeline.core.spans import span  # noqa: E402
 from pipeline.generator.cpu_moe import repack_experts_on_reload  # noqa: E402
@@ -162,16 +162,6 @@ class VllmGenerationEngine:
 
     def encode_continuation(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
-
-    def sample(self, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
-        """One request per sample, each with its own seed: vLLM seeds a request
-        of n samples with seed, seed + 1, ..., so n > 1 would let the streams
-        of two requests overlap. The shared prompt is computed once anyway
-        (prefix caching)."""
-        return sample_all(self, prompts, seeds)
-
-    def greedy(self, prompts: list[Prompt]) -> list[Completion]:
-        return greedy_all(self, prompts)
 
     # -- the step API (pipeline/core/types.py): the engine loop drives it --
     def add(self, key: str, prompt: Prompt, seed: int | None) -> None:

@@ -12,7 +12,6 @@ waits on another node except through its arguments.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import pyarrow as pa
@@ -21,18 +20,19 @@ import ray
 from dags.step_graph import build_delivery_graph
 from dags.tokens import (Clock, Gate, Launch, Refitted, Relaunch, Resume, Rollout, Stored, Ticket, TopUp, TrainOut,
                          ValOut)
-from pipeline.algos.groups import fill_failed_rewards, flat_group_indices
+from pipeline.algos.groups import flat_group_indices
 from pipeline.generator.engine_loop import EngineLoop, InFlight
 from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
 from pipeline.weights import sync
 from pipeline.generator.engines import generation_engine, reward_function, val_prompts
-from pipeline.inputs.rewards import load_reward
-from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, Prompt, sample_seeds
+from pipeline.rewards.specs import load_reward
+from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, sample_seeds
 from pipeline.config import Config
 from pipeline.core import spans
 from pipeline.core.graph_calls import submit
 from pipeline.core.worker_names import generator_name
-from pipeline.algos.rewards import combine
+from pipeline.rewards.mix import combine
+from pipeline.rewards.scoring import fill_failed_rewards, score_sample
 
 
 class GeneratorWorker(Actor):
@@ -150,7 +150,8 @@ class GeneratorWorker(Actor):
         # before this node returns, and no rollout starts before resume.
         completions = self._loop.call("greedy", self.val_prompts, self.cfg.run.deadline_s,
                                       f"the validation of step {ready.step}")
-        scored = [self._score(p, c, self.val_reward_fn) for p, c in zip(self.val_prompts, completions)]
+        reward_fn = self.val_reward_fn or self.reward_fn
+        scored = [score_sample(p, c, reward_fn) for p, c in zip(self.val_prompts, completions)]
         if self.reward_model is not None and self.val_reward_fn is None:
             # The weights validated cannot change before this node returns: the model's score goes with them.
             model = ray.get(self.reward_model.score_texts.remote(self.val_prompts, [c.text for c in completions]),
@@ -236,34 +237,13 @@ class GeneratorWorker(Actor):
             self._puts.remove(ref)
         ray.get(done, timeout=self.cfg.run.deadline_s)  # done: raises what failed, waits for nothing
 
-    def _score(self, prompt: Prompt, completion: Completion, reward_fn=None) -> tuple[float, str]:
-        """(reward, why it failed or ""): the environment's sum of turn rewards, or
-        `reward_fn`'s (validation.reward), or data.reward's."""
-        if completion.reward is not None:
-            if completion.error:
-                return 0.0, f"prompt {prompt.id}: {completion.error}"
-            if not math.isfinite(completion.reward):  # finite turn rewards that overflowed in their sum
-                return 0.0, f"prompt {prompt.id}: environment rewards sum to {completion.reward}"
-            return completion.reward, ""
-        reward_fn = reward_fn or self.reward_fn
-        if reward_fn is None:
-            return 0.0, ""  # the reward model's score is the whole reward
-        try:
-            reward = float(reward_fn(prompt, completion.text))
-        except Exception as exc:  # a user's reward function: any error marks this one sample
-            return 0.0, f"prompt {prompt.id}: {type(exc).__name__}: {exc}"
-        if not math.isfinite(reward):
-            # A NaN or inf would reach the loss, and through it every weight.
-            return 0.0, f"prompt {prompt.id}: reward function returned {reward}"
-        return reward, ""
-
     def _table(self, launch: Launch, version: int, groups: list[list[Completion]]) -> pa.Table:
         """The batch's trajectories, scored: a sample whose reward failed gets its
-        group's mean (pipeline/algos/groups.py), here or, with a reward model,
-        once the model has scored it too (pipeline/algos/rewards.py)."""
+        group's mean (pipeline/rewards/scoring.py), here or, with a reward model,
+        once the model has scored it too (pipeline/rewards/mix.py)."""
         rows = [(prompt, c) for prompt, group in zip(launch.prompts, groups) for c in group]
         with spans.span("reward"):
-            scored = [self._score(prompt, c) for prompt, c in rows]
+            scored = [score_sample(prompt, c, self.reward_fn) for prompt, c in rows]
         errors = [error for _, error in scored]
         for error in filter(None, errors):
             self.log.emit("reward_failed", step=launch.target, version=version, batch=launch.batch_id, reason=error)

@@ -27,7 +27,7 @@ def preflight(cfg: Config) -> Future | None:
     from pipeline.inputs.datasets import DataError, check_prompts, run_prompts
     from pipeline.inputs.models import (
         ModelError, check_model_files, check_model_loads, check_reward_model, context_length)
-    from pipeline.inputs.rewards import RewardError, load_reward
+    from pipeline.rewards.specs import RewardError, load_reward
 
     def check(key: str, fn: Callable, *args, **kwargs):
         # Prefix the recipe key, so the error also says which setting named the bad path or spec.

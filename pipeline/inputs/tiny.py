@@ -7,7 +7,7 @@ checkpoint.
 
 The tiny task ("repeat"): the prompt shows one character eight times,
 "repeat: 0 0 0 0 0 0 0 0", and the reward is the fraction of response
-characters equal to it (pipeline.inputs.rewards.tiny_reward). Measured with a plain
+characters equal to it (pipeline.rewards.rules.tiny_reward). Measured with a plain
 GRPO loop (8 prompts x 4 samples x 16 tokens, Adam lr 1e-2, 4 seeds): the mean
 reward rises from about 0.01 to 0.44-0.96 by step 20 and to 0.99 by step 30 in
 3 seeds of 4 (lr 3e-3 is about twice as slow). What made it learnable:

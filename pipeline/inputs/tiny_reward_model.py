@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipeline.core.types import Prompt
 from pipeline.inputs.portable_fit import portable_fit
-from pipeline.inputs.rewards import tiny_reward
+from pipeline.rewards.rules import tiny_reward
 from pipeline.inputs.tiny import TINY_ALPHABET, build_tiny_model, tiny_prompt
 
 STRAYS = (" ", ":", "a")

@@ -28,7 +28,7 @@ from pipeline.core.events import EventLog
 from pipeline.core.node import Actor, one_thread, whereabouts
 from pipeline.core.precision import device_dtype
 from pipeline.core.worker_names import REWARD_MODEL, reward_model_name
-from pipeline.algos.rewards import apply_scores
+from pipeline.rewards.mix import apply_scores
 from pipeline.reward_model.common import row_prompts
 
 def reward_scorer(cfg: Config, incarnation: int):

@@ -142,9 +142,10 @@ class Run:
         self.progress = Progress(cfg.run.steps, self.start_step, enabled=not self.quiet and cfg.metrics.progress)
         self.t0 = time.time()
         self.log = EventLog(self.run_dir, DRIVER, self.t0)
-        # Epoch seconds, so that a benchmark can relate the event log's `t` to its own clock.
+        # Epoch seconds, so that a benchmark can relate the run's times to its own clock
+        # (with the `startup` event, the event log's `t` too: benchmarks/harness.py).
         self.summary: dict = {"steps": self.start_step, "start_step": self.start_step, "error": None,
-                              "train_entered_at": self.entered, "t0": self.t0}
+                              "train_entered_at": self.entered}
         if self.fitted:
             self.summary["filtered_overlong"] = {kind: self.fitted[kind].filtered if kind in self.fitted else 0
                                                  for kind in ("train", "val")}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipeline.core.types import Completion, Prompt, greedy_all, sample_all
+from pipeline.core.types import Completion, Prompt
 from pipeline.config import InjectConfig, SimConfig
 
 
@@ -79,12 +79,6 @@ class SimGenerationEngine:
         self.calls = 0     # submissions of rollouts (requests added between two steps): inject.after counts these
         self._stepped = True
         self._running: dict[str, _SimRequest] = {}
-
-    def sample(self, prompts: list[Prompt], seeds: list[list[int]]) -> list[list[Completion]]:
-        return sample_all(self, prompts, seeds)
-
-    def greedy(self, prompts: list[Prompt]) -> list[Completion]:
-        return greedy_all(self, prompts)
 
     def add(self, key: str, prompt: Prompt, seed: int | None) -> None:
         if seed is not None and self._stepped:

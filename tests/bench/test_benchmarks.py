@@ -118,6 +118,26 @@ def test_vs_trl_figures_from_step_times():
     assert [t["met"] for t in summary["targets"]] == [True, True, True]
 
 
+def test_the_event_logs_epoch_is_read_back_from_a_run(tmp_path, sim_pool, monkeypatch):
+    """benchmarks.harness.event_log_epoch gives the epoch the driver's event log
+    counts `t` from, to the millisecond the summary's start-up phases are rounded to."""
+    from benchmarks.harness import event_log_epoch
+    from pipeline.config import load_config
+    from pipeline.core.events import EventLog, load_events
+    from pipeline.run import driver
+    epochs = []
+
+    class Recorded(EventLog):
+        def __init__(self, run_dir, worker, t0):
+            epochs.append(t0)
+            super().__init__(run_dir, worker, t0)
+    monkeypatch.setattr(driver, "EventLog", Recorded)
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=epoch", "run.steps=2", "run.deadline_s=30"])
+    summary = driver.train_on(cfg, sim_pool, quiet=True)
+    assert len(epochs) == 1
+    assert event_log_epoch(summary, load_events(tmp_path / "epoch")) == pytest.approx(epochs[0], abs=2e-3)
+
+
 def test_multiturn_quick(tmp_path):
     result = run_quick("multiturn", tmp_path)
     figures = result["figures"]

@@ -80,7 +80,7 @@ def test_every_rank_runs_as_many_micro_batches_as_the_busiest_rank_needs_under_a
 def _cfg(model, tmp_path, ranks: int, micro: int, zero: int, budget: int = 0, packing: bool = False):
     return load_config(None, [
         "backend=real", f"model.path={model}", "data.train=data/tiny_train.jsonl",
-        "data.reward=pipeline.inputs.rewards:tiny_reward", f"run.output_dir={tmp_path}", "schedule.group_size=2",
+        "data.reward=pipeline.rewards.rules:tiny_reward", f"run.output_dir={tmp_path}", "schedule.group_size=2",
         f"training.ranks={ranks}", f"training.micro_batch_size={micro}", f"training.zero_stage={zero}",
         f"training.max_tokens_per_micro_batch={budget}", f"training.packing={str(packing).lower()}",
         "training.lr=1e-3"])

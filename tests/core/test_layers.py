@@ -18,6 +18,7 @@ LAYERS = [
     ["pipeline.core"],
     ["pipeline.algos", "pipeline.envs"],
     ["pipeline.config"],
+    ["pipeline.rewards"],
     ["pipeline.inputs"],
     ["pipeline.sim"],
     ["pipeline.weights"],

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from benchmarks.harness import greedy_all, sample_all
 from pipeline.core.types import Prompt, sample_seeds
 from pipeline.inputs.models import ModelError, check_model_dir
 from pipeline.inputs.tiny import build_tiny_model, model_digest, tiny_prompt
@@ -84,7 +85,7 @@ _draws = iter(range(10**9))
 
 def draw(engine, prompts, n):
     """n samples per prompt, seeded as a fresh batch of a run would be."""
-    return engine.sample(prompts, sample_seeds(0, f"test{next(_draws)}", prompts, n))
+    return sample_all(engine, prompts, sample_seeds(0, f"test{next(_draws)}", prompts, n))
 
 
 def prefix_cache_hits(engine) -> int:
@@ -123,9 +124,9 @@ def test_generate_returns_n_completions_with_logprobs(engine):
             # Cut at the limit exactly when the response did not end on its end-of-text token.
             eos = engine.tokenizer.eos_token_id
             assert c.truncated == (len(c.response_ids) == 16 and c.response_ids[-1] != eos)
-    greedy = engine.greedy(prompts)
-    assert len(greedy) == 2 and engine.greedy(prompts[:1])[0] == greedy[0]
-    assert engine.sample([], []) == [] and engine.greedy([]) == []
+    greedy = greedy_all(engine, prompts)
+    assert len(greedy) == 2 and greedy_all(engine, prompts[:1])[0] == greedy[0]
+    assert sample_all(engine, [], []) == [] and greedy_all(engine, []) == []
 
 
 def test_completion_text_is_what_vllms_detokenizer_gives(engine):
@@ -142,7 +143,7 @@ def test_completion_text_is_what_vllms_detokenizer_gives(engine):
     reference = engine.llm.generate(inputs, params, use_tqdm=False)
     assert sum(o.outputs[0].text != engine.tokenizer.decode(o.outputs[0].token_ids) for o in reference) > 0
     assert [engine.decode(o.outputs[0].token_ids) for o in reference] == [o.outputs[0].text for o in reference]
-    ours = engine.sample(prompts, [seeds[i::4] for i in range(4)])
+    ours = sample_all(engine, prompts, [seeds[i::4] for i in range(4)])
     assert [c.text for group in ours for c in group] == [
         reference[s].outputs[0].text for i in range(4) for s in seeds[i::4]]
 
@@ -162,11 +163,11 @@ def test_a_batch_draws_the_same_samples_whatever_call_it_lands_in(engine):
     which other requests share the engine call, their order, or earlier calls."""
     prompts = [Prompt(f"p{i}", tiny_prompt(str(i % 2)), str(i % 2)) for i in range(4)]
     seeds = sample_seeds(7, "t3.g0", prompts, 4)
-    alone = engine.sample(prompts, seeds)
+    alone = sample_all(engine, prompts, seeds)
     others = [Prompt("o", tiny_prompt("1"), "1")] * 3
-    mixed = engine.sample([*others, *prompts[::-1]], [*sample_seeds(7, "t4.g0", others, 4), *seeds[::-1]])
+    mixed = sample_all(engine, [*others, *prompts[::-1]], [*sample_seeds(7, "t4.g0", others, 4), *seeds[::-1]])
     assert mixed[3:] == alone[::-1]
-    assert engine.sample(prompts, seeds) == alone
+    assert sample_all(engine, prompts, seeds) == alone
 
 
 def test_sample_seeds_never_repeat_across_batches_prompts_and_samples():
@@ -462,12 +463,13 @@ def test_multiturn_samples_carry_the_exact_context_each_turn_saw(engine, model_d
 
 BF16_ENGINE = """
 import math, sys
+from benchmarks.harness import sample_all
 from pipeline.core.types import Prompt, sample_seeds
 from pipeline.generator.vllm_engine import VllmGenerationEngine
 from pipeline.inputs.tiny import tiny_prompt
 engine = VllmGenerationEngine(sys.argv[1], seed=0, max_new_tokens=8, dtype="bfloat16", kv_cache_seqs=32)
 prompts = [Prompt("p0", tiny_prompt("1"))]
-out = engine.sample(prompts, sample_seeds(0, "bf16", prompts, 2))
+out = sample_all(engine, prompts, sample_seeds(0, "bf16", prompts, 2))
 assert all(len(c.logprobs) == len(c.response_ids) > 0 and all(map(math.isfinite, c.logprobs))
            for group in out for c in group), out
 engine.close()

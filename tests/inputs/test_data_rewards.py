@@ -1,4 +1,4 @@
-"""Datasets, reward functions and the tiny task (no vLLM, no Ray)."""
+"""Datasets and the tiny task (no vLLM, no Ray); the rewards are tests/rewards/."""
 from __future__ import annotations
 
 import json
@@ -7,13 +7,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from pipeline.core.types import Prompt
 from pipeline.inputs.datasets import GSM8K_TEMPLATE, DataError, load_prompts
-from pipeline.inputs.rewards import RewardError, extract_last_number, gsm8k_reward, load_reward, tiny_reward
 from pipeline.inputs.tiny import TINY_ALPHABET, tiny_prompt
+from pipeline.rewards.rules import gsm8k_reward, tiny_reward
 
 pytestmark = pytest.mark.unit
 
@@ -162,79 +160,6 @@ def test_shipped_tiny_data():
     assert {p.id for p in train}.isdisjoint(p.id for p in val)
 
 
-# -- rewards ---------------------------------------------------------------
-
-def test_tiny_reward_is_a_graded_fraction():
-    p = Prompt("t", tiny_prompt("0"), "0")
-    assert tiny_reward(p, "0000") == 1.0
-    assert tiny_reward(p, "0010") == 0.75
-    assert tiny_reward(p, "1 1") == 0.0
-    assert tiny_reward(p, "") == 0.0
-    with pytest.raises(ValueError, match="one-character answer"):
-        tiny_reward(Prompt("t", "x", "00"), "00")
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.text(max_size=40), st.sampled_from(list(TINY_ALPHABET)))
-def test_tiny_reward_in_unit_interval(text, c):
-    r = tiny_reward(Prompt("t", tiny_prompt(c), c), text)
-    assert 0.0 <= r <= 1.0
-    assert (r == 1.0) == (bool(text) and set(text) == {c})
-
-
-@pytest.mark.parametrize("completion, reward", [
-    ("so the answer is 18", 1.0),
-    ("#### 18", 1.0),
-    ("####18", 1.0),
-    ("She pays $18.", 1.0),
-    ("18.0", 1.0),
-    ("20 - 2 = 18\n#### 18", 1.0),
-    ("18 apples, then 3 more", 0.0),   # the last number counts
-    ("#### 19", 0.0),
-    ("no number here", 0.0),
-    ("", 0.0),
-])
-def test_gsm8k_reward(completion, reward):
-    assert gsm8k_reward(Prompt("g", "q", "18"), completion) == reward
-
-
-def test_gsm8k_reward_commas_negatives_and_full_answers():
-    assert gsm8k_reward(Prompt("g", "q", "6325"), "they sell 6,325 candies") == 1.0
-    assert gsm8k_reward(Prompt("g", "q", "1,250"), "#### 1250") == 1.0
-    assert gsm8k_reward(Prompt("g", "q", "-3"), "it is -3 degrees") == 1.0
-    assert gsm8k_reward(Prompt("g", "q", "6"), "18-12 = 6") == 1.0
-    assert gsm8k_reward(Prompt("g", "q", "12"), "18-12") == 1.0  # a dash after a digit is not a sign
-    assert gsm8k_reward(Prompt("g", "q", "a\n#### 42"), "42") == 1.0
-    with pytest.raises(ValueError, match="non-numeric answer"):
-        gsm8k_reward(Prompt("g", "q", "forty"), "40")
-    assert extract_last_number("1,234.5 and 7.") == 7.0
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.integers(-10**9, 10**9))
-def test_gsm8k_reward_reads_formatted_integers(n):
-    p = Prompt("g", "q", str(n))
-    assert gsm8k_reward(p, f"reasoning 3 + 4\n#### {n:,}") == 1.0
-    assert gsm8k_reward(p, f"#### {n + 1}") == 0.0
-
-
-def test_load_reward_resolves_and_names_the_spec():
-    assert load_reward("pipeline.inputs.rewards:tiny_reward") is tiny_reward
-    cases = [
-        ("pipeline.inputs.rewards.tiny_reward", "expected 'module:function'"),
-        ("pipeline.inputs.rewards:", "both parts non-empty"),
-        ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-        ("pipeline.inputs.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
-        ("math:pi", "'pi' is a float, not callable"),
-        ("os.path:basename", r"basename\(p\) cannot be called as basename\(prompt, completion_text\)"),
-        ("pipeline.inputs.rewards:extract_last_number", "cannot be called as extract_last_number"),
-    ]
-    for spec, expected in cases:
-        with pytest.raises(RewardError, match=expected) as err:
-            load_reward(spec)
-        assert repr(spec) in str(err.value)
-
-
 # -- the tiny task is learnable ---------------------------------------------
 
 def test_tiny_task_is_learnable_by_plain_grpo(tmp_path):
@@ -279,12 +204,6 @@ def test_tiny_task_is_learnable_by_plain_grpo(tmp_path):
     start, end = sum(means[:3]) / 3, sum(means[-3:]) / 3
     print("tiny task rewards:", [round(m, 3) for m in means])
     assert start < 0.1 and end > 0.3, [round(m, 3) for m in means]
-
-
-def test_a_reward_spec_from_before_the_move_is_told_where_the_rewards_went():
-    for old in ("pipeline.rewards", "pipeline.io.rewards"):
-        with pytest.raises(RewardError, match=rf"cannot import module '{old}'.*are in 'pipeline.inputs.rewards'"):
-            load_reward(f"{old}:tiny_reward")
 
 
 # -- over-long prompts (data.filter_overlong) --------------------------------

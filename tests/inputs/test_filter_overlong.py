@@ -31,7 +31,7 @@ def test_overlong_prompts_are_left_out_counted_and_never_reach_a_worker(tmp_path
     # The first two batches draw 4 prompts: every row of the unfiltered file, the long one included.
     recipe = {"backend": "real", "run": {"name": "fit", "output_dir": str(tmp_path / "runs"), "steps": 2},
               "model": {"path": str(tiny_model)},
-              "data": {"train": str(train), "val": str(val), "reward": "pipeline.inputs.rewards:tiny_reward"},
+              "data": {"train": str(train), "val": str(val), "reward": "pipeline.rewards.rules:tiny_reward"},
               "schedule": {"max_age": 1, "prompts_per_step": 2, "group_size": 2}, "validation": {"period": 1},
               "training": {"micro_batch_size": 4}, "metrics": {"progress": False, "tensorboard": False}}
     config = tmp_path / "recipe.yaml"
@@ -63,7 +63,7 @@ def test_max_new_tokens_that_leave_no_room_for_a_prompt_are_refused_at_once(tmp_
     from pipeline.inputs.preflight import preflight
     train = _jsonl(tmp_path / "t.jsonl", tiny_task_rows(2))
     cfg = load_config(None, ["backend=real", f"model.path={tiny_model}", f"data.train={train}",
-                             "data.reward=pipeline.inputs.rewards:tiny_reward", "generation.max_new_tokens=512"])
+                             "data.reward=pipeline.rewards.rules:tiny_reward", "generation.max_new_tokens=512"])
     with pytest.raises(ModelError, match=r"^generation.max_new_tokens: 512 leaves no room for a prompt in the "
                                          r"context of 512 tokens"):
         preflight(cfg)  # raised here, not on the tokenizer's thread: nothing else is started

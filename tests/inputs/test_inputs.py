@@ -44,7 +44,7 @@ def recipe(tmp_path, tiny_model) -> dict:
     return {"backend": "real",
             "run": {"name": RUN, "output_dir": str(tmp_path / "runs"), "steps": 2},
             "model": {"path": str(tiny_model)},
-            "data": {"train": str(train), "val": str(val), "reward": "pipeline.inputs.rewards:tiny_reward"},
+            "data": {"train": str(train), "val": str(val), "reward": "pipeline.rewards.rules:tiny_reward"},
             "schedule": {"max_age": 1, "prompts_per_step": 2, "group_size": 2}, "validation": {"period": 1},
             "training": {"micro_batch_size": 4, "lr": 0.005}}
 
@@ -370,10 +370,10 @@ REWARD_CASES = {
     "no_module": ("no_such_module_xyz:score", "cannot import module 'no_such_module_xyz': ModuleNotFoundError"),
     "module_raises": ("broken_reward_mod:score", "cannot import module 'broken_reward_mod': "
                       "ZeroDivisionError: division by zero"),
-    "no_function": ("pipeline.inputs.rewards:nope", "module 'pipeline.inputs.rewards' has no attribute 'nope'"),
+    "no_function": ("pipeline.rewards.rules:nope", "module 'pipeline.rewards.rules' has no attribute 'nope'"),
     "not_callable": ("math:pi", "'pi' is a float, not callable"),
     "wrong_signature": ("os.path:basename", "basename(p) cannot be called as basename(prompt, completion_text)"),
-    "no_colon": ("pipeline.inputs.rewards.tiny_reward", "expected 'module:function'"),
+    "no_colon": ("pipeline.rewards.rules.tiny_reward", "expected 'module:function'"),
 }
 
 

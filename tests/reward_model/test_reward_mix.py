@@ -1,4 +1,4 @@
-"""A reward model's scores on a batch (pipeline/algos/rewards.py), what the
+"""A reward model's scores on a batch (pipeline/rewards/mix.py), what the
 judge and the classifier read (pipeline/reward_model/common.py, judge.py), on
 hand-made tables: no model."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import re
 import pyarrow as pa
 import pytest
 
-from pipeline.algos.groups import fill_failed_rewards
-from pipeline.algos.rewards import apply_scores, combine
+from pipeline.rewards.mix import apply_scores, combine
+from pipeline.rewards.scoring import fill_failed_rewards
 from pipeline.core.types import TRAJECTORY_SCHEMA, Prompt
 from pipeline.reward_model.common import conversation, question, row_prompts
 from pipeline.reward_model.judge import parse_score

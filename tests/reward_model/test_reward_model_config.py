@@ -7,7 +7,7 @@ from pipeline.config import ConfigError, load_config
 
 pytestmark = pytest.mark.unit
 
-REAL = ["model.path=m", "data.train=t.jsonl", "data.reward=pipeline.inputs.rewards:tiny_reward"]
+REAL = ["model.path=m", "data.train=t.jsonl", "data.reward=pipeline.rewards.rules:tiny_reward"]
 
 
 def test_a_reward_model_makes_data_reward_optional():
@@ -45,10 +45,10 @@ def test_each_bad_setting_names_its_key(overrides, message):
 
 
 def test_a_validation_reward_of_its_own_needs_the_real_single_turn_stack():
-    cfg = load_config(None, [*REAL, "validation.reward=pipeline.inputs.rewards:gsm8k_reward"])
-    assert cfg.validation.reward == "pipeline.inputs.rewards:gsm8k_reward"
+    cfg = load_config(None, [*REAL, "validation.reward=pipeline.rewards.rules:gsm8k_reward"])
+    assert cfg.validation.reward == "pipeline.rewards.rules:gsm8k_reward"
     with pytest.raises(ConfigError, match="validation.reward: .*backend is 'sim'"):
-        load_config(None, ["validation.reward=pipeline.inputs.rewards:gsm8k_reward"])
+        load_config(None, ["validation.reward=pipeline.rewards.rules:gsm8k_reward"])
 
 
 def test_the_score_exit_fault_needs_a_reward_model():

@@ -62,7 +62,7 @@ def test_a_run_scores_every_batch_with_its_reward_model(tmp_path, ray_session, t
     judge = build_tiny_model(tmp_path / "judge", seed=5, chat_template=True) if kind == "judge" else None
     # The classifier's run validates by the task's rule (validation.reward), the judge's by its training reward.
     overrides = {"classifier": ["reward_model.kind=classifier", f"reward_model.path={classifier}", "data.reward=",
-                                "validation.reward=pipeline.inputs.rewards:tiny_reward"],
+                                "validation.reward=pipeline.rewards.rules:tiny_reward"],
                  "judge": ["reward_model.kind=judge", f"reward_model.path={judge}", "reward_model.weight=0.1",
                            "reward_model.output_regex='[0-9]'", "reward_model.max_new_tokens=2"]}[kind]
     cfg = load_config("examples/tiny_grpo.yaml", [

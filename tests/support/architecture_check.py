@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from benchmarks.harness import sample_all
 from pipeline.algos.advantages import critic_free_advantages
 from pipeline.core.types import TRAJECTORY_SCHEMA, Prompt, sample_seeds
 from pipeline.inputs.tiny import build_tiny_model, tiny_prompt
@@ -65,11 +66,11 @@ def measure(family: str, out_dir: Path) -> dict:
     trainer = DeepSpeedPolicyEngine(engine_config(model_dir, "training.lr=1e-2"))
     engine = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=8, temperature=1.0, top_p=1.0, max_model_len=128)
     try:
-        before = table_of(engine.sample(PROMPTS, sample_seeds(0, "before", PROMPTS, 2)))
+        before = table_of(sample_all(engine, PROMPTS, sample_seeds(0, "before", PROMPTS, 2)))
         initial = sequence_logprobs(trainer, before)
         m = trainer.train_step(before, critic_free_advantages(before, 2))
         engine.load_weights(trainer.export_weights())
-        after = table_of(engine.sample(PROMPTS, sample_seeds(0, "after", PROMPTS, 2)))
+        after = table_of(sample_all(engine, PROMPTS, sample_seeds(0, "after", PROMPTS, 2)))
         trained = sequence_logprobs(trainer, after)
         trainer.save(str(out_dir / "ckpt"))
         hf = AutoModelForCausalLM.from_pretrained(out_dir / "ckpt", dtype=torch.float32).eval()

@@ -1,5 +1,5 @@
 """A math-verify child that never answers: the reward's deadline under test
-(tests/inputs/test_math_reward.py). In a module of its own so that a spawned
+(tests/rewards/test_math_verifier.py). In a module of its own so that a spawned
 child can import it by name."""
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from pipeline.trainer.deepspeed_critic import DeepSpeedCriticEngine
 from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
 from pipeline.core.types import Completion, Prompt
 from pipeline.envs.interface import check_step_result
+from pipeline.rewards.scoring import score_sample
 from pipeline.config import ConfigError, load_config
 from pipeline.core.events import EventLog
 
@@ -96,14 +97,12 @@ def test_validation_leaves_a_nonfinite_reward_out_of_its_sum(tmp_path):
     assert dict(out.scores) == {"reward_sum": 1.25, "count": 2.0, "failed": 2.0}
 
 
-def test_an_environment_step_with_a_nonfinite_reward_fails_its_sample(tmp_path):
+def test_an_environment_step_with_a_nonfinite_reward_fails_its_sample():
     for bad in (NAN, INF):
         with pytest.raises(ValueError, match=f"step\\(\\) returned reward {bad}; a reward must be finite"):
             check_step_result(("obs", bad, False, {}))
     # A sum of finite turn rewards that overflowed is refused too (the episode's reward).
-    g = scorer(tmp_path, [])
-    reward, error = g._score(Prompt("p1", ""), completion(reward=INF, token_rewards=(1e308, 1e308)))
-    g.log.close()
+    reward, error = score_sample(Prompt("p1", ""), completion(reward=INF, token_rewards=(1e308, 1e308)), None)
     assert (reward, error) == (0.0, "prompt p1: environment rewards sum to inf")
 
 

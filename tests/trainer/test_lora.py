@@ -23,6 +23,7 @@ from tests.support.training_helpers import (
     weights,
 )
 
+from benchmarks.harness import sample_all
 from pipeline.algos.advantages import critic_free_advantages
 from pipeline.weights import lora
 from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
@@ -148,7 +149,7 @@ PROMPTS = [Prompt(f"p{i}", f"What is {i} plus {i + 1}?", "0") for i in range(3)]
 
 def engine_vs_trainer(engine, trainer, seed_key: str) -> float:
     """Sample from the engine; the largest gap between its logprobs and the trainer's on the same tokens."""
-    groups = engine.sample(PROMPTS, sample_seeds(0, seed_key, PROMPTS, 2))
+    groups = sample_all(engine, PROMPTS, sample_seeds(0, seed_key, PROMPTS, 2))
     rows = [dict(prompt_ids=list(c.prompt_ids), response_ids=list(c.response_ids)) for g in groups for c in g]
     table = pa.Table.from_pylist(rows)
     ours = sequence_logprobs(trainer, table)
@@ -180,7 +181,7 @@ def test_refit_serves_the_trained_adapter_with_the_trainers_logprobs(engine, mod
         merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         assert not any("lora" in n for n in merged.state_dict())
         AutoTokenizer.from_pretrained(out)
-        groups = engine.sample(PROMPTS, sample_seeds(0, "v3", PROMPTS, 2))
+        groups = sample_all(engine, PROMPTS, sample_seeds(0, "v3", PROMPTS, 2))
         gap = 0.0
         for c in (c for g in groups for c in g):
             ids = torch.tensor([list(c.prompt_ids) + list(c.response_ids)])

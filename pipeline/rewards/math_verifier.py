@@ -1,7 +1,7 @@
-"""math-verify as a reward (`data.reward: pipeline.inputs.math_reward:math_verify_reward`):
+"""math-verify as a reward (`data.reward: pipeline.rewards.math_verifier:math_verify_reward`):
 1.0 when the completion's final answer is mathematically equal to the
 prompt's (GSM8K's "#### 72" against "72", MATH's "\\frac{1}{2}" against "0.5"),
-else 0.0. The regex reward (pipeline.inputs.rewards:gsm8k_reward) stays for
+else 0.0. The regex reward (pipeline.rewards.rules:gsm8k_reward) stays for
 numbers only, without the dependency's cost.
 
 math-verify parses with sympy, which can run for minutes on a pathological

@@ -4,7 +4,7 @@ pure Python and Arrow, tested without a model.
 The reward of a sample is data.reward's (its generator scored it; 0 when the
 recipe has none) plus reward_model.weight x the model's score. A sample whose
 rule reward or model score failed gets its group's mean of the good ones
-(pipeline/algos/groups.py fill_failed_rewards), as a rule reward's failure
+(pipeline/rewards/scoring.py fill_failed_rewards), as a rule reward's failure
 always has.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.algos.groups import fill_failed_rewards
+from pipeline.rewards.scoring import fill_failed_rewards
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""math-verify as a reward (pipeline/inputs/math_reward.py): equal answers in
+"""math-verify as a reward (pipeline/rewards/math_verifier.py): equal answers in
 the forms GSM8K and MATH write them, and a hung verifier that becomes one
 sample's reward failure within its deadline, not a stuck generator."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 import pytest
 
 from pipeline.core.types import Prompt
-from pipeline.inputs.math_reward import MathVerifier
-from pipeline.inputs.rewards import load_reward
+from pipeline.rewards.math_verifier import MathVerifier
+from pipeline.rewards.specs import load_reward
 from tests.support.slow_reward import never_answer
 
 pytestmark = pytest.mark.unit
@@ -36,7 +36,7 @@ def test_equal_answers_score_one(verifier, answer, completion, score):
 
 
 def test_the_built_in_spec_loads():
-    assert isinstance(load_reward("pipeline.inputs.math_reward:math_verify_reward"), MathVerifier)
+    assert isinstance(load_reward("pipeline.rewards.math_verifier:math_verify_reward"), MathVerifier)
 
 
 def test_a_hung_verifier_is_a_reward_failure_within_its_deadline():
