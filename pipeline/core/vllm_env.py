@@ -1,21 +1,25 @@
-"""What every in-process vLLM engine of a run needs (a generator's, a judge's),
-before vllm is imported: no engine-core process of its own (on CPU it would
-cost cores we do not have, and an in-process engine is driven from the actor's
-threads), no pinning of cores that other workers share, a bound on oneDNN's
-matmul cache. setdefault: a caller's explicit choice wins. And the KV cache's
+"""What every in-process vLLM engine of a run needs (a generator's, a judge's):
+its process's environment, set before vllm is imported, and the KV cache's
 size on a CPU, which vLLM would otherwise make 4 GiB, allocated and zeroed at
 start-up."""
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-# vLLM's CPU linear layers build a oneDNN matmul for each batch size they meet
-# (0.28 MB each on a 4.2M model): vLLM keeps 32 per weight shape, and oneDNN's
-# own cache kept 1024 more, so a generator grew for as long as new sizes came.
-# With 64 the bound is reached at start-up (VllmGenerationEngine._probe).
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+
+def set_vllm_environment() -> None:
+    """Before vllm's import, which reads these once: no engine-core process of
+    its own (on CPU it would cost cores we do not have, and an in-process
+    engine is driven from the actor's threads), no pinning of cores that other
+    workers share, a bound on oneDNN's matmul cache. setdefault: a caller's
+    explicit choice wins."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # vLLM's CPU linear layers build a oneDNN matmul for each batch size they meet
+    # (0.28 MB each on a 4.2M model): vLLM keeps 32 per weight shape, and oneDNN's
+    # own cache kept 1024 more, so a generator grew for as long as new sizes came.
+    # With 64 the bound is reached at start-up (VllmGenerationEngine._probe).
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
 
 def kv_cache_bytes(config: dict, max_model_len: int, seqs: int, dtype: str) -> int:

@@ -1,7 +1,7 @@
 """GenerationEngine on an in-process vLLM `LLM` (CPU build or CUDA wheel).
 
-The engine lives inside a generator actor (pipeline/core/vllm_env.py sets
-vLLM's environment for that before vllm is imported, so it comes first).
+The engine lives inside a generator actor; this module sets vLLM's
+environment for that (pipeline/core/vllm_env.py) before it imports vllm.
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from pipeline.core.vllm_env import kv_cache_bytes  # first: it sets vLLM's environment
+from pipeline.core.vllm_env import kv_cache_bytes, set_vllm_environment
+
+set_vllm_environment()  # before vLLM's import below, which reads it once
 
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402

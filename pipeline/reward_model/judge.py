@@ -35,8 +35,9 @@ class JudgeScorer:
                  max_new_tokens: int = 8, batch_size: int = 16, dtype: str = "fp32"):
         import torch
 
-        from pipeline.core.vllm_env import kv_cache_bytes  # sets vLLM's environment before its import
+        from pipeline.core.vllm_env import kv_cache_bytes, set_vllm_environment
         from pipeline.inputs.models import ModelError, check_model_dir, check_reward_model
+        set_vllm_environment()  # before vLLM's import below, which reads it once
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
         check_model_dir(path)
