@@ -52,15 +52,8 @@ class GeneratorWorker(Actor):
         restart, a resume); the load is logged as this worker's refit to that version.
         `after`: the caller's clock (it holds the trainer's, from current_weights).
         `reward_model`: the run's reward model actor, which scores each batch before the buffer takes it."""
-        one_thread()
         spans.take()
-        if self._loop is not None:
-            # A previous run on this actor must not leak rollouts into this one.
-            self._loop.stop(cfg.run.deadline_s)
-            self._loop = None
-        if self._puts:
-            # ... nor a late put land in this run's buffer under a batch id the runs share.
-            ray.wait(self._puts, num_returns=len(self._puts), timeout=cfg.run.deadline_s)
+        self._end_last_run(cfg.run.deadline_s)
         self.cfg = cfg
         self.log = reopen_log(self, run_dir, generator_name(self.index, incarnation), t0)
         self.log.merge(after)
@@ -93,6 +86,15 @@ class GeneratorWorker(Actor):
             self._install(start, version, version - 1)
         self.log.emit("worker_ready", spans=spans.take())
         return self.log.now()
+
+    def _end_last_run(self, deadline_s: float) -> None:
+        """A pooled actor: a previous run on it must not leak rollouts into this
+        one, nor a late put land in this run's queue under a batch id the runs share."""
+        if self._loop is not None:
+            self._loop.stop(deadline_s)
+            self._loop = None
+        if self._puts:
+            ray.wait(self._puts, num_returns=len(self._puts), timeout=deadline_s)
 
     @node("refit", trim_heap=True)
     def refit(self, train: TrainOut, gate: Gate) -> Refitted:

@@ -49,6 +49,7 @@ def reward_scorer(cfg: Config, incarnation: int):
 
 class RewardModelWorker(Actor):
     def __init__(self, cfg: Config, run_dir: str, t0: float):
+        super().__init__()
         one_thread()
         self.cfg = cfg
         # A restart is a new process with the same arguments: the logs so far count the incarnations.
