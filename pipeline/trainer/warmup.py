@@ -221,30 +221,33 @@ def greedy_eval(model: Any, tokenizer: Any, env_cls: type, env_args: dict, promp
 
 def train_on(model: Any, episodes: list[Episode], *, steps: int, lr: float, batch_size: int,
              seed: int, pad_id: int) -> list[float]:
-    """AdamW on cross-entropy over the model-turn tokens; the per-step losses."""
+    """AdamW on cross-entropy over the model-turn tokens, fitted with
+    portable_fit (the same bytes on every x86 CPU); the per-step losses."""
     import torch
+
+    from pipeline.inputs.portable_fit import portable_fit
     rng = random.Random(seed)
     order: list[int] = []
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
-    for _ in range(steps):
-        if len(order) < batch_size:  # a fresh shuffled epoch, so every transcript is seen as often
-            epoch = list(range(len(episodes)))
-            rng.shuffle(epoch)
-            order += epoch
-        batch, order = [episodes[i] for i in order[:batch_size]], order[batch_size:]
-        width = max(len(ep.ids) for ep in batch)
-        ids = torch.tensor([ep.ids + [pad_id] * (width - len(ep.ids)) for ep in batch])
-        # -100 is ignored by the loss: context, observations and padding.
-        labels = torch.tensor([[t if m else -100 for t, m in zip(ep.ids, ep.mask)] + [-100] * (width - len(ep.ids))
-                               for ep in batch])
-        loss = model(input_ids=ids, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
+    with portable_fit(model, lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)) as optimizer:
+        for _ in range(steps):
+            if len(order) < batch_size:  # a fresh shuffled epoch, so every transcript is seen as often
+                epoch = list(range(len(episodes)))
+                rng.shuffle(epoch)
+                order += epoch
+            batch, order = [episodes[i] for i in order[:batch_size]], order[batch_size:]
+            width = max(len(ep.ids) for ep in batch)
+            ids = torch.tensor([ep.ids + [pad_id] * (width - len(ep.ids)) for ep in batch])
+            # -100 is ignored by the loss: context, observations and padding.
+            labels = torch.tensor([[t if m else -100 for t, m in zip(ep.ids, ep.mask)]
+                                   + [-100] * (width - len(ep.ids)) for ep in batch])
+            loss = model(input_ids=ids, labels=labels).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
     return losses
 
 
