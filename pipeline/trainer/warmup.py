@@ -242,7 +242,9 @@ def train_on(model: Any, episodes: list[Episode], *, steps: int, lr: float, batc
             # -100 is ignored by the loss: context, observations and padding.
             labels = torch.tensor([[t if m else -100 for t, m in zip(ep.ids, ep.mask)]
                                    + [-100] * (width - len(ep.ids)) for ep in batch])
-            loss = model(input_ids=ids, labels=labels).loss
+            # Not the model's own loss: it upcasts the logits to float32, whose kernels round per CPU.
+            logits = model(input_ids=ids).logits[:, :-1]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
