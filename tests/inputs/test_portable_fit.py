@@ -18,9 +18,9 @@ TINY_RM_DIGEST = "2fe6f041d0b6036dfaec0da959d4b3e2dc99a68369dd3a729320bc9e7dbe78
 # The warmed-up models `make` builds (pipeline/trainer/warmup.py), by task: the env, the digest.
 WARMUP_MODELS = {
     "tool": ("pipeline.envs.calculator:CalculatorEnv",
-             "27800803a062b67b3f9c0619901fb4442193e00635b63dd5ae0e371d9adf7cb6"),
+             "162a816b6693976077f4ed1097c906c54dd12cb071262b86ab6d8aa8935217df"),
     "game": ("pipeline.envs.digit_game:DigitGuessEnv",
-             "a49ec5a24b72ad50ea64607f9bf5834f5efc47c4485a43741f81b3d836f23429"),
+             "d006d7a492a50d845a692703cfc0db115d5db8d30d2f52aa99114b71d8d3df72"),
 }
 # Each imitates another x86 CPU: ATen's kernels at AVX2 (this one's are AVX-512), oneDNN's and MKL's at
 # AVX2, two threads. Not ATen's scalar kernels (ATEN_CPU_CAPABILITY=default, a CPU without AVX2): see portable_fit.
