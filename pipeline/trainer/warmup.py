@@ -17,9 +17,12 @@ Token layout (the rollout's, pipeline/generator/episodes.py):
   observation is not; at most max_turns model turns;
 - the loss mask is 1 on model-turn tokens (</s> included), 0 elsewhere.
 
-Deterministic: fp32, one thread, no dropout in the tiny Llama, and the batch
-order drawn from random.Random(seed); the same inputs give the same weights
-(the same sha256, run twice).
+The same bytes on every x86 CPU: the fit is portable_fit's (float64, one
+thread, every step rounded; pipeline/inputs/portable_fit.py) with the loss
+taken on the float64 logits, no dropout in the tiny Llama, and the batch
+order drawn from random.Random(seed). The evaluations before and after
+decode in float32 with the CPU's own kernels: their figures (warmup.json,
+not in model_digest) are not covered.
 
 Why few prompts trained to convergence, not all prompts for few steps. RL
 samples at temperature 1, validation decodes greedily, and a half-trained
