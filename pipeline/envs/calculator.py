@@ -42,11 +42,11 @@ at 0.41-0.50 greedy, on all 256 near 0.8-0.97 (pipeline/trainer/warmup.py).
 What RL learns here is to use the tool: the warm-up (warmup_action)
 demonstrates the format on all training prompts, but half of its episodes
 answer at once with a guess. Measured (800 steps, lr 2e-3, seed 0): greedy
-validation 0.375, sampled 0.36, 95 % of sampled episodes well formed; GRPO
-(examples/tiny_tool_grpo.yaml, lr 5e-4) then took greedy validation to 0.875
-in 60 steps. Left to imitate a perfect expert on few prompts instead, the
-warm-up leaves only copying errors, and RL barely moved them (0.56 -> 0.45
-sampled over 40 steps, lr 2e-4).
+validation 0.25, sampled 0.22, 98 % of sampled episodes well formed; GRPO
+(examples/tiny_tool_grpo.yaml, lr 5e-4) then took greedy validation to
+0.56-0.625 in 60 steps (seeds 0-2). Left to imitate a perfect expert on few
+prompts instead, the warm-up leaves only copying errors, and RL barely moved
+them (0.56 -> 0.45 sampled over 40 steps, lr 2e-4).
 """
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ to learn. So the warm-up (warmup_action) demonstrates the expert's first
 guess and then a random digit of the range, whatever the feedback: RL has to
 learn to read "higher" / "lower". Measured (300 steps, lr 2e-3, seed 0):
 greedy validation 0.47, sampled 0.54 (98 % well formed); GRPO
-(examples/tiny_game_grpo.yaml, lr 5e-4) raised the sampled reward to about
-0.8 and greedy validation to 0.69-0.75 in 60 steps.
+(examples/tiny_game_grpo.yaml, lr 5e-4) raised the sampled reward to
+0.75-0.81 and greedy validation to 0.75-0.84 in 60 steps (seeds 0-2).
 """
 from __future__ import annotations
 

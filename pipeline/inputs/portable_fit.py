@@ -12,7 +12,12 @@ can grow. The saved weights are on the grid, so float32 holds them exactly.
 What it holds for: ATen's AVX2 and AVX-512 kernels (what it dispatches to on
 any x86 CPU with AVX2), MKL and oneDNN capped at AVX2, any thread count.
 Not ATen's scalar kernels (ATEN_CPU_CAPABILITY=default, CPUs without AVX2):
-the 400-step tiny reward model fit came out different under them.
+the 400-step tiny reward model fit came out different under them. Nor what
+a model computes in float32 inside a float64 fit: LlamaForCausalLM's own
+loss upcasts the logits to float32 and made the calculator warm-up differ
+under ATen's AVX2 kernels (so the warm-up takes its loss on the float64
+logits); the Llama's RMSNorm and rotary embeddings, also float32 inside,
+have not made a fit differ under the settings tests/inputs tries.
 """
 from __future__ import annotations
 

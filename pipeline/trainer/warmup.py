@@ -17,9 +17,12 @@ Token layout (the rollout's, pipeline/generator/episodes.py):
   observation is not; at most max_turns model turns;
 - the loss mask is 1 on model-turn tokens (</s> included), 0 elsewhere.
 
-Deterministic: fp32, one thread, no dropout in the tiny Llama, and the batch
-order drawn from random.Random(seed); the same inputs give the same weights
-(the same sha256, run twice).
+The same bytes on every x86 CPU: the fit is portable_fit's (float64, one
+thread, every step rounded; pipeline/inputs/portable_fit.py) with the loss
+taken on the float64 logits, no dropout in the tiny Llama, and the batch
+order drawn from random.Random(seed). The evaluations before and after
+decode in float32 with the CPU's own kernels: their figures (warmup.json,
+not in model_digest) are not covered.
 
 Why few prompts trained to convergence, not all prompts for few steps. RL
 samples at temperature 1, validation decodes greedily, and a half-trained
@@ -221,30 +224,35 @@ def greedy_eval(model: Any, tokenizer: Any, env_cls: type, env_args: dict, promp
 
 def train_on(model: Any, episodes: list[Episode], *, steps: int, lr: float, batch_size: int,
              seed: int, pad_id: int) -> list[float]:
-    """AdamW on cross-entropy over the model-turn tokens; the per-step losses."""
+    """AdamW on cross-entropy over the model-turn tokens, fitted with
+    portable_fit (the same bytes on every x86 CPU); the per-step losses."""
     import torch
+
+    from pipeline.inputs.portable_fit import portable_fit
     rng = random.Random(seed)
     order: list[int] = []
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
-    for _ in range(steps):
-        if len(order) < batch_size:  # a fresh shuffled epoch, so every transcript is seen as often
-            epoch = list(range(len(episodes)))
-            rng.shuffle(epoch)
-            order += epoch
-        batch, order = [episodes[i] for i in order[:batch_size]], order[batch_size:]
-        width = max(len(ep.ids) for ep in batch)
-        ids = torch.tensor([ep.ids + [pad_id] * (width - len(ep.ids)) for ep in batch])
-        # -100 is ignored by the loss: context, observations and padding.
-        labels = torch.tensor([[t if m else -100 for t, m in zip(ep.ids, ep.mask)] + [-100] * (width - len(ep.ids))
-                               for ep in batch])
-        loss = model(input_ids=ids, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
+    with portable_fit(model, lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)) as optimizer:
+        for _ in range(steps):
+            if len(order) < batch_size:  # a fresh shuffled epoch, so every transcript is seen as often
+                epoch = list(range(len(episodes)))
+                rng.shuffle(epoch)
+                order += epoch
+            batch, order = [episodes[i] for i in order[:batch_size]], order[batch_size:]
+            width = max(len(ep.ids) for ep in batch)
+            ids = torch.tensor([ep.ids + [pad_id] * (width - len(ep.ids)) for ep in batch])
+            # -100 is ignored by the loss: context, observations and padding.
+            labels = torch.tensor([[t if m else -100 for t, m in zip(ep.ids, ep.mask)]
+                                   + [-100] * (width - len(ep.ids)) for ep in batch])
+            # Not the model's own loss: it upcasts the logits to float32, whose kernels round per CPU.
+            logits = model(input_ids=ids).logits[:, :-1]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
     return losses
 
 

@@ -12,9 +12,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # What `make` builds, as model_digest reads it: models/tiny and models/tiny_chat (random, so plain RNG:
-# the chat template is not in the digest's files), models/tiny_rm.
+# the chat template is not in the digest's files), models/tiny_rm, models/tiny_tool and models/tiny_game.
 TINY_DIGEST = "2bed0ac384fe274256d303218e4aeba1e4f8606cfd19b71b302c2fd92bd43772"
 TINY_RM_DIGEST = "2fe6f041d0b6036dfaec0da959d4b3e2dc99a68369dd3a729320bc9e7dbe788c"
+# The warmed-up models `make` builds (pipeline/trainer/warmup.py), by task: the env, the digest.
+WARMUP_MODELS = {
+    "tool": ("pipeline.envs.calculator:CalculatorEnv",
+             "162a816b6693976077f4ed1097c906c54dd12cb071262b86ab6d8aa8935217df"),
+    "game": ("pipeline.envs.digit_game:DigitGuessEnv",
+             "d006d7a492a50d845a692703cfc0db115d5db8d30d2f52aa99114b71d8d3df72"),
+}
 # Each imitates another x86 CPU: ATen's kernels at AVX2 (this one's are AVX-512), oneDNN's and MKL's at
 # AVX2, two threads. Not ATen's scalar kernels (ATEN_CPU_CAPABILITY=default, a CPU without AVX2): see portable_fit.
 SETTINGS = {
@@ -98,12 +105,28 @@ def test_a_fit_saves_the_same_bytes_whatever_kernels_and_threads_compute_it(tmp_
     assert len({scores for _, scores in results.values()}) > 1, results
 
 
+def _pipeline(*args: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.real
 def test_the_tiny_reward_model_make_builds_has_the_pinned_digest(tmp_path):
     from pipeline.inputs.tiny import model_digest
     out = tmp_path / "tiny_rm"
-    run = subprocess.run([sys.executable, "-m", "pipeline", "build-tiny", "--out", str(out), "--reward-model"],
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    _pipeline("build-tiny", "--out", str(out), "--reward-model")
     assert model_digest(out) == TINY_RM_DIGEST
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("task", sorted(WARMUP_MODELS))
+def test_the_warmed_up_models_make_builds_have_the_pinned_digest(tmp_path, task):
+    from pipeline.inputs.tiny import build_tiny_model, model_digest
+    env_class, digest = WARMUP_MODELS[task]
+    out = tmp_path / f"tiny_{task}"
+    # The Makefile's command for models/tiny_{task}.
+    _pipeline("warmup", "--model", str(build_tiny_model(tmp_path / "tiny")), "--env", env_class,
+              "--data", str(ROOT / "data" / f"{task}_train.jsonl"), "--val", str(ROOT / "data" / f"{task}_val.jsonl"),
+              "--out", str(out), "--seed", "0")
+    assert model_digest(out) == digest
