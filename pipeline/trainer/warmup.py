@@ -24,37 +24,16 @@ order drawn from random.Random(seed). The evaluations before and after
 decode in float32 with the CPU's own kernels: their figures (warmup.json,
 not in model_digest) are not covered.
 
-Why few prompts trained to convergence, not all prompts for few steps. RL
-samples at temperature 1, validation decodes greedily, and a half-trained
-model is far worse sampled than greedy: stopping early on all 256 prompts
-(lr 1e-3) at a greedy val reward of 0.53 (calculator, step 160) or 0.44
-(game, step 60) leaves a sampled reward of 0.01 and 0.04, with 18% and 2% of
-sampled episodes well formed: a stray token somewhere in 10-20 sampled
-tokens breaks the format, and RL would get almost no signal. Trained to a
-loss near 0.01 on only the first `prompts` rows, the model writes the format
-almost always and the reward is capped by how far it generalises from so
-few problems, which is a plateau, not a point on a steep curve: the result
-no longer hinges on the step count, and RL on all the training prompts has
-the rest to learn. Fewer prompts cap it lower (lr 1e-3, greedy): calculator
-32 -> 0.00 (pure memorising), 64 -> 0.41; game 8 -> 0.28, 10 -> 0.41, 12 ->
-0.62. With every prompt, supervision alone reaches 0.8-0.97 (calculator) and
-1.0 (game).
-
-Measured with the defaults (models/tiny, batch 16, AdamW lr 2e-3, one thread,
-data/{tool,game}_train.jsonl; reward on the 32 rows of *_val.jsonl, greedy
-and 4 samples per prompt at temperature 1; the random model scores 0.00
-greedy, formats nothing), seeds 0/1/2:
-- calculator, 250 steps on 64 prompts: greedy 0.50/0.44/0.44 (formatted
-  1.00/0.97/0.97), sampled 0.41/0.41/0.36 (formatted 0.93/0.93/0.88), loss
-  5.0 -> 0.007; the greedy reward is 0.41-0.50 from step 200 to 300;
-- game, 150 steps on 10 prompts: greedy 0.41 (formatted 1.00) for all three,
-  sampled 0.40/0.40/0.36 (formatted 0.95/0.96/0.94), loss 4.7 -> 0.007;
-  0.41 from step 50 to 300.
-Training takes 15-21 s (calculator) and 4-7 s (game) on the 2-core machine
-under another job's load (load average 5-9); the whole command, imports and
-evaluation included, 34-37 s and 20-26 s. The errors left are the ones RL
-should fix: a miscopied operand ("calc 97+78" for 97+8) or result ("answer
-167" after "result 160"), a guess in an unseen range.
+Why few prompts trained to convergence, not all prompts for a few steps:
+RL samples at temperature 1 and validation decodes greedily, and a
+half-trained model is far worse sampled than greedy (a stray token breaks
+the format), so RL would get almost no signal. Trained to a low loss on the
+first `prompts` rows, the model writes the format almost always, and its
+reward is capped by how far it generalises from so few problems: a plateau,
+not a point on a steep curve, so the result does not hinge on the step
+count, and RL on all the training prompts has the rest to learn. What the
+built models score is in warmup.json beside each, and what RL makes of them
+in docs/results.md (tool_seeds).
 """
 from __future__ import annotations
 
