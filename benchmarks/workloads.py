@@ -54,13 +54,13 @@ def build_sized_model(out_dir: Path, size: str) -> Path:
 # --- training runs in this process ---------------------------------------------------------
 
 def run_train(cfg, name: str, pool=None, runner=None) -> dict:
-    """pipeline.run.driver.train on cfg, or train_on a started pool and step runner,
+    """pipeline.run.driver.train on cfg, or on a started pool and step runner (tests/support/pooled_run.py),
     quiet; its summary, or RuntimeError unless it finished with every batch accounted for."""
     if pool is None:
         from pipeline.run.driver import train
         summary = train(cfg, quiet=True)
     else:
-        from pipeline.run.driver import train_on
+        from tests.support.pooled_run import train_on
         summary = train_on(cfg, pool, step_runner=runner, quiet=True)
     if summary["error"] or not summary["accounting"]["balanced"]:
         raise RuntimeError(f"run {name} failed: {summary['error'] or summary['accounting']}")

@@ -38,7 +38,8 @@ from dags.tokens import (
     WeightsSent,
 )
 from pipeline.algos.groups import choose_groups, flat_group_indices
-from pipeline.core.node import Actor, node, reopen_log, whereabouts
+from pipeline.core.events import EventLog
+from pipeline.core.node import Actor, node, whereabouts
 from pipeline.controller.rollout_queue import RolloutQueue
 from pipeline.core.types import Prompt
 from pipeline.config import Config
@@ -53,7 +54,7 @@ class Controller(Actor):
         (data.filter_overlong), so that this process need not import a tokenizer
         to count them again; None: read and fit data.train here."""
         self.cfg = cfg
-        self.log = reopen_log(self, run_dir, CONTROLLER, t0)
+        self.log = EventLog(run_dir, CONTROLLER, t0)
         self.log.emit("worker_start", **whereabouts())
         self.queue = RolloutQueue(cfg.schedule.max_age, self.log)
         self.prompts = list(prompts) if prompts is not None else train_prompts(cfg)

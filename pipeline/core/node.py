@@ -96,13 +96,6 @@ def whereabouts() -> dict:
     return {"pid": os.getpid(), "node": node_id}
 
 
-def reopen_log(worker, run_dir: str, name: str, t0: float) -> EventLog:
-    """A pooled actor serves many runs: close the last run's log file first."""
-    if getattr(worker, "log", None) is not None:
-        worker.log.close()
-    return EventLog(run_dir, name, t0)
-
-
 class Actor:
     """The driver's liveness probe (pipeline/run/runner.py dead_actors). It takes
     no lock, so a busy threaded actor still answers on its spare thread."""
@@ -118,6 +111,11 @@ class Actor:
         import ray
         ref = self._held[kind] = ray.put(value)
         return Stored(ref)
+
+    def end_run(self, deadline_s: float) -> None:
+        """Close what begin_run opened: a run that ends well leaves each worker's
+        files and groups closed before Ray stops the process."""
+        self.log.close()
 
     def ping(self) -> bool:
         return True

@@ -140,3 +140,6 @@ class TrainingEngine(Protocol):
 
     def save(self, path: str) -> None:
         """An HF-format checkpoint that transformers can load."""
+
+    def close(self) -> None:
+        """Release the optimizer state and hooks at the run's end."""

@@ -22,7 +22,8 @@ from dags.tokens import (Clock, Gate, Launch, Refitted, Relaunch, Resume, Rollou
                          ValOut)
 from pipeline.algos.groups import flat_group_indices
 from pipeline.generator.engine_loop import EngineLoop, InFlight
-from pipeline.core.node import Actor, node, one_thread, reopen_log, whereabouts
+from pipeline.core.events import EventLog
+from pipeline.core.node import Actor, node, one_thread, whereabouts
 from pipeline.weights import sync
 from pipeline.generator.engines import generation_engine, reward_function, val_prompts
 from pipeline.rewards.specs import load_reward
@@ -53,9 +54,8 @@ class GeneratorWorker(Actor):
         `after`: the caller's clock (it holds the trainer's, from current_weights).
         `reward_model`: the run's reward model actor, which scores each batch before the buffer takes it."""
         spans.take()
-        self._end_last_run(cfg.run.deadline_s)
         self.cfg = cfg
-        self.log = reopen_log(self, run_dir, generator_name(self.index, incarnation), t0)
+        self.log = EventLog(run_dir, generator_name(self.index, incarnation), t0)
         self.log.merge(after)
         self.log.emit("worker_start", **whereabouts(), incarnation=incarnation, generator=self.index)
         self.engine = generation_engine(cfg, self.index, incarnation)
@@ -76,8 +76,6 @@ class GeneratorWorker(Actor):
             workers.wait_ready(cfg.run.startup_deadline_s)
         self._loop = EngineLoop(self.engine, self.log, self._deliver, self._fail, self.version,
                                 cfg.schedule.group_size, env, workers)
-        if self.weights is not None:
-            self.weights.close()  # a pooled actor: the last run's weight-sync group
         self.weights = sync.receiver(cfg, self.log)
         if start_weights is not None:
             # Logged as a refit to that version, after the step that made it.
@@ -87,14 +85,14 @@ class GeneratorWorker(Actor):
         self.log.emit("worker_ready", spans=spans.take())
         return self.log.now()
 
-    def _end_last_run(self, deadline_s: float) -> None:
-        """A pooled actor: a previous run on it must not leak rollouts into this
-        one, nor a late put land in this run's queue under a batch id the runs share."""
-        if self._loop is not None:
-            self._loop.stop(deadline_s)
-            self._loop = None
+    def end_run(self, deadline_s: float) -> None:
+        """The engine loop stopped and the puts it made answered, so that nothing
+        of this run reaches the controller after the run's end."""
+        self._loop.stop(deadline_s)
         if self._puts:
             ray.wait(self._puts, num_returns=len(self._puts), timeout=deadline_s)
+        self.weights.close()
+        super().end_run(deadline_s)
 
     @node("refit", trim_heap=True)
     def refit(self, train: TrainOut, gate: Gate) -> Refitted:

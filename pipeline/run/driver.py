@@ -49,26 +49,11 @@ def train(cfg: Config, *, restore_from: str | None = None, quiet: bool = False) 
     """Run a whole training job on workers of its own; returns the summary (also
     written to summary.json). `restore_from`: a run directory to continue from
     its latest complete checkpoint (the CLI's --resume)."""
-    return _train(cfg, None, None, restore_from, quiet)
-
-
-def train_on(cfg: Config, workers: Workers, *, step_runner: GraphRunner | None = None,
-             restore_from: str | None = None, quiet: bool = False) -> dict:
-    """`train` on actors the caller holds and keeps (start_workers): one pool
-    serves many short runs, as sweeps and benchmarks do. `step_runner`: the
-    caller's runner over those actors, kept across runs (a compiled graph
-    compiles once) or wired differently (the tests' mutated graphs). The
-    caller closes the runner and stops the workers."""
-    return _train(cfg, workers, step_runner, restore_from, quiet)
-
-
-def _train(cfg: Config, workers: Workers | None, step_runner: GraphRunner | None, restore_from: str | None,
-           quiet: bool) -> dict:
     with ExitStack() as cleanup:
         run = Run(cfg, cleanup, quiet)
-        run.check_inputs_and_start_ray(own_workers=workers is None)
+        run.check_inputs_and_start_ray(own_workers=True)
         run.open_run_dir(restore_from)
-        run.start_workers(workers, step_runner)
+        run.start_workers()
         run.prologue()
         for step in range(run.start_step, cfg.run.steps):
             run.step(step)
@@ -153,7 +138,9 @@ class Run:
         self.cleanup.callback(self._close_files)
         self.cleanup.push(self._note_error)
 
-    def start_workers(self, workers: Workers | None, step_runner: GraphRunner | None) -> None:
+    def start_workers(self, workers: Workers | None = None, step_runner: GraphRunner | None = None) -> None:
+        """`workers`, `step_runner`: a pool and its runner that the caller keeps
+        across runs (tests/support/pooled_run.py); None: this run's own."""
         cfg = self.cfg
         self.own_workers, self.external_runner = workers is None, step_runner
         if self.own_workers:
@@ -230,10 +217,10 @@ class Run:
             stop_workers(workers)  # before teardown: a stuck actor would hold a compiled teardown up
         if self.execution is not None:
             self.execution.close(self.external_runner, failed)
+        if not failed:
+            end_run(workers, self.cfg.run.deadline_s)
         if self.own_workers and not failed:
             stop_workers(workers)
-        else:
-            end_run(workers)
         return False
 
     def _note_error(self, exc_type, exc, tb) -> bool:

@@ -76,7 +76,17 @@ def stop_workers(workers: Workers) -> None:
         workers.placement.remove()
 
 
-def end_run(workers: Workers) -> None:
+def end_run(workers: Workers, deadline_s: float) -> None:
+    """A run that ended well: each worker closes what its begin_run opened."""
+    closing = [a.end_run.remote(deadline_s) for a in (workers.controller, *workers.trainers, *workers.critics,
+                                                       *workers.generators)]
+    try:
+        ray.get(closing, timeout=deadline_s)
+    finally:
+        stop_reward_model(workers)
+
+
+def stop_reward_model(workers: Workers) -> None:
     """What begin_run started for one run alone: the reward model."""
     if workers.reward_model is not None:
         ray.kill(workers.reward_model, no_restart=True)
@@ -120,7 +130,7 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
         if cfg.generation.weight_sync == "collective":
             _form_weight_sync(used, cfg)
     except BaseException:
-        end_run(used)  # a reward model started for this run alone
+        stop_reward_model(used)
         raise
     return used
 

@@ -171,6 +171,9 @@ class SimTrainingEngine:
     def load_state(self, path: str) -> None:
         self.updates = int(_read_state(path)["updates"])
 
+    def close(self) -> None:
+        """Nothing held beyond the process."""
+
     def export_weights(self) -> dict:
         return {"sim_updates": self.updates}
 
@@ -259,6 +262,9 @@ class SimCriticEngine:
     def load_state(self, path: str) -> None:
         state = _read_state(path)
         self.updates, self.estimate = int(state["updates"]), float(state["estimate"])
+
+    def close(self) -> None:
+        """Nothing held beyond the process."""
 
 
 class SimRewardModel:

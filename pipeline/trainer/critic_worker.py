@@ -24,7 +24,8 @@ import threading
 import pyarrow as pa
 
 from dags.tokens import Advantages, Batch, CriticOut, Values
-from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
+from pipeline.core.events import EventLog
+from pipeline.core.node import Actor, node, on_step_thread, one_thread, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.trainer.engines import critic_engine
 from pipeline.core.data_parallel import Batching, Rendezvous, Shard, table_shard
@@ -42,12 +43,9 @@ class CriticWorker(Actor):
     @on_step_thread
     def begin_run(self, cfg: Config, run_dir: str, t0: float, restore_dir: str | None = None,
                   rendezvous: Rendezvous | None = None) -> None:
-        old = getattr(self, "engine", None)
-        if old is not None and hasattr(old, "close"):
-            old.close()  # a pooled actor: free the last run's optimizer state first
         self.cfg = cfg
         self.world_size = cfg.ppo.critic_ranks
-        self.log = reopen_log(self, run_dir, rank_name(CRITIC, self.rank, self.world_size), t0)
+        self.log = EventLog(run_dir, rank_name(CRITIC, self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         spans.take()
         self.engine = critic_engine(cfg, self.rank, rendezvous)
@@ -61,6 +59,11 @@ class CriticWorker(Actor):
         self._lock = threading.Lock()
         self.skipped = SkippedSteps(self.log, "critic", cfg.fault.max_nonfinite_steps, loss_key="value_loss")
         self.log.emit("worker_ready", spans=spans.take(), dtype=getattr(self.engine, "dtype", None))
+
+    @on_step_thread
+    def end_run(self, deadline_s: float) -> None:
+        self.engine.close()
+        super().end_run(deadline_s)
 
     def _shard(self, table: pa.Table) -> Shard | None:
         return table_shard(table, self.cfg.schedule.group_size, self.rank, self.world_size,

@@ -12,7 +12,8 @@ import time
 import pyarrow as pa
 
 from dags.tokens import Advantages, Batch, Clock, Gate, Stored, TrainOut, WeightsSent
-from pipeline.core.node import Actor, node, on_step_thread, one_thread, reopen_log, whereabouts
+from pipeline.core.events import EventLog
+from pipeline.core.node import Actor, node, on_step_thread, one_thread, whereabouts
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.weights import sync
 from pipeline.trainer.engines import training_engine
@@ -38,7 +39,7 @@ class TrainerWorker(Actor):
         spans.take()
         self.cfg = cfg
         self.world_size = cfg.training.ranks
-        self.log = reopen_log(self, run_dir, rank_name(TRAINER, self.rank, self.world_size), t0)
+        self.log = EventLog(run_dir, rank_name(TRAINER, self.rank, self.world_size), t0)
         self.log.emit("worker_start", **whereabouts(), rank=self.rank)
         self.engine = training_engine(cfg, self.rank, rendezvous)
         # The engine's own: training.packing falls back to padding where its model does not keep rows apart.
@@ -48,13 +49,17 @@ class TrainerWorker(Actor):
             self.engine.load_state(restore_dir)
         self.version = start_version
         self.skipped = SkippedSteps(self.log, "policy", cfg.fault.max_nonfinite_steps)
-        if self.weights is not None:
-            self.weights.close()  # a pooled actor: the last run's weight-sync group
         self.weights = sync.publisher(cfg, self.engine, self.log, self.rank, start_version)
         # training.dtype as this rank resolved it (auto: by its own device).
         self.log.emit("worker_ready", spans=spans.take(), dtype=getattr(self.engine, "dtype", None),
                       packing=self.batching.packed, packing_off=getattr(self.engine, "packing_off", "") or None)
         return self.log.now()
+
+    @on_step_thread
+    def end_run(self, deadline_s: float) -> None:
+        self.weights.close()
+        self.engine.close()
+        super().end_run(deadline_s)
 
     def current_weights(self) -> tuple[int, Stored, Clock]:
         """Rank 0: the weights for a generator that starts mid-run (Publisher.current)."""

@@ -122,6 +122,7 @@ def test_the_event_logs_epoch_is_read_back_from_a_run(tmp_path, sim_pool, monkey
     """benchmarks.harness.event_log_epoch gives the epoch the driver's event log
     counts `t` from, to the millisecond the summary's start-up phases are rounded to."""
     from benchmarks.harness import event_log_epoch
+    from tests.support.pooled_run import train_on
     from pipeline.config import load_config
     from pipeline.core.events import EventLog, load_events
     from pipeline.run import driver
@@ -133,7 +134,7 @@ def test_the_event_logs_epoch_is_read_back_from_a_run(tmp_path, sim_pool, monkey
             super().__init__(run_dir, worker, t0)
     monkeypatch.setattr(driver, "EventLog", Recorded)
     cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=epoch", "run.steps=2", "run.deadline_s=30"])
-    summary = driver.train_on(cfg, sim_pool, quiet=True)
+    summary = train_on(cfg, sim_pool, quiet=True)
     assert len(epochs) == 1
     assert event_log_epoch(summary, load_events(tmp_path / "epoch")) == pytest.approx(epochs[0], abs=2e-3)
 

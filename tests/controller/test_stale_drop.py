@@ -39,7 +39,7 @@ def test_a_stale_drop_in_a_simulated_run_passes_the_checker(tmp_path, ray_sessio
     from ray import cloudpickle
 
     from pipeline.config import load_config
-    from pipeline.run.driver import train_on
+    from tests.support.pooled_run import train_on
     from dags.step_graph import Workers
     from pipeline.run.pool import start_workers, stop_workers
     from pipeline.core.events import load_events

@@ -113,7 +113,7 @@ def test_the_structural_comparison_sees_a_missing_edge(resume_after):
 from test_step_graph import schedules  # noqa: E402  (the GRPO tests' schedule space, shared)
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.run.driver import train_on  # noqa: E402
+from tests.support.pooled_run import train_on  # noqa: E402
 from pipeline.run.pool import start_workers, stop_workers  # noqa: E402
 from pipeline.run.runner import GraphRunner  # noqa: E402
 from pipeline.core.events import load_events  # noqa: E402

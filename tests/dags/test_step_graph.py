@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from dags.step_graph import build_step_graph
 from pipeline.config import load_config
-from pipeline.run.driver import train, train_on
+from pipeline.run.driver import train
+from tests.support.pooled_run import train_on
 from pipeline.run.runner import GraphRunner, PipelineError
 from pipeline.core.events import load_events
 from pipeline.tools.check import check_events

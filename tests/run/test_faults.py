@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import load_config
-from pipeline.run.driver import train, train_on
+from pipeline.run.driver import train
+from tests.support.pooled_run import train_on
 from pipeline.run.runner import PipelineError
 from pipeline.core.events import load_events
 from pipeline.tools.check import check_events

@@ -17,7 +17,8 @@ from pipeline.controller.controller import Controller
 from pipeline.trainer.worker import TrainerWorker
 from pipeline.config import load_config
 from pipeline.run import checkpoint
-from pipeline.run.driver import train, train_on
+from pipeline.run.driver import train
+from tests.support.pooled_run import train_on
 from pipeline.run.runner import GraphRunner, PipelineError
 from pipeline.core.events import load_events
 from pipeline.tools.check import check_events

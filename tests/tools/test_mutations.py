@@ -10,7 +10,7 @@ import ray
 from tests.support.mutations import MULTITURN, MUTATIONS, ONE_MODE_ONLY, UNMUTATED, start_mutant_workers
 
 from pipeline.config import load_config
-from pipeline.run.driver import train_on
+from tests.support.pooled_run import train_on
 from pipeline.run.pool import stop_workers
 from pipeline.core.events import load_events
 from pipeline.tools.check import check_events, check_report

@@ -8,7 +8,7 @@ import pytest
 
 from dags.step_graph import build_step_graph
 from pipeline.config import load_config
-from pipeline.run.driver import train_on
+from tests.support.pooled_run import train_on
 from pipeline.core.events import load_events
 from pipeline.tools.render import describe, graph_for_config
 from pipeline.run.trace import write_trace
