@@ -116,7 +116,7 @@ def test_a_ranks_steps_run_on_its_one_step_thread(sim_pool):
     from pipeline.trainer.worker import TrainerWorker
     for cls in (TrainerWorker, CriticWorker):
         # Every node (node() wraps it) and the set-up, in the table Ray routes each call by.
-        steps = {name for name, f in vars(cls).items() if hasattr(f, "__wrapped__")} | {"begin_run"}
+        steps = {name for name, f in vars(cls).items() if hasattr(f, "__wrapped__")} | {"begin_run", "end_run"}
         routed = ray.remote(cls).__ray_metadata__.method_meta.concurrency_group_for_methods
         assert len(steps) > 2 and routed == dict.fromkeys(steps, STEP_THREAD), (cls, routed)
 
