@@ -8,8 +8,13 @@ import sys
 def _train(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
     from pipeline.run.driver import train
-    cfg = load_config(args.config, args.overrides)
-    train(cfg, restore_from=args.resume)
+    from pipeline.run.resume_check import allowed_keys, run_config
+    allow = allowed_keys(args.allow_change)
+    if args.config is None:
+        cfg = run_config(args.resume, args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)
+    train(cfg, restore_from=args.resume, allow_change=allow)
     return 0
 
 
@@ -61,10 +66,14 @@ def _config_table(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="run a training job from a YAML recipe")
-    p.add_argument("--config", required=True, help="YAML recipe, e.g. examples/sim_grpo.yaml")
+    train_parser = p = sub.add_parser("train", help="run a training job from a YAML recipe")
+    p.add_argument("--config", default=None, help="YAML recipe, e.g. examples/sim_grpo.yaml; with --resume, "
+                   "default: the run's own config.yaml")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue runs/<name> from its latest complete checkpoint")
+    p.add_argument("--allow-change", metavar="KEYS", action="append", default=[],
+                   help="with --resume: comma-separated keys the resume may change although they change what "
+                   "the run trains on or with (data.train,data.val, ...)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. schedule.max_age=2 run.name=x")
     p.set_defaults(func=_train)
     p = sub.add_parser("check-events", help="verify the ordering invariants of a run's event log")
@@ -98,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("config-table", help="print every config key with its default as a Markdown table")
     p.set_defaults(func=_config_table)
     args = parser.parse_args(argv)
+    if args.command == "train" and args.resume is None:
+        if args.config is None:
+            train_parser.error("--config is required unless --resume names a run directory")
+        if args.allow_change:
+            train_parser.error("--allow-change applies to --resume only")
     from pipeline.config import ConfigError
     from pipeline.run.runner import PipelineError
     try:

@@ -6,7 +6,8 @@
         trainer_state/   policy weights, optimizer, step counter, RNG
         critic_state/    PPO only: the same for the critic
         controller/      data position, RNG, counters, buffered batches (Parquet), in-flight launches
-        meta.json        step count and version; written last, so its presence means complete
+        meta.json        step count, version, the config and the data files' digests (what a
+                         resume compares: run/resume_check.py); written last, so its presence means complete
 
 A rename is atomic on one filesystem, so a killed run leaves either a complete
 `step_<n>` or a `step_<n>.partial` that `latest` never picks. A save that fails
@@ -23,21 +24,24 @@ from pathlib import Path
 import ray
 
 from dags.step_graph import Workers
-from pipeline.config import MOVED, Config
+from typing import NamedTuple
+
+from pipeline.config import Config
+from pipeline.run import resume_check
+from pipeline.run.resume_check import Change
 from pipeline.run.runner import PipelineError, task_error
-
-# Keys that fix the shape of the launch schedule and the buffer: a resumed run must keep them.
-FROZEN_KEYS = ("algorithm", "backend", "schedule.max_age", "schedule.prompts_per_step", "schedule.group_size",
-               "generation.num_generators", "training.ranks", "ppo.critic_ranks",
-               # ... and the trainer state's shape: a LoRA checkpoint holds the adapter alone.
-               "training.lora.rank", "training.lora.target_modules")
-
 
 class CheckpointError(ValueError):
     """No usable checkpoint; the message names the directory or file."""
 
 
-def save(workers: Workers, run_dir: Path, steps_done: int, cfg: Config, timeout_s: float) -> Path:
+class Resumable(NamedTuple):
+    steps_done: int
+    changes: list[Change]   # what the resume changes, as --allow-change let it
+
+
+def save(workers: Workers, run_dir: Path, steps_done: int, cfg: Config, timeout_s: float, *, inputs: dict) -> Path:
+    """`inputs`: the data files' digests as the attempt read them (resume_check.data_digests)."""
     final = run_dir / "checkpoints" / f"step_{steps_done}"
     partial = final.with_name(final.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -62,7 +66,7 @@ def save(workers: Workers, run_dir: Path, steps_done: int, cfg: Config, timeout_
         raise
     (partial / "meta.json").write_text(json.dumps({
         "steps_done": steps_done, "version": steps_done, "time": time.time(),
-        "config": cfg.to_dict()}, indent=2))
+        "config": cfg.to_dict(), "inputs": inputs}, indent=2))
     if final.exists():  # a resumed run passes a step it had saved before it was killed
         shutil.rmtree(final)
     partial.rename(final)
@@ -87,8 +91,11 @@ def latest(run_dir: Path) -> Path:
     return max(found)[1]
 
 
-def read_meta(ckpt: Path, cfg: Config) -> int:
-    """Steps done at this checkpoint, after checking it is whole and fits `cfg`."""
+def read_meta(ckpt: Path, cfg: Config, allow: frozenset[str] = frozenset(), inputs: dict | None = None) -> Resumable:
+    """Steps done at this checkpoint, after checking it is whole and that `cfg`
+    continues its run (resume_check: what a resume may change, and `allow`,
+    --allow-change's keys). `inputs`: the data files' digests as this attempt
+    reads them (default: as they are now)."""
     meta_path = ckpt / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -97,16 +104,8 @@ def read_meta(ckpt: Path, cfg: Config) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {meta_path} is unreadable: {type(exc).__name__}: {exc}") from None
     # The config first: a changed algorithm also changes which parts a checkpoint needs.
-    now, defaults = cfg.to_dict(), Config().to_dict()
-    for key in FROZEN_KEYS:
-        # A key newer than the checkpoint had its default then (training.ranks: 1 rank), or
-        # an earlier name (training.num_workers: config.MOVED).
-        a, b = _get(saved, key), _get(now, key)
-        for old in (old for old, new in MOVED.items() if new == key):
-            a = _get(saved, old) if a is None else a
-        a = _get(defaults, key) if a is None else a
-        if a != b:
-            raise CheckpointError(f"cannot resume {ckpt}: {key} was {a!r} in the run, the config says {b!r}")
+    inputs = resume_check.data_digests(cfg) if inputs is None else inputs
+    allowed = resume_check.check(ckpt, resume_check.changes(saved, meta.get("inputs"), cfg, inputs), allow)
     needed = ["controller/controller.json", "trainer_state", "policy"]
     if cfg.algorithm == "ppo":
         needed.append("critic_state")
@@ -120,22 +119,16 @@ def read_meta(ckpt: Path, cfg: Config) -> int:
     if steps_done >= cfg.run.steps:
         raise CheckpointError(f"cannot resume {ckpt}: it is at step {steps_done} and run.steps is "
                               f"{cfg.run.steps}; raise run.steps to train further")
-    return steps_done
-
-
-def _get(tree: dict, dotted: str):
-    for part in dotted.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
+    return Resumable(steps_done, allowed)
 
 
 def archive_attempt(run_dir: Path, steps_done: int) -> Path:
-    """Move the killed attempt's logs aside, so that the resumed run's log is whole by itself."""
+    """Move the killed attempt's logs and config aside, so that the resumed run's are whole by themselves."""
     attempts = run_dir / "attempts"
     k = 1 + sum(1 for _ in attempts.glob("*")) if attempts.is_dir() else 1
     dest = attempts / str(k)
     dest.mkdir(parents=True)
-    for name in ("events", "events.jsonl", "trace.json", "summary.json"):
+    for name in ("events", "events.jsonl", "trace.json", "summary.json", "config.yaml"):
         if (run_dir / name).exists():
             (run_dir / name).rename(dest / name)
     # Copied, not moved: the resumed run keeps the steps before the checkpoint (MetricSinks drops the rest).

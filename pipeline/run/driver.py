@@ -1,5 +1,6 @@
 """The driver: start the workers, build the step graph, run it once per step.
 
+    find the start                       digest the data; --resume: the checkpoint, and what may change
     check the inputs, start Ray          bad input stops here, before any worker or run directory
     open the run directory               or reopen it at its latest complete checkpoint (--resume)
     start the workers
@@ -40,19 +41,25 @@ from pipeline.run.placement import place
 from pipeline.run.pool import begin_run, end_run, start_workers, stop_workers
 from pipeline.run.resources import ResourceProbe
 from pipeline.run.runner import GraphRunner, PipelineError
-from pipeline.run.startup import prepare_run_dir, ray_address, real_cores, resolve_dag_mode, start_ray
+from pipeline.run.resume_check import data_digests
+from pipeline.run.startup import (prepare_run_dir, ray_address, real_cores, resolve_dag_mode, start_ray,
+                                  write_config)
 from pipeline.run.trace import write_trace
 from pipeline.trainer.skipped_steps import console_warnings
 
 
-def train(cfg: Config, *, restore_from: str | None = None, quiet: bool = False) -> dict:
+def train(cfg: Config, *, restore_from: str | None = None, allow_change: frozenset[str] = frozenset(),
+          quiet: bool = False) -> dict:
     """Run a whole training job on workers of its own; returns the summary (also
     written to summary.json). `restore_from`: a run directory to continue from
-    its latest complete checkpoint (the CLI's --resume)."""
+    its latest complete checkpoint (the CLI's --resume); `allow_change`: keys the
+    resume may change although they change what the run trains on or with
+    (--allow-change; pipeline/run/resume_check.py)."""
     with ExitStack() as cleanup:
         run = Run(cfg, cleanup, quiet)
+        run.find_start(restore_from, allow_change)
         run.check_inputs_and_start_ray(own_workers=True)
-        run.open_run_dir(restore_from)
+        run.open_run_dir()
         run.start_workers()
         run.prologue()
         for step in range(run.start_step, cfg.run.steps):
@@ -75,6 +82,7 @@ class Run:
         self.log: EventLog | None = None
         self.workers: Workers | None = None
         self.execution: Execution | None = None
+        self.entered = time.time()
         # Last of all, after Ray is down: the run's files from every worker's events.
         cleanup.callback(self._write_run_files)
 
@@ -88,7 +96,6 @@ class Run:
         else:
             # Detected, never assumed: bf16 is twice as fast where the CPU has the units, slower where not.
             say(describe_cpu(cfg.training.dtype, cpu_bf16_flags()), flush=True)
-        self.entered = time.time()
         model_check = preflight(cfg)
         self.startup["preflight_s"] = time.time() - self.entered
         # Ray starts while the model check imports transformers; neither needs the other.
@@ -111,16 +118,24 @@ class Run:
             self.placement = place(cfg, cfg.run.startup_deadline_s)
             self.cleanup.callback(self._remove_placement_if_unused)
 
-    def open_run_dir(self, restore_from: str | None) -> None:
-        cfg = self.cfg
-        self.ckpt, self.start_step = None, 0
+    def find_start(self, restore_from: str | None, allow_change: frozenset[str] = frozenset()) -> None:
+        """Before Ray: a resume its checkpoint cannot continue is refused at no cost, its run directory untouched."""
+        self.inputs = data_digests(self.cfg)
+        self.ckpt, self.start_step, self.resume_changes = None, 0, []
         if restore_from is not None:
-            self.run_dir = Path(restore_from)
-            self.ckpt = checkpoint.latest(self.run_dir)
-            self.start_step = checkpoint.read_meta(self.ckpt, cfg)
+            self.ckpt = checkpoint.latest(Path(restore_from))
+            self.start_step, self.resume_changes = checkpoint.read_meta(self.ckpt, self.cfg, allow_change, self.inputs)
+
+    def open_run_dir(self) -> None:
+        cfg = self.cfg
+        if self.ckpt is not None:
+            self.run_dir = self.ckpt.parent.parent
             kept = checkpoint.archive_attempt(self.run_dir, self.start_step)
+            write_config(self.run_dir, cfg)
             self.say(f"dagrl: resuming {self.run_dir} from {self.ckpt.name} (step {self.start_step}); "
-                     f"the earlier attempt's logs are in {kept}")
+                     f"the earlier attempt's logs and config are in {kept}")
+            for change in self.resume_changes:
+                self.say(f"dagrl: resuming with a change (--allow-change): {change}")
         else:
             self.run_dir = prepare_run_dir(cfg, self.say)
         self.sinks = MetricSinks(self.run_dir, cfg, self.start_step)
@@ -130,7 +145,8 @@ class Run:
         # Epoch seconds, so that a benchmark can relate the run's times to its own clock
         # (with the `startup` event, the event log's `t` too: benchmarks/harness.py).
         self.summary: dict = {"steps": self.start_step, "start_step": self.start_step, "error": None,
-                              "train_entered_at": self.entered}
+                              "train_entered_at": self.entered,
+                              "resume_changes": [c.record() for c in self.resume_changes]}
         if self.fitted:
             self.summary["filtered_overlong"] = {kind: self.fitted[kind].filtered if kind in self.fitted else 0
                                                  for kind in ("train", "val")}
@@ -159,7 +175,8 @@ class Run:
         self.log.emit("run_start", max_age=cfg.schedule.max_age, steps=cfg.run.steps, start_step=self.start_step,
                       dag_mode=mode, refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm,
                       top_up_rounds=cfg.dynamic_sampling.max_rounds, reward_model=cfg.reward_model.kind or None,
-                      env_max_turns=cfg.env.max_turns if cfg.env.class_ else None)
+                      env_max_turns=cfg.env.max_turns if cfg.env.class_ else None,
+                      resume_changes=self.summary["resume_changes"])
         self.execution = Execution(cfg, self.workers, mode, self.run_dir, self.t0, self.log, step_runner, self.say)
 
     def prologue(self) -> None:
@@ -191,7 +208,7 @@ class Run:
         every = cfg.run.checkpoint_every
         if step == cfg.run.steps - 1 or (every and (step + 1) % every == 0):
             self.summary["checkpoint"] = str(checkpoint.save(self.execution.workers, self.run_dir, step + 1, cfg,
-                                                             cfg.run.startup_deadline_s))
+                                                             cfg.run.startup_deadline_s, inputs=self.inputs))
 
     def finish(self) -> None:
         workers, log, cfg = self.execution.workers, self.log, self.cfg

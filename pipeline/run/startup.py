@@ -45,8 +45,13 @@ def prepare_run_dir(cfg: Config, say) -> Path:
         run_dir.rename(kept)
         say(f"note: the earlier run in {run_dir} was moved to {kept}")
     run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_config(run_dir, cfg)
     return run_dir
+
+
+def write_config(run_dir: Path, cfg: Config) -> None:
+    """The attempt's resolved config: what `--resume` without --config continues with."""
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 FREE_OBJECTS_PERIOD_MS = 100

@@ -24,6 +24,7 @@ from pipeline.trainer.worker import TrainerWorker
 from pipeline.config import load_config
 from pipeline.run import checkpoint
 from pipeline.run.checkpoint import CheckpointError, archive_attempt, latest, read_meta
+from pipeline.run.resume_check import CHECKPOINT_SHAPE, Change, ResumeError
 from pipeline.run.runner import PipelineError
 
 pytestmark = pytest.mark.unit
@@ -97,21 +98,22 @@ def test_save_writes_every_part_then_renames_it_into_place(actors, tmp_path):
     (run_dir / "checkpoints" / "step_3.partial").mkdir(parents=True)   # a save killed halfway, earlier
     (run_dir / "checkpoints" / "step_3.partial" / "junk").write_text("x")
 
-    path = checkpoint.save(workers, run_dir, 3, cfg, timeout_s=60)
+    inputs = {"data.train": {"path": "/data/train.jsonl", "sha256": "ab" * 32}}
+    path = checkpoint.save(workers, run_dir, 3, cfg, timeout_s=60, inputs=inputs)
     assert path == run_dir / "checkpoints" / "step_3"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_3"]
     assert sorted(p.name for p in path.iterdir()) == ["controller", "meta.json", "policy", "trainer_state"]
     meta = json.loads((path / "meta.json").read_text())
-    assert (meta["steps_done"], meta["version"], meta["config"]) == (3, 3, cfg.to_dict())
+    assert (meta["steps_done"], meta["version"], meta["config"], meta["inputs"]) == (3, 3, cfg.to_dict(), inputs)
     state = json.loads((path / "controller" / "controller.json").read_text())
     assert [e["batch_id"] for e in state["entries"]] == ["t0.g0", "t0.g1", "t1.g0", "t1.g1"]
     assert json.loads((path / "policy" / "sim_weights.json").read_text()) == {"sim_updates": 0}
-    assert latest(run_dir) == path and read_meta(path, cfg) == 3
+    assert latest(run_dir) == path and read_meta(path, cfg).steps_done == 3
 
     # A resumed run passes the step again: the new checkpoint replaces the old one whole.
     (path / "stale_file").write_text("from the killed attempt")
     resumed_cfg = config(tmp_path, "generation.num_generators=2", "run.steps=12")
-    again = checkpoint.save(workers, run_dir, 3, resumed_cfg, timeout_s=60)
+    again = checkpoint.save(workers, run_dir, 3, resumed_cfg, timeout_s=60, inputs={})
     assert again == path and not (path / "stale_file").exists()
     assert json.loads((path / "meta.json").read_text())["config"]["run"]["steps"] == 12
 
@@ -122,12 +124,12 @@ def test_ppo_saves_the_critic_and_a_failed_save_leaves_no_checkpoint(actors, tmp
     run_dir = tmp_path / "run"
     begin(actors, cfg, run_dir)
     good = Workers(actors["controller"], (actors["trainer"],), (), (actors["critic"],))
-    first = checkpoint.save(good, run_dir, 2, cfg, timeout_s=60)
-    assert (first / "critic_state" / "critic.json").is_file() and read_meta(first, cfg) == 2
+    first = checkpoint.save(good, run_dir, 2, cfg, timeout_s=60, inputs={})
+    assert (first / "critic_state" / "critic.json").is_file() and read_meta(first, cfg).steps_done == 2
 
     broken = Workers(actors["controller"], (actors["trainer"],), (), (actors["broken"],))
     with pytest.raises(PipelineError, match=r"checkpoint .*step_4 was not written: No space left on device"):
-        checkpoint.save(broken, run_dir, 4, cfg, timeout_s=60)
+        checkpoint.save(broken, run_dir, 4, cfg, timeout_s=60, inputs={})
     assert not (run_dir / "checkpoints" / "step_4").exists()
     assert latest(run_dir) == first   # the half-written step_4.partial is never picked
 
@@ -137,13 +139,14 @@ def test_nonfinite_weights_leave_no_checkpoint_and_the_last_good_one_stays_lates
     cfg = config(tmp_path, "generation.num_generators=2")
     run_dir = tmp_path / "run"
     begin(actors, cfg, run_dir)
-    good = checkpoint.save(Workers(actors["controller"], (actors["trainer"],), ()), run_dir, 2, cfg, timeout_s=60)
+    good = checkpoint.save(Workers(actors["controller"], (actors["trainer"],), ()), run_dir, 2, cfg, timeout_s=60,
+                           inputs={})
     poisoned = Workers(actors["controller"], (actors["poisoned"],), ())
     with pytest.raises(PipelineError, match=r"step_4 was not written: refusing to save the policy checkpoint "
                                             r".*non-finite weights \(NaN or inf\) in weight"):
-        checkpoint.save(poisoned, run_dir, 4, cfg, timeout_s=60)
+        checkpoint.save(poisoned, run_dir, 4, cfg, timeout_s=60, inputs={})
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2"]   # no step_4.partial either
-    assert latest(run_dir) == good and read_meta(good, cfg) == 2
+    assert latest(run_dir) == good and read_meta(good, cfg).steps_done == 2
 
 
 # ------------------------------------------------------------------ latest
@@ -196,17 +199,29 @@ def test_read_meta_refuses_a_config_that_changed_a_key_the_schedule_depends_on(t
                    "generation.num_generators=2")
     ckpt = complete(tmp_path, 4, saved)
     now = ("schedule.max_age=2", "generation.num_generators=2", *now)
-    assert checkpoint.FROZEN_KEYS.count(key) == 1
-    with pytest.raises(CheckpointError) as err:
-        read_meta(ckpt, config(tmp_path, *now))
-    assert str(err.value) == f"cannot resume {ckpt}: {key} was {was!r} in the run, the config says {becomes!r}"
+    assert key in CHECKPOINT_SHAPE
+    # Not even when --allow-change names it (the CLI refuses to name it, too).
+    with pytest.raises(ResumeError) as err:
+        read_meta(ckpt, config(tmp_path, *now), allow=frozenset({key}))
+    assert f"\n  {key} was {was!r} in the run, the config says {becomes!r} (it shapes the checkpoint: no resume " \
+           "can change it)\n" in str(err.value)
 
 
-def test_read_meta_accepts_changes_that_do_not_touch_the_schedule(tmp_path):
+def test_read_meta_accepts_changes_that_do_not_touch_what_is_trained(tmp_path):
     ckpt = complete(tmp_path, 4, config(tmp_path))
-    changed = config(tmp_path, "run.steps=30", "run.deadline_s=5", "run.seed=7", "validation.period=2",
-                     "sim.generate_s=1", "training.lr=0.5", "fault.max_restarts=0", "metrics.progress=false")
-    assert read_meta(ckpt, changed) == 4
+    changed = config(tmp_path, "run.steps=30", "run.deadline_s=5", "validation.period=2", "sim.generate_s=1",
+                     "fault.max_restarts=0", "metrics.progress=false", "resources.trainer.num_cpus=2")
+    assert read_meta(ckpt, changed) == (4, [])
+
+
+def test_read_meta_refuses_changes_to_what_is_trained_unless_allowed(tmp_path):
+    ckpt = complete(tmp_path, 4, config(tmp_path))
+    changed = config(tmp_path, "run.seed=7", "training.lr=0.5")
+    with pytest.raises(ResumeError, match=r"run.seed was 0 in the run, the config says 7\n"
+                                          r"  training.lr was 0.0001 in the run, the config says 0.5\n"):
+        read_meta(ckpt, changed)
+    assert read_meta(ckpt, changed, allow=frozenset({"run.seed", "training.lr"})) == \
+           (4, [Change("run.seed", 0, 7), Change("training.lr", 1e-4, 0.5)])
 
 
 def test_read_meta_reads_a_key_under_the_name_it_had_when_the_checkpoint_was_written(tmp_path):
@@ -215,8 +230,8 @@ def test_read_meta_reads_a_key_under_the_name_it_had_when_the_checkpoint_was_wri
     tree["training"]["num_workers"] = tree["training"].pop("ranks")
     ckpt = complete(tmp_path, 4)
     (ckpt / "meta.json").write_text(json.dumps({"steps_done": 4, "version": 4, "config": tree}))
-    assert read_meta(ckpt, config(tmp_path, "training.ranks=2", "generation.num_generators=2")) == 4
-    with pytest.raises(CheckpointError, match=r"training.ranks was 2 in the run, the config says 1$"):
+    assert read_meta(ckpt, config(tmp_path, "training.ranks=2", "generation.num_generators=2")).steps_done == 4
+    with pytest.raises(ResumeError, match=r"training.ranks was 2 in the run, the config says 1 "):
         read_meta(ckpt, config(tmp_path, "generation.num_generators=2"))
 
 
@@ -224,7 +239,7 @@ def test_read_meta_refuses_a_checkpoint_at_or_past_the_last_step(tmp_path):
     ckpt = complete(tmp_path, 10, config(tmp_path))
     with pytest.raises(CheckpointError, match=r"it is at step 10 and run.steps is 10; raise run.steps"):
         read_meta(ckpt, config(tmp_path))
-    assert read_meta(ckpt, config(tmp_path, "run.steps=11")) == 10
+    assert read_meta(ckpt, config(tmp_path, "run.steps=11")).steps_done == 10
 
 
 def test_read_meta_needs_the_critic_for_ppo_and_a_whole_meta(tmp_path):
@@ -233,8 +248,8 @@ def test_read_meta_needs_the_critic_for_ppo_and_a_whole_meta(tmp_path):
     with pytest.raises(CheckpointError, match=r"is incomplete: missing critic_state$"):
         read_meta(ckpt, cfg)
     (ckpt / "critic_state").mkdir()
-    assert read_meta(ckpt, cfg) == 4
-    with pytest.raises(CheckpointError, match=r"algorithm was 'ppo' in the run, the config says 'grpo'$"):
+    assert read_meta(ckpt, cfg).steps_done == 4
+    with pytest.raises(ResumeError, match=r"algorithm was 'ppo' in the run, the config says 'grpo' "):
         read_meta(ckpt, config(tmp_path))
     (ckpt / "meta.json").write_text(json.dumps({"version": 4, "config": cfg.to_dict()}))
     with pytest.raises(CheckpointError, match=r"meta.json is unreadable: KeyError: 'steps_done'"):
@@ -251,17 +266,17 @@ def test_archive_attempt_moves_each_earlier_attempts_logs_aside(tmp_path):
         """What a killed attempt leaves: its logs, a partial metrics file."""
         (run_dir / "events").mkdir()
         (run_dir / "events" / "controller.jsonl").write_text(f'{{"attempt": {n}}}\n')
-        for name in ("events.jsonl", "trace.json", "summary.json"):
+        for name in ("events.jsonl", "trace.json", "summary.json", "config.yaml"):
             (run_dir / name).write_text(f"attempt {n}")
         (run_dir / "metrics.jsonl").write_text(f"metrics of attempts up to {n}\n")
 
     attempt(1)
     first = archive_attempt(run_dir, 4)
     assert first == run_dir / "attempts" / "1"
-    assert sorted(p.name for p in first.iterdir()) == ["events", "events.jsonl", "metrics.jsonl", "summary.json",
-                                                       "trace.json"]
+    assert sorted(p.name for p in first.iterdir()) == ["config.yaml", "events", "events.jsonl", "metrics.jsonl",
+                                                       "summary.json", "trace.json"]
     assert (first / "events" / "controller.jsonl").read_text() == '{"attempt": 1}\n'
-    assert (first / "trace.json").read_text() == "attempt 1"
+    assert (first / "trace.json").read_text() == (first / "config.yaml").read_text() == "attempt 1"
     # Moved, except metrics.jsonl: the resumed run keeps its steps before the checkpoint.
     assert sorted(p.name for p in run_dir.iterdir()) == ["attempts", "checkpoints", "metrics.jsonl"]
     assert (run_dir / "metrics.jsonl").read_text() == (first / "metrics.jsonl").read_text()
@@ -272,16 +287,17 @@ def test_archive_attempt_moves_each_earlier_attempts_logs_aside(tmp_path):
     second = archive_attempt(run_dir, 4)
     assert second == run_dir / "attempts" / "2" and not (second / "trace.json").exists()
     assert (second / "summary.json").read_text() == "attempt 2" and (first / "summary.json").read_text() == "attempt 1"
+    assert (second / "config.yaml").read_text() == "attempt 2"
 
 
 def test_read_meta_refuses_to_resume_a_full_run_with_lora_or_other_targets(tmp_path):
     """A LoRA checkpoint's trainer state holds the adapter alone, of its rank and targets."""
     ckpt = complete(tmp_path, 4, config(tmp_path, "backend=real", *REAL))
-    with pytest.raises(CheckpointError, match="training.lora.rank was 0 in the run, the config says 8"):
+    with pytest.raises(ResumeError, match="training.lora.rank was 0 in the run, the config says 8"):
         read_meta(ckpt, config(tmp_path, "backend=real", *REAL, "training.lora.rank=8"))
     lora = config(tmp_path, "backend=real", *REAL, "training.lora.rank=8")
     ckpt = complete(tmp_path / "b", 4, lora)
-    assert read_meta(ckpt, lora) == 4
-    with pytest.raises(CheckpointError, match=r"training.lora.target_modules was \[.*'lm_head'\] in the run"):
+    assert read_meta(ckpt, lora).steps_done == 4
+    with pytest.raises(ResumeError, match=r"training.lora.target_modules was \[.*'lm_head'\] in the run"):
         read_meta(ckpt, config(tmp_path, "backend=real", *REAL, "training.lora.rank=8",
                                "training.lora.target_modules=q_proj,v_proj"))

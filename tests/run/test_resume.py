@@ -18,6 +18,7 @@ from pipeline.trainer.worker import TrainerWorker
 from pipeline.config import load_config
 from pipeline.run import checkpoint
 from pipeline.run.driver import train
+from pipeline.run.resume_check import run_config
 from tests.support.pooled_run import train_on
 from pipeline.run.runner import GraphRunner, PipelineError
 from pipeline.core.events import load_events
@@ -131,8 +132,8 @@ def uninterrupted(tmp_path_factory, sim_pool):
 
 def kill_and_resume(tmp_path, monkeypatch, pool) -> tuple:
     """Attempt 1 dies at step KILLED_AT (its trainer's process exits); attempt 2
-    resumes from the latest checkpoint on `pool`. Returns the run dir and each
-    attempt's launches."""
+    resumes from the latest checkpoint on `pool` with the run's own config, as
+    `--resume runs/X` alone does. Returns the run dir and each attempt's launches."""
     recorder = LaunchLog(monkeypatch)
     # Which words depend on whether the ping that follows the failed train call has
     # answered yet; either way it is the trainer's death (tests/run/test_faults.py checks the wording).
@@ -141,8 +142,9 @@ def kill_and_resume(tmp_path, monkeypatch, pool) -> tuple:
     first = recorder.take()
     run_dir = tmp_path / "k"
     assert checkpoint.latest(run_dir).name == f"step_{RESUMED_AT}"
-    summary = train_on(in_process_config(tmp_path, "k"), pool, quiet=True, restore_from=str(run_dir))
+    summary = train_on(run_config(run_dir, []), pool, quiet=True, restore_from=str(run_dir))
     assert summary["error"] is None and summary["start_step"] == RESUMED_AT and summary["steps"] == STEPS
+    assert summary["resume_changes"] == []
     violations = check_events(load_events(run_dir))
     assert violations == [], "\n".join(v.message for v in violations)
     return run_dir, first, recorder.take()
@@ -188,7 +190,7 @@ def test_resume_when_every_batch_had_arrived_at_the_checkpoint(tmp_path, monkeyp
     _, ref_prompts = uninterrupted
     save = checkpoint.save
 
-    def save_once_arrived(workers, run_dir, steps_done, cfg, timeout_s):
+    def save_once_arrived(workers, run_dir, steps_done, cfg, timeout_s, inputs):
         probe = tmp_path / f"probe_{steps_done}"
         end = time.monotonic() + 30
         while True:  # polling the controller's state from the driver; orders nothing in the run
@@ -198,7 +200,7 @@ def test_resume_when_every_batch_had_arrived_at_the_checkpoint(tmp_path, monkeyp
                 break
             time.sleep(0.05)
         assert all(e["arrived"] for e in entries), entries
-        return save(workers, run_dir, steps_done, cfg, timeout_s)
+        return save(workers, run_dir, steps_done, cfg, timeout_s, inputs=inputs)
 
     monkeypatch.setattr(checkpoint, "save", save_once_arrived)
     run_dir, first, second = kill_and_resume(tmp_path, monkeypatch, sim_pool)

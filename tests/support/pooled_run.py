@@ -25,8 +25,9 @@ def train_on(cfg, workers: Workers, *, step_runner: GraphRunner | None = None,
     try:
         with ExitStack() as cleanup:
             run = Run(cfg, cleanup, quiet)
+            run.find_start(restore_from)
             run.check_inputs_and_start_ray(own_workers=False)
-            run.open_run_dir(restore_from)
+            run.open_run_dir()
             run.start_workers(workers, step_runner)
             run.prologue()
             for step in range(run.start_step, cfg.run.steps):
