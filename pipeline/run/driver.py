@@ -19,6 +19,7 @@ returns, so each step is provably after everything the steps before it did.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -40,6 +41,7 @@ from pipeline.run.placement import place
 from pipeline.run.pool import begin_run, end_run, start_workers, stop_workers
 from pipeline.run.resources import ResourceProbe
 from pipeline.run.runner import GraphRunner, PipelineError
+from pipeline.run.stopping import Stopped, StopNow, StopOnSignal, resume_command, resume_hint
 from pipeline.run.startup import prepare_run_dir, ray_address, real_cores, resolve_dag_mode, start_ray
 from pipeline.run.trace import write_trace
 from pipeline.trainer.skipped_steps import console_warnings
@@ -52,12 +54,16 @@ def train(cfg: Config, *, restore_from: str | None = None, quiet: bool = False) 
     with ExitStack() as cleanup:
         run = Run(cfg, cleanup, quiet)
         run.check_inputs_and_start_ray(own_workers=True)
-        run.open_run_dir(restore_from)
-        run.start_workers()
-        run.prologue()
-        for step in range(run.start_step, cfg.run.steps):
-            run.step(step)
-        run.finish()
+        # After ray.init, which puts a SIGTERM handler of its own in the driver.
+        with StopOnSignal(cfg.run.stop_grace_s, run.say) as stop:
+            run.open_run_dir(restore_from)
+            run.start_workers()
+            run.prologue()
+            for step in range(run.start_step, cfg.run.steps):
+                if stop.requested:
+                    run.stop_on(stop.requested)
+                run.step(step)
+            run.finish()
     run.say_done()
     return run.summary
 
@@ -92,8 +98,9 @@ class Run:
         model_check = preflight(cfg)
         self.startup["preflight_s"] = time.time() - self.entered
         # Ray starts while the model check imports transformers; neither needs the other.
-        if start_ray(cfg):
-            self.cleanup.callback(ray.shutdown)
+        stop_ray = start_ray(cfg)
+        if stop_ray is not None:
+            self.cleanup.callback(stop_ray)
         self.startup["ray_init_s"] = time.time() - self.entered - self.startup["preflight_s"]
         if model_check is not None:
             waited = time.time()
@@ -190,8 +197,24 @@ class Run:
         self.summary["steps"] = step + 1
         every = cfg.run.checkpoint_every
         if step == cfg.run.steps - 1 or (every and (step + 1) % every == 0):
-            self.summary["checkpoint"] = str(checkpoint.save(self.execution.workers, self.run_dir, step + 1, cfg,
-                                                             cfg.run.startup_deadline_s))
+            self._checkpoint(step + 1)
+
+    def _checkpoint(self, steps_done: int) -> None:
+        cfg = self.cfg
+        self.summary["checkpoint"] = str(checkpoint.save(self.execution.workers, self.run_dir, steps_done, cfg,
+                                                         cfg.run.startup_deadline_s))
+
+    def stop_on(self, signum: int) -> None:
+        """A signal asked for a stop: the last finished step checkpointed, unless
+        it is already, then Stopped with the command that resumes the run."""
+        done = self.summary["steps"]
+        if done > self.start_step and not self.summary.get("checkpoint", "").endswith(f"step_{done}"):
+            self._checkpoint(done)
+        self.summary["stopped_by"] = name = signal.Signals(signum).name
+        if done == 0:
+            raise Stopped(f"stopped by {name} before the first step; nothing to resume, start the run again", signum)
+        raise Stopped(f"stopped by {name} after {done} of {self.cfg.run.steps} steps, checkpoint "
+                      f"{self.summary['checkpoint']}; resume with: {resume_command(self.run_dir)}", signum)
 
     def finish(self) -> None:
         workers, log, cfg = self.execution.workers, self.log, self.cfg
@@ -224,8 +247,15 @@ class Run:
         return False
 
     def _note_error(self, exc_type, exc, tb) -> bool:
-        if exc is not None:
-            self.summary["error"] = str(exc) if isinstance(exc, PipelineError) else f"{exc_type.__name__}: {exc}"
+        """An error after the run directory exists: what to do next goes with it."""
+        if exc is None:
+            return False
+        if isinstance(exc, StopNow):
+            self.summary["stopped_by"] = exc.signal
+        if not isinstance(exc, Stopped):
+            exc.add_note(resume_hint(self.run_dir))
+        said = str(exc) if isinstance(exc, (PipelineError, StopNow)) else f"{exc_type.__name__}: {exc}"
+        self.summary["error"] = "; ".join([said, *getattr(exc, "__notes__", ())])
         return False
 
     def _close_files(self) -> None:
