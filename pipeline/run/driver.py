@@ -42,7 +42,8 @@ from pipeline.run.pool import begin_run, end_run, start_workers, stop_workers
 from pipeline.run.resources import ResourceProbe
 from pipeline.run.runner import GraphRunner, PipelineError
 from pipeline.run.stopping import Stopped, StopNow, StopOnSignal, resume_command, resume_hint
-from pipeline.run.startup import prepare_run_dir, ray_address, real_cores, resolve_dag_mode, start_ray
+from pipeline.run.startup import (prepare_run_dir, process_started_at, ray_address, real_cores, resolve_dag_mode,
+                                  start_ray)
 from pipeline.run.trace import write_trace
 from pipeline.trainer.skipped_steps import console_warnings
 
@@ -227,7 +228,8 @@ class Run:
 
     def say_done(self) -> None:
         s = self.summary
-        self.say(f"done: {s['steps']} steps in {s['wall_s']:.0f} s (start-up included); "
+        resumed = f" (resumed at {s['start_step']})" if s["start_step"] else ""
+        self.say(f"done: {s['steps']} steps{resumed} in {s['wall_s']:.0f} s since the process started; "
                  f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} (mean of first/last 3 steps); "
                  f"step time {s['step_time_mean_s']:.2f} s; {s['generated_tokens_per_s']:.0f} generated tokens/s; "
                  f"files in {self.run_dir}")
@@ -273,7 +275,7 @@ class Run:
             return  # stopped before the run directory had a log: bad input
         merge_events(self.run_dir)
         write_trace(self.run_dir)
-        _write_summary(self.run_dir, self.summary, self.t0, self.totals, self.cfg)
+        _write_summary(self.run_dir, self.summary, self.totals, self.cfg)
 
 
 def validation_due(step: int, cfg: Config) -> bool:
@@ -282,9 +284,12 @@ def validation_due(step: int, cfg: Config) -> bool:
     return (v.period > 0 and (step + 1) % v.period == 0) or (v.at_end and step == cfg.run.steps - 1)
 
 
-def _write_summary(run_dir: Path, summary: dict, t0: float, totals: RunTotals, cfg: Config) -> None:
+def _write_summary(run_dir: Path, summary: dict, totals: RunTotals, cfg: Config) -> None:
+    started = process_started_at()
     summary.update({
-        "wall_s": round(time.time() - t0, 3),
+        # By the user's clock: from the process's start, Ray's start and the imports included.
+        "wall_s": round(time.time() - started, 3),
+        "process_started_at": round(started, 3),
         **totals.summary(),
         "backend": cfg.backend,
         "simulated": cfg.backend == "sim",  # no model was trained: the console's first line said so too

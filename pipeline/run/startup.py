@@ -38,6 +38,15 @@ def real_cores(joined_cluster: bool) -> float:
     return len(os.sched_getaffinity(0))
 
 
+def process_started_at() -> float:
+    """This process's start, in epoch seconds (Linux: /proc), so that a run's times
+    include the interpreter's start and imports, as the user's clock does."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def prepare_run_dir(cfg: Config, say) -> Path:
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     if run_dir.exists():

@@ -58,6 +58,7 @@ def test_a_signal_checkpoints_the_last_step_and_the_resumed_run_is_the_unstopped
     steps = 10
     run_dir = tmp_path / "stopped"
     log = tmp_path / "stopped.log"
+    launched = time.time()
     proc = start_driver(_sim_run(tmp_path, "stopped", f"run.steps={steps}", "run.checkpoint_every=0"), log)
     try:
         wait_for(lambda: steps_logged(run_dir) >= 3, 300, proc, "step 3", log)
@@ -75,6 +76,8 @@ def test_a_signal_checkpoints_the_last_step_and_the_resumed_run_is_the_unstopped
     assert f"resume with: python -m pipeline train --resume {run_dir}" in summary["error"]
     assert f"stopped by {name} after {done} of {steps} steps" in out
     assert (run_dir / "checkpoints" / f"step_{done}" / "meta.json").is_file()
+    # The run's time by the user's clock: from the process's start, Ray's start and imports included.
+    assert abs(summary["process_started_at"] - launched) < 2
     assert _no_ray_left_within(proc.pid, 10) == []
 
     resumed = subprocess.run([sys.executable, "-m", "pipeline", "train", *_sim_run(tmp_path, "stopped",

@@ -34,3 +34,8 @@ def test_an_address_given_is_joined_as_it_is(monkeypatch, calls):
     assert startup.start_ray(load_config("examples/sim_grpo.yaml")) is ray.shutdown
     (kw,) = calls
     assert kw["address"] == "10.0.0.1:6379" and "num_cpus" not in kw
+
+
+def test_the_process_start_is_read_as_the_kernel_has_it():
+    import psutil
+    assert startup.process_started_at() == pytest.approx(psutil.Process().create_time(), abs=0.05)
