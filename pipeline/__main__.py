@@ -114,11 +114,23 @@ def main(argv: list[str] | None = None) -> int:
             train_parser.error("--allow-change applies to --resume only")
     from pipeline.config import ConfigError
     from pipeline.run.runner import PipelineError
+    from pipeline.run.stopping import Stopped, StopNow
     try:
         return args.func(args)
+    except (Stopped, StopNow) as exc:
+        print(_with_notes(f"dagrl: {exc}", exc), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("dagrl: interrupted before the run started", file=sys.stderr)
+        return 130
     except (ConfigError, PipelineError, FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(_with_notes(f"error: {exc}", exc), file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
+
+
+def _with_notes(message: str, exc: BaseException) -> str:
+    """The driver adds what to do next to an error as a note (pipeline/run/driver.py)."""
+    return "\n".join([message, *(f"  {note}" for note in getattr(exc, "__notes__", ()))])
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ class RunConfig:
     num_cpus: int = _key(0, "logical CPUs for a local Ray; 0 = enough for the actors", ge=0)
     checkpoint_every: int = _key(0, "checkpoint every N steps (and after the last); 0 = only after the last",
                                  ge=0)
+    stop_grace_s: float = _key(25.0, "after SIGINT or SIGTERM: how long the step in progress and its checkpoint "
+                               "may take before the run stops at once (SLURM and Kubernetes kill 30 s after "
+                               "SIGTERM by default)", gt=0)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ returns, so each step is provably after everything the steps before it did.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -42,8 +43,9 @@ from pipeline.run.pool import begin_run, end_run, start_workers, stop_workers
 from pipeline.run.resources import ResourceProbe
 from pipeline.run.runner import GraphRunner, PipelineError
 from pipeline.run.resume_check import data_digests
-from pipeline.run.startup import (prepare_run_dir, ray_address, real_cores, resolve_dag_mode, start_ray,
-                                  write_config)
+from pipeline.run.stopping import Stopped, StopNow, StopOnSignal, resume_command, resume_hint
+from pipeline.run.startup import (prepare_run_dir, process_started_at, ray_address, real_cores, resolve_dag_mode,
+                                  start_ray, write_config)
 from pipeline.run.trace import write_trace
 from pipeline.trainer.skipped_steps import console_warnings
 
@@ -59,12 +61,16 @@ def train(cfg: Config, *, restore_from: str | None = None, allow_change: frozens
         run = Run(cfg, cleanup, quiet)
         run.find_start(restore_from, allow_change)
         run.check_inputs_and_start_ray(own_workers=True)
-        run.open_run_dir()
-        run.start_workers()
-        run.prologue()
-        for step in range(run.start_step, cfg.run.steps):
-            run.step(step)
-        run.finish()
+        # After ray.init, which puts a SIGTERM handler of its own in the driver.
+        with StopOnSignal(cfg.run.stop_grace_s, run.say) as stop:
+            run.open_run_dir()
+            run.start_workers()
+            run.prologue()
+            for step in range(run.start_step, cfg.run.steps):
+                if stop.requested:
+                    run.stop_on(stop.requested)
+                run.step(step)
+            run.finish()
     run.say_done()
     return run.summary
 
@@ -99,8 +105,9 @@ class Run:
         model_check = preflight(cfg)
         self.startup["preflight_s"] = time.time() - self.entered
         # Ray starts while the model check imports transformers; neither needs the other.
-        if start_ray(cfg):
-            self.cleanup.callback(ray.shutdown)
+        stop_ray = start_ray(cfg)
+        if stop_ray is not None:
+            self.cleanup.callback(stop_ray)
         self.startup["ray_init_s"] = time.time() - self.entered - self.startup["preflight_s"]
         if model_check is not None:
             waited = time.time()
@@ -207,8 +214,24 @@ class Run:
         self.summary["steps"] = step + 1
         every = cfg.run.checkpoint_every
         if step == cfg.run.steps - 1 or (every and (step + 1) % every == 0):
-            self.summary["checkpoint"] = str(checkpoint.save(self.execution.workers, self.run_dir, step + 1, cfg,
-                                                             cfg.run.startup_deadline_s, inputs=self.inputs))
+            self._checkpoint(step + 1)
+
+    def _checkpoint(self, steps_done: int) -> None:
+        cfg = self.cfg
+        self.summary["checkpoint"] = str(checkpoint.save(self.execution.workers, self.run_dir, steps_done, cfg,
+                                                         cfg.run.startup_deadline_s, inputs=self.inputs))
+
+    def stop_on(self, signum: int) -> None:
+        """A signal asked for a stop: the last finished step checkpointed, unless
+        it is already, then Stopped with the command that resumes the run."""
+        done = self.summary["steps"]
+        if done > self.start_step and not self.summary.get("checkpoint", "").endswith(f"step_{done}"):
+            self._checkpoint(done)
+        self.summary["stopped_by"] = name = signal.Signals(signum).name
+        if done == 0:
+            raise Stopped(f"stopped by {name} before the first step; nothing to resume, start the run again", signum)
+        raise Stopped(f"stopped by {name} after {done} of {self.cfg.run.steps} steps, checkpoint "
+                      f"{self.summary['checkpoint']}; resume with: {resume_command(self.run_dir)}", signum)
 
     def finish(self) -> None:
         workers, log, cfg = self.execution.workers, self.log, self.cfg
@@ -221,7 +244,8 @@ class Run:
 
     def say_done(self) -> None:
         s = self.summary
-        self.say(f"done: {s['steps']} steps in {s['wall_s']:.0f} s (start-up included); "
+        resumed = f" (resumed at {s['start_step']})" if s["start_step"] else ""
+        self.say(f"done: {s['steps']} steps{resumed} in {s['wall_s']:.0f} s since the process started; "
                  f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} (mean of first/last 3 steps); "
                  f"step time {s['step_time_mean_s']:.2f} s; {s['generated_tokens_per_s']:.0f} generated tokens/s; "
                  f"files in {self.run_dir}")
@@ -241,8 +265,15 @@ class Run:
         return False
 
     def _note_error(self, exc_type, exc, tb) -> bool:
-        if exc is not None:
-            self.summary["error"] = str(exc) if isinstance(exc, PipelineError) else f"{exc_type.__name__}: {exc}"
+        """An error after the run directory exists: what to do next goes with it."""
+        if exc is None:
+            return False
+        if isinstance(exc, StopNow):
+            self.summary["stopped_by"] = exc.signal
+        if not isinstance(exc, Stopped):
+            exc.add_note(resume_hint(self.run_dir))
+        said = str(exc) if isinstance(exc, (PipelineError, StopNow)) else f"{exc_type.__name__}: {exc}"
+        self.summary["error"] = "; ".join([said, *getattr(exc, "__notes__", ())])
         return False
 
     def _close_files(self) -> None:
@@ -260,7 +291,7 @@ class Run:
             return  # stopped before the run directory had a log: bad input
         merge_events(self.run_dir)
         write_trace(self.run_dir)
-        _write_summary(self.run_dir, self.summary, self.t0, self.totals, self.cfg)
+        _write_summary(self.run_dir, self.summary, self.totals, self.cfg)
 
 
 def validation_due(step: int, cfg: Config) -> bool:
@@ -269,9 +300,12 @@ def validation_due(step: int, cfg: Config) -> bool:
     return (v.period > 0 and (step + 1) % v.period == 0) or (v.at_end and step == cfg.run.steps - 1)
 
 
-def _write_summary(run_dir: Path, summary: dict, t0: float, totals: RunTotals, cfg: Config) -> None:
+def _write_summary(run_dir: Path, summary: dict, totals: RunTotals, cfg: Config) -> None:
+    started = process_started_at()
     summary.update({
-        "wall_s": round(time.time() - t0, 3),
+        # By the user's clock: from the process's start, Ray's start and the imports included.
+        "wall_s": round(time.time() - started, 3),
+        "process_started_at": round(started, 3),
         **totals.summary(),
         "backend": cfg.backend,
         "simulated": cfg.backend == "sim",  # no model was trained: the console's first line said so too

@@ -17,7 +17,7 @@ from pipeline.config import Config
 from pipeline.core.events import EventLog
 from pipeline.core.worker_names import REWARD_MODEL, actor_names, generator_index, generator_name
 from pipeline.run.pool import replace_generator
-from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied
+from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, step_label
 
 
 def step_graph_for(cfg: Config, workers: Workers) -> StepGraph:
@@ -72,20 +72,35 @@ class Execution:
             try:
                 return self._absorb(runner.run(replace(plan, clock=self.log.now()), deadline_s, self.run_dir))
             except WorkerDied as died:
-                index = generator_index(died.worker, len(self.workers.generators), self.incarnations)
-                self._refuse_recovery(died, index, runner.mode)
-                # A sample waiting for the dead generator's batches would wait out its deadline.
-                ray.get(self.workers.controller.interrupt.remote(str(died)), timeout=deadline_s)
-                done = self._absorb(runner.settle(deadline_s))
-                self._replace(died, index)
-                ray.get(self.workers.controller.clear_interrupt.remote(), timeout=deadline_s)
-                self._build()
+                done = self._recover(died, runner)
             # What the interrupted execution finished decides what is left to run.
             if "resume" in done:
                 return done
             trained = done.get(self.trained_node)
             if trained is not None:
                 return {**done, **self._finish(plan, trained)}
+
+    def _recover(self, died: WorkerDied, runner: GraphRunner) -> dict:
+        """Replace a dead generator; what the interrupted graph finished is returned.
+        A replacement that dies while it takes over is replaced in turn, within
+        fault.max_restarts, as a death mid-step is."""
+        deadline_s = self.cfg.run.deadline_s
+        index = generator_index(died.worker, len(self.workers.generators), self.incarnations)
+        self._refuse_recovery(died, index, runner.mode)
+        # A sample waiting for the dead generator's batches would wait out its deadline.
+        ray.get(self.workers.controller.interrupt.remote(str(died)), timeout=deadline_s)
+        done = self._absorb(runner.settle(deadline_s))
+        while True:
+            try:
+                self._replace(died, index)
+                break
+            except WorkerDied as again:
+                died = again
+                index = generator_index(died.worker, len(self.workers.generators), self.incarnations)
+                self._refuse_recovery(died, index, runner.mode)
+        ray.get(self.workers.controller.clear_interrupt.remote(), timeout=deadline_s)
+        self._build()
+        return done
 
     def _refuse_recovery(self, died: WorkerDied, index: int | None, mode: str) -> None:
         """Stop the run, saying why, where a dead worker cannot be replaced."""
@@ -97,15 +112,16 @@ class Execution:
                else "generator restarts need run.dag_mode classic" if mode == "compiled"
                else "generator restarts need generation.weight_sync object_store (a collective "
                     "sync's process group cannot take a new member)")
-        raise PipelineError(f"{died}; {why}. Resume from the last complete checkpoint "
-                            f"with --resume {self.run_dir}") from None
+        raise PipelineError(f"{died}; {why}") from None
 
     def _replace(self, died: WorkerDied, index: int) -> None:
-        self.say(f"dagrl: step {died.step}: generator {died.worker} died ({died.detail}); "
-                 f"starting restart {self.incarnations.get(index, 0) + 1} of {self.cfg.fault.max_restarts}")
+        restart = self.incarnations.get(index, 0) + 1
+        if restart <= self.cfg.fault.max_restarts:  # past it, replace_generator stops the run, saying why
+            self.say(f"dagrl: {step_label(died.step)}: generator {died.worker} died ({died.detail}); "
+                     f"starting restart {restart} of {self.cfg.fault.max_restarts}")
         self.workers, relaunched = replace_generator(self.workers, index, died, self.incarnations,
                                                      self.cfg, self.run_dir, self.t0, self.log)
-        self.say(f"dagrl: step {died.step}: {generator_name(index, self.incarnations[index])} replaced "
+        self.say(f"dagrl: {step_label(died.step)}: {generator_name(index, self.incarnations[index])} replaced "
                  f"{died.worker} and relaunched {len(relaunched)} unfinished batches "
                  f"{list(relaunched)}; the step goes on")
 
@@ -114,8 +130,7 @@ class Execution:
             return self._absorb(self.finish_runner.run((replace(plan, clock=self.log.now()), trained),
                                                        self.cfg.run.deadline_s, self.run_dir))
         except WorkerDied as died:
-            raise PipelineError(f"{died} while recovering from an earlier death; resume with "
-                                f"--resume {self.run_dir}") from None
+            raise PipelineError(f"{died} while recovering from an earlier death") from None
 
     def close(self, external_runner: GraphRunner | None, failed: bool) -> None:
         if self.step_runner is not None and (self.step_runner is not external_runner or failed):

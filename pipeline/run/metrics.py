@@ -231,7 +231,8 @@ class Progress:
                                       f"step_time={_fmt(metrics, 'step_time_s', '.2f')}s{val}", refresh=False)
             self._bar.update(1)
             return
-        shown = f"{step + 1}/{self.total}" if isinstance(step, int) else "?"
+        # Numbered from 0 as in metrics.jsonl, TensorBoard, the timeline and every message; the count beside it.
+        shown = f"{step} ({step + 1} of {self.total} done)" if isinstance(step, int) else "?"
         print(f"step {shown} reward={_fmt(metrics, 'reward_mean', '.3f')} age={_fmt(metrics, 'age_mean', '.1f')} "
               f"loss={_fmt(metrics, 'loss', '.4f')} time={_fmt(metrics, 'step_time_s', '.2f')}s{val}",
               file=self.stream, flush=True)

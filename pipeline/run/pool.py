@@ -178,7 +178,7 @@ def replace_generator(workers: Workers, index: int, died: WorkerDied, incarnatio
     incarnation = incarnations.get(index, 0) + 1
     log.emit("generator_died", step=died.step, dead=died.worker, detail=died.detail, restart=incarnation)
     if incarnation > cfg.fault.max_restarts:
-        raise PipelineError(f"{died}; it was restarted {incarnation - 1} times and fault.max_restarts is "
+        raise PipelineError(f"{died}; restarts so far: {incarnation - 1}, and fault.max_restarts is "
                             f"{cfg.fault.max_restarts}")
     ray.kill(workers.generators[index])
     actor = _generator(index, workers.placement)  # into the dead one's bundle, now free

@@ -23,9 +23,14 @@ class PipelineError(RuntimeError):
     """A run stopped: the message names the node, worker and step where known."""
 
 
+def step_label(step: int) -> str:
+    """How a message names a step: the prologue's plan is step -1."""
+    return "before the first step" if step < 0 else f"step {step}"
+
+
 class WorkerDied(PipelineError):
     def __init__(self, worker: str, step: int, detail: str):
-        super().__init__(f"step {step}: worker {worker} died: {detail}")
+        super().__init__(f"{step_label(step)}: worker {worker} died: {detail}")
         self.worker, self.step, self.detail = worker, step, detail
 
 
@@ -87,11 +92,11 @@ class GraphRunner:
                 # A compiled graph returns its outputs together, so ask the event log what is stuck.
                 stuck = unfinished_nodes(run_dir, step) or [(name, "?")]
                 where = ", ".join(f"node {n} on worker {w}" for n, w in stuck)
-                raise PipelineError(f"step {step}: {where} did not finish within "
+                raise PipelineError(f"{step_label(step)}: {where} did not finish within "
                                     f"{deadline_s:.0f} s (run.deadline_s)") from None
             except ray.exceptions.RayActorError as exc:
                 self._raise_dead(step)
-                raise PipelineError(f"step {step}: node {name}: its worker died: {first_line(exc)}") from None
+                raise PipelineError(f"{step_label(step)}: node {name}: its worker died: {first_line(exc)}") from None
             except ray.exceptions.RayError as exc:
                 self._raise_dead(step)
                 raise PipelineError(task_error(exc)) from None

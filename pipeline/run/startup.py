@@ -3,13 +3,16 @@ directory, and the graph mode the machine suits."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import ray
 import yaml
 
 from pipeline.config import Config
+from pipeline.run.reaper import GRACE_S, MARK, start_watcher
 
 
 def graph_actor_count(cfg: Config) -> int:
@@ -33,6 +36,15 @@ def real_cores(joined_cluster: bool) -> float:
     if joined_cluster:
         return ray.cluster_resources().get("CPU", 1)
     return len(os.sched_getaffinity(0))
+
+
+def process_started_at() -> float:
+    """This process's start, in epoch seconds (Linux: /proc), so that a run's times
+    include the interpreter's start and imports, as the user's clock does."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def prepare_run_dir(cfg: Config, say) -> Path:
@@ -61,23 +73,43 @@ def ray_address(cfg: Config) -> str:
     return cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")
 
 
-def start_ray(cfg: Config) -> bool:
-    """Join RAY_ADDRESS / ray.address if given, else start a local cluster. True if we started it."""
+def start_ray(cfg: Config) -> Callable[[], None] | None:
+    """Join RAY_ADDRESS / ray.address if given, else start a local cluster that
+    dies with this process (pipeline/run/reaper.py). Returns what stops what it
+    started; None where Ray was already up."""
     if ray.is_initialized():
-        return False
+        return None
     address = ray_address(cfg)
     if address:
+        # A cluster's Ray ends a driver's actors when the driver ends.
         ray.init(address=address, log_to_driver=True)
-        return True
+        return ray.shutdown
     cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, graph_actor_count(cfg) + 1)
-    # Worker output (vLLM, DeepSpeed banners) stays in Ray's session logs; failures
-    # reach the driver as errors naming the node, worker and step.
-    # A released object waits in the raylet's free cache until its next flush (1 s by
-    # default): with sub-second steps two released weight copies would still sit in the
-    # store beside the two held (DESIGN.md, invariant 7). A cluster's own raylets take
-    # RAY_free_objects_period_milliseconds at `ray start` (docs/clusters.md).
-    # address "local": without it Ray joins a `ray start` cluster it finds on this machine
-    # (/tmp/ray/ray_current_cluster), and then refuses num_cpus with an error about neither.
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-             _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS})
-    return True
+    mark, watcher = start_watcher()
+    os.environ[MARK] = mark
+    try:
+        # Worker output (vLLM, DeepSpeed banners) stays in Ray's session logs; failures
+        # reach the driver as errors naming the node, worker and step.
+        # A released object waits in the raylet's free cache until its next flush (1 s by
+        # default): with sub-second steps two released weight copies would still sit in the
+        # store beside the two held (DESIGN.md, invariant 7). A cluster's own raylets take
+        # RAY_free_objects_period_milliseconds at `ray start` (docs/clusters.md).
+        # address "local": without it Ray joins a `ray start` cluster it finds on this machine
+        # (/tmp/ray/ray_current_cluster), and then refuses num_cpus with an error about neither.
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                 _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS})
+    except BaseException:
+        _stop_local(watcher)
+        raise
+    finally:
+        del os.environ[MARK]
+    return lambda: _stop_local(watcher)
+
+
+def _stop_local(watcher: subprocess.Popen) -> None:
+    """ray.shutdown, then the watcher ends whatever of that Ray is left (and itself)."""
+    try:
+        ray.shutdown()
+    finally:
+        watcher.stdin.close()
+        watcher.wait(timeout=2 * GRACE_S + 5)

@@ -71,11 +71,13 @@ def test_inflight_quick(tmp_path):
 
 
 def test_soak_quick(tmp_path):
-    """The short soak: one schedule per fault kind; this one is behaviour, so it asserts zeros."""
+    """The short soak: one schedule per fault kind, a generator's death on the first
+    batch among them; this one is behaviour, so it asserts zeros."""
+    from benchmarks.soak import FAULTS
     result = run_quick("soak", tmp_path, timeout=600)
     runs = result["runs"]
-    assert {r["fault"] for r in runs} == {"none", "generator_exit", "generator_exit_exhausted",
-                                          "reward_raise", "reward_raise_exhausted"}
+    assert {(r["fault"], r["phase"]) for r in runs} == set(FAULTS[:5])
+    assert {r["fault"] for r in runs} == {fault for fault, _ in FAULTS}
     totals = result["totals"]
     assert totals["violations"] == 0 and totals["hangs"] == 0, runs
     assert totals["lost"] == 0 and totals["duplicated"] == 0 and totals["unexpected_outcomes"] == 0, runs

@@ -94,7 +94,7 @@ def test_trainer_death_is_an_error_and_resume_completes(tmp_path, ray_session, r
     cfg = sim_config(tmp_path, "t", run__steps=8, run__checkpoint_every=2, inject__fault="train_exit",
                      inject__after=5, inject__worker=ranks - 1, training__ranks=ranks)
     started = time.monotonic()
-    with pytest.raises(PipelineError, match=rf"worker {dead} died.*--resume"):
+    with pytest.raises(PipelineError, match=rf"(?s)worker {dead} died.*--resume"):
         train(cfg, quiet=True)
     assert time.monotonic() - started < 60
     run_dir = tmp_path / "t"
@@ -153,7 +153,8 @@ def test_controller_death_is_an_error_not_a_hang(tmp_path, ray_session):
     killer.start()
     started = time.monotonic()
     try:
-        with pytest.raises(PipelineError, match=r"worker controller died.*cannot go on without it.*--resume"):
+        with pytest.raises(PipelineError,
+                           match=r"(?s)worker controller died.*cannot go on without it.*(--resume|start the run again)"):
             train_on(cfg, workers, quiet=True)
         assert time.monotonic() - started < cfg.run.deadline_s + 30
     finally:
@@ -168,7 +169,8 @@ def test_compiled_mode_names_the_dead_generator_instead_of_hanging(tmp_path, ray
     cfg = sim_config(tmp_path, "cg", run__dag_mode="compiled", run__steps=10, inject__fault="generate_exit",
                      inject__after=4)
     started = time.monotonic()
-    with pytest.raises(PipelineError, match=r"worker gen0 died.*need run.dag_mode classic.*--resume"):
+    with pytest.raises(PipelineError,
+                       match=r"(?s)worker gen0 died.*need run.dag_mode classic.*(--resume|start the run again)"):
         train(cfg, quiet=True)
     assert time.monotonic() - started < cfg.run.deadline_s + 30
 

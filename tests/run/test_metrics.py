@@ -187,8 +187,8 @@ def test_progress_prints_plain_lines_without_a_tty():
     progress.close()
     assert stream.getvalue().splitlines() == [
         "before training: val_reward=0.250",
-        "step 1/3 reward=0.125 age=0.0 loss=0.5000 time=0.40s",
-        "step 2/3 reward=0.500 age=1.0 loss=- time=0.35s val_reward=0.750",
+        "step 0 (1 of 3 done) reward=0.125 age=0.0 loss=0.5000 time=0.40s",
+        "step 1 (2 of 3 done) reward=0.500 age=1.0 loss=- time=0.35s val_reward=0.750",
     ]
     assert "\r" not in stream.getvalue()
 

@@ -23,13 +23,19 @@ def calls(monkeypatch):
 
 def test_without_an_address_the_run_starts_a_local_cluster_of_its_own(monkeypatch, calls):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert startup.start_ray(load_config("examples/sim_grpo.yaml")) is True
+    stop = startup.start_ray(load_config("examples/sim_grpo.yaml"))
+    stop()
     (kw,) = calls
     assert kw["address"] == "local" and kw["num_cpus"] >= 1
 
 
 def test_an_address_given_is_joined_as_it_is(monkeypatch, calls):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert startup.start_ray(load_config("examples/sim_grpo.yaml")) is True
+    assert startup.start_ray(load_config("examples/sim_grpo.yaml")) is ray.shutdown
     (kw,) = calls
     assert kw["address"] == "10.0.0.1:6379" and "num_cpus" not in kw
+
+
+def test_the_process_start_is_read_as_the_kernel_has_it():
+    import psutil
+    assert startup.process_started_at() == pytest.approx(psutil.Process().create_time(), abs=0.05)

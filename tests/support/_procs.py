@@ -14,11 +14,17 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# SIGINT as a terminal's foreground job has it, even where the suite itself runs
+# in the background (a non-interactive shell starts background jobs ignoring SIGINT).
+_CLI = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from pipeline.__main__ import main; sys.exit(main(sys.argv[1:]))")
+
+
 def start_driver(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)  # its own local Ray, not the test session's
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "pipeline", "train", *args], cwd=ROOT, env=env,
+        return subprocess.Popen([sys.executable, "-c", _CLI, "train", *args], cwd=ROOT, env=env,
                                 stdout=out, stderr=subprocess.STDOUT)
 
 
