@@ -267,6 +267,10 @@ class DataConfig:
     train: str = _key("", "training prompts, JSONL or Parquet; required with backend real")
     val: str = _key("", "validation prompts; required when validation is scheduled")
     reward: str = _key("", "reward function as module:function; required with backend real")
+    prompt_key: str = _key("", "the field that holds the prompt (text or chat messages); empty: `prompt`, or "
+                           "GSM8K's `question`")
+    answer_key: str = _key("", "the field that holds the answer (`a.b`: key b inside object field a); empty: "
+                           "`answer`, or verl's `reward_model.ground_truth`")
     system_prompt: str = _key("", "a system message put first in every chat-format prompt (a list of "
                               "messages) that has none")
     filter_overlong: bool = _key(True, "leave out (and count, on the console and in summary.json) prompts whose "

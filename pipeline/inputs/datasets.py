@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.types import Prompt
-from pipeline.inputs.rows import DataError, ground_truth, messages, read_rows, text as field_text
+from pipeline.inputs.layouts import Columns, Layout, layout
+from pipeline.inputs.rows import (DataError, Rows, answer, json_text, messages, optional_text, read_rows,
+                                  text as field_text)
 
 GSM8K_TEMPLATE = ("{question}\nLet's think step by step and output the final answer "
                   "after \"####\".\n")
@@ -57,76 +59,88 @@ def gsm8k_final_answer(answer: str) -> str | None:
     return answer.rsplit("####", 1)[1].strip().replace(",", "") or None
 
 
-def load_prompts(path: str | Path, *, kind: str = "train", chat: ChatTemplate | None = None) -> list[Prompt]:
+def load_prompts(path: str | Path, *, kind: str = "train", chat: ChatTemplate | None = None,
+                 columns: Columns = Columns()) -> list[Prompt]:
     """Read a prompt dataset; `kind` ("train", "val") only prefixes generated ids;
-    `chat` renders chat-format prompts (a dataset of them without one is refused)."""
-    return _load(path, kind, chat)[0]
+    `chat` renders chat-format prompts (a dataset of them without one is refused);
+    `columns`: data.prompt_key and data.answer_key."""
+    return _load(path, kind, columns, chat)[0]
 
 
-def check_prompts(path: str | Path, *, kind: str = "train") -> int:
+@dataclass(frozen=True)
+class Checked:
+    """A dataset as check_prompts found it."""
+    count: int
+    sources: dict[str, str]   # each data_source ("": none) and where it first appears ("row 3")
+
+
+def check_prompts(path: str | Path, *, kind: str = "train", columns: Columns = Columns()) -> Checked:
     """Every row checked as load_prompts checks it, chat messages too, but none
-    rendered (that needs the model's tokenizer): the preflight's quick look.
-    Returns the number of prompts."""
-    return len(_load(path, kind, check_only=True)[0])
+    rendered (that needs the model's tokenizer): the preflight's quick look."""
+    prompts, where = _load(path, kind, columns, check_only=True)
+    sources: dict[str, str] = {}
+    for prompt, at in zip(prompts, where):
+        sources.setdefault(prompt.data_source, at)
+    return Checked(len(prompts), sources)
 
 
-def _load(path: str | Path, kind: str, chat: ChatTemplate | None = None,
+def _load(path: str | Path, kind: str, columns: Columns, chat: ChatTemplate | None = None,
           check_only: bool = False) -> tuple[list[Prompt], list[str]]:
     """load_prompts, and where each prompt is in the file ("line 7", "row 6")."""
     data = read_rows(Path(path))
-    p = data.path
-    if not data.rows:
-        raise DataError(f"{p}: the dataset is empty (0 rows)")
-    is_gsm8k = "prompt" not in data.names and "question" in data.names
-    text_name = "question" if is_gsm8k else "prompt"
-    verl_answer = "answer" not in data.names and "reward_model" in data.names and not is_gsm8k
-    for name in (text_name, "answer"):
-        if name not in data.names and not (name == "answer" and verl_answer):
-            hint = (" or 'question' (GSM8K)" if name == "prompt"
-                    else " or 'reward_model' with a 'ground_truth' (verl)" if not is_gsm8k else "")
-            raise DataError(f"{p}: missing required {data.noun} {name!r}{hint} "
-                            f"({data.noun}s found: {', '.join(data.names) or 'none'})")
-    has_ids = "id" in data.names
+    if not data.where:
+        raise DataError(f"{data.path}: the dataset is empty (0 rows)")
+    fields = layout(data, columns)
+    data.use(fields.kinds())
     first_of: dict[str, int] = {}
     prompts = []
     for i in range(len(data.rows)):
-        token_ids: tuple[int, ...] = ()
-        conversation = ""
-        if not is_gsm8k and isinstance(data.rows[i].get("prompt"), list):
-            chat_messages = messages(data, i)
-            if check_only:
-                text = ""
-            elif chat is None:
-                raise data.error(i, f"{data.noun} 'prompt' is a list of chat messages; they are rendered by the "
-                                    "model's chat template, so they are read with the model (backend real)")
-            elif not getattr(chat.tokenizer, "chat_template", None):
-                raise data.error(i, f"{data.noun} 'prompt' is a list of chat messages, but the tokenizer of "
-                                    f"{chat.model or 'the model'} has no chat template (tokenizer_config.json "
-                                    "'chat_template'); give the prompts as text, or a model that has one")
-            else:
-                text, token_ids = chat.render(chat_messages)
-                conversation = json.dumps(chat.conversation(chat_messages))
-        else:
-            text = field_text(data, i, text_name)
-        answer = ground_truth(data, i) if verl_answer else field_text(data, i, "answer")
+        text, token_ids, conversation = _prompt(data, i, fields, chat, check_only)
+        truth = answer(data, i, fields.answer)
+        if fields.gsm8k:
+            text, truth = GSM8K_TEMPLATE.format(question=text.strip()), _gsm8k_answer(data, i, truth)
         pid = f"{kind}-{i}"
-        if has_ids:
+        if "id" in fields.optional:
             pid = field_text(data, i, "id")
             if pid in first_of:
                 raise data.error(i, f"{data.noun} 'id' repeats {pid!r} from {data.where[first_of[pid]]}")
             first_of[pid] = i
-        if is_gsm8k:
-            final = gsm8k_final_answer(answer)
-            if not final:
-                raise data.error(i, f"{data.noun} 'answer' has no final '#### <number>' (GSM8K format)")
-            try:
-                float(final)
-            except ValueError:
-                raise data.error(i, f"{data.noun} 'answer' ends in '#### {final}', "
-                                 "which is not a number") from None
-            text, answer = GSM8K_TEMPLATE.format(question=text.strip()), final
-        prompts.append(Prompt(id=pid, text=text, answer=answer, token_ids=token_ids, messages=conversation))
+        prompts.append(Prompt(id=pid, text=text, answer=truth, token_ids=token_ids, messages=conversation,
+                              data_source=optional_text(data, i, "data_source"),
+                              extra_info=json_text(data, i, "extra_info")))
     return prompts, data.where
+
+
+def _prompt(data: Rows, i: int, fields: Layout, chat: ChatTemplate | None,
+            check_only: bool) -> tuple[str, tuple[int, ...], str]:
+    """A row's prompt: (text, token ids, the conversation as JSON); the ids and
+    conversation are those of a chat prompt, rendered by `chat` (none when `check_only`)."""
+    name = fields.prompt
+    if fields.gsm8k or not isinstance(data.rows[i].get(name), list):
+        return field_text(data, i, name), (), ""
+    listed = messages(data, i, name)
+    if check_only:
+        return "", (), ""
+    if chat is None:
+        raise data.error(i, f"{data.noun} {name!r} is a list of chat messages; they are rendered by the "
+                            "model's chat template, so they are read with the model (backend real)")
+    if not getattr(chat.tokenizer, "chat_template", None):
+        raise data.error(i, f"{data.noun} {name!r} is a list of chat messages, but the tokenizer of "
+                            f"{chat.model or 'the model'} has no chat template (tokenizer_config.json "
+                            "'chat_template'); give the prompts as text, or a model that has one")
+    text, token_ids = chat.render(listed)
+    return text, token_ids, json.dumps(chat.conversation(listed))
+
+
+def _gsm8k_answer(data: Rows, i: int, solution: str) -> str:
+    final = gsm8k_final_answer(solution)
+    if not final:
+        raise data.error(i, f"{data.noun} 'answer' has no final '#### <number>' (GSM8K format)")
+    try:
+        float(final)
+    except ValueError:
+        raise data.error(i, f"{data.noun} 'answer' ends in '#### {final}', which is not a number") from None
+    return final
 
 
 @dataclass(frozen=True)
@@ -162,11 +176,11 @@ def prompt_lengths(prompts: list[Prompt], tokenizer) -> list[int]:
 
 
 def fit_prompts(path: str | Path, kind: str, tokenizer, *, context: int, max_new_tokens: int,
-                drop: bool, system_prompt: str = "", model: str = "") -> Fitted:
+                drop: bool, system_prompt: str = "", model: str = "", columns: Columns = Columns()) -> Fitted:
     """The prompts of `path` whose tokens plus max_new_tokens fit `context`.
     An over-long prompt is left out when `drop`, else a DataError naming its
     line or row and its length; a dataset with none left is a DataError too."""
-    prompts, where = _load(path, kind, ChatTemplate(tokenizer, system_prompt, model))
+    prompts, where = _load(path, kind, columns, ChatTemplate(tokenizer, system_prompt, model))
     limit = context - max_new_tokens
     lengths = prompt_lengths(prompts, tokenizer)
     over = [i for i, n in enumerate(lengths) if n > limit]
@@ -195,6 +209,10 @@ def _stamp(path: Path) -> tuple:
     return str(path.resolve()), st.st_mtime_ns, st.st_size
 
 
+def data_columns(cfg) -> Columns:
+    return Columns(cfg.data.prompt_key, cfg.data.answer_key)
+
+
 def run_prompts(cfg, kind: str) -> Fitted:
     """The prompts of data.train or data.val (`kind`) that a real run generates
     from: over-long ones left out, or refused, per data.filter_overlong. The
@@ -203,15 +221,16 @@ def run_prompts(cfg, kind: str) -> Fitted:
     path = Path(cfg.data.train if kind == "train" else cfg.data.val)
     model = Path(cfg.model.path)
     stamps = tuple(_stamp(f) for f in (model / "config.json", *(model / n for n in TOKENIZER_FILES)) if f.is_file())
+    columns = data_columns(cfg)
     key = (kind, _stamp(path), stamps, cfg.generation.max_new_tokens, cfg.data.filter_overlong,
-           cfg.data.system_prompt)
+           cfg.data.system_prompt, columns)
     if key not in _FITTED:
         from transformers import AutoTokenizer
         # The generator's tokenizer: vLLM loads model.path's with AutoTokenizer too.
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         fitted = fit_prompts(path, kind, tokenizer, context=context_length(model),
                              max_new_tokens=cfg.generation.max_new_tokens, drop=cfg.data.filter_overlong,
-                             system_prompt=cfg.data.system_prompt, model=str(model))
+                             system_prompt=cfg.data.system_prompt, model=str(model), columns=columns)
         while len(_FITTED) >= 8:
             _FITTED.pop(next(iter(_FITTED)))
         _FITTED[key] = fitted

@@ -24,7 +24,7 @@ def preflight(cfg: Config) -> Future | None:
     uses them, {"train": Fitted, "val": Fitted (when data.val is set)}."""
     if cfg.backend == "sim":
         return None
-    from pipeline.inputs.datasets import DataError, check_prompts, run_prompts
+    from pipeline.inputs.datasets import DataError, check_prompts, data_columns, run_prompts
     from pipeline.inputs.models import (
         ModelError, check_model_files, check_model_loads, check_reward_model, context_length)
     from pipeline.rewards.specs import RewardError, load_reward
@@ -47,9 +47,10 @@ def preflight(cfg: Config) -> Future | None:
         check("reward_model.path", check_reward_model, cfg.reward_model.path, cfg.reward_model.kind)
     # Empty files are DataErrors inside check_prompts. data.val is read whenever it is
     # set: the generators load it at start-up even when no validation is scheduled.
-    check("data.train", check_prompts, cfg.data.train, kind="train")
+    columns = data_columns(cfg)
+    check("data.train", check_prompts, cfg.data.train, kind="train", columns=columns)
     if cfg.data.val:
-        check("data.val", check_prompts, cfg.data.val, kind="val")
+        check("data.val", check_prompts, cfg.data.val, kind="val", columns=columns)
     if cfg.data.reward:  # else an environment's steps give the rewards, or a reward model
         check("data.reward", load_reward, cfg.data.reward)
     if cfg.validation.reward:
