@@ -267,9 +267,9 @@ class ModelConfig:
 class DataConfig:
     train: str = _key("", "training prompts, JSONL or Parquet; required with backend real")
     val: str = _key("", "validation prompts; required when validation is scheduled")
-    reward: str | dict = _key("", "reward function as module:function or path/to/file.py:function, or a map "
-                              "from data_source to one with a `default` entry for the others; required with "
-                              "backend real")
+    reward: str | dict = _key("", "reward function as module:function, or file.py:function by the file's path, "
+                              "or a map from data_source to one with a `default` entry for the others; required "
+                              "with backend real")
     prompt_key: str = _key("", "the field that holds the prompt (text or chat messages); empty: `prompt`, or "
                            "GSM8K's `question`")
     answer_key: str = _key("", "the field that holds the answer (`a.b`: key b inside object field a); empty: "
