@@ -25,8 +25,6 @@ _TEXT_TYPES = tuple(getattr(pa.types, name) for name in ("is_string", "is_large_
                                                          "is_null") if hasattr(pa.types, name))
 _NUMBER_TYPES = (pa.types.is_integer, pa.types.is_floating)
 JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
-# What a Parquet column read as a field must hold, by the field's role (Rows.use).
-KINDS = ("text", "prompt", "answer", "any")
 
 
 class DataError(ValueError):
@@ -46,9 +44,10 @@ class Rows:
         return DataError(f"{self.path}: {self.where[i]}: {message}")
 
     def use(self, kinds: dict[str, str]) -> None:
-        """The rows hold these columns, each checked for its kind (KINDS); a
-        column not named is not read, whatever its type. JSONL rows are
-        checked field by field as they are read."""
+        """The rows hold these columns, each checked for its kind: "text",
+        "prompt" (text or chat messages), "answer" (text or numbers) or "any"
+        (an object, checked row by row). A column not named is not read,
+        whatever its type. JSONL rows are checked field by field as they are read."""
         if self.table is None:
             return
         for name, kind in kinds.items():
