@@ -135,7 +135,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, meth
 
 
 def boxed_score(data_source, solution_str, ground_truth, extra_info=None):
-    assert data_source == "lighteval/MATH" and extra_info["split"] == "train", (data_source, extra_info)
+    assert data_source == "lighteval/MATH" and extra_info["split"] in ("train", "val"), (data_source, extra_info)
     boxed = re.findall(r"\\\\boxed\\{([^}]*)\\}", solution_str)
     correct = bool(boxed) and boxed[-1] == ground_truth
     return {"score": float(correct), "acc": correct, "index": extra_info["index"]}
