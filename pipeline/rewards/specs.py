@@ -61,43 +61,40 @@ def _load_one(spec: str) -> RewardFn:
     if not module_name or not attr:
         raise RewardError(f"reward spec {spec!r}: expected 'module:function' with both parts non-empty")
     if module_name.endswith(".py") or "/" in module_name:
-        module = _import_file(spec, Path(module_name))
+        module, named = _import_file(spec, Path(module_name)), f"file {module_name!r}"
     else:
         module_name = MOVED.get(module_name, module_name)
+        named = f"module {module_name!r}"
         try:
             module = importlib.import_module(module_name)
         except Exception as exc:  # noqa: BLE001 - a module's import can raise anything
-            raise RewardError(f"reward spec {spec!r}: cannot import module {module_name!r}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+            raise RewardError(f"reward spec {spec!r}: cannot import {named}: {type(exc).__name__}: {exc}") from exc
     fn = module
     for part in attr.split("."):
         if not hasattr(fn, part):
-            raise RewardError(f"reward spec {spec!r}: {_named(module)} has no attribute {attr!r}")
+            raise RewardError(f"reward spec {spec!r}: {named} has no attribute {attr!r}")
         fn = getattr(fn, part)
     if not callable(fn):
         raise RewardError(f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not callable")
     return _adapt(spec, attr, fn)
 
 
-def _named(module: ModuleType) -> str:
-    path = getattr(module, "__dagrl_path__", None)
-    return f"file {path!r}" if path else f"module {module.__name__!r}"
-
-
 def _import_file(spec: str, path: Path) -> ModuleType:
-    """The module of a .py file, imported by its path once per process (as verl
-    imports custom_reward_function.path); it need not be on sys.path."""
+    """The module of a .py file, imported by its path (as verl imports
+    custom_reward_function.path); it need not be on sys.path. Once per process
+    and version of the file: a worker that outlives a run sees an edited file."""
     if path.suffix != ".py":
         raise RewardError(f"reward spec {spec!r}: {str(path)!r} is a path but not a .py file")
     if not path.is_file():
         cwd = "" if path.is_absolute() else f" (relative to the working directory {str(Path.cwd())!r})"
         raise RewardError(f"reward spec {spec!r}: file {str(path)!r} does not exist{cwd}")
     resolved = path.resolve()
-    name = f"dagrl_reward_file_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}"
+    stat = resolved.stat()
+    version = f"{resolved}|{stat.st_mtime_ns}|{stat.st_size}"
+    name = f"dagrl_reward_file_{hashlib.sha1(version.encode()).hexdigest()[:12]}"
     if name in sys.modules:
         return sys.modules[name]
     module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, resolved))
-    module.__dagrl_path__ = str(path)
     # Registered before it runs: a dataclass or pickle in the file looks its module up by name.
     sys.modules[name] = module
     try:

@@ -116,3 +116,11 @@ def test_a_reward_map_needs_an_entry_and_names_each_bad_spec():
         load_reward({"a": "pipeline.rewards.rules:tiny_reward", "default": "nope:fn"})
     routed = load_reward({"a": "pipeline.rewards.rules:tiny_reward", "default": "pipeline.rewards.rules:gsm8k_reward"})
     assert routed.route("a") is tiny_reward and routed.route("b") is routed.route("") is gsm8k_reward
+
+
+def test_an_edited_reward_file_is_imported_again(tmp_path):
+    path = tmp_path / "edited.py"
+    path.write_text("def score(prompt, completion_text):\n    return 0.0\n")
+    assert load_reward(f"{path}:score")(Prompt("p", "q", "a"), "a") == 0.0
+    path.write_text("def score(prompt, completion_text):\n    return 1.0  # edited\n")
+    assert load_reward(f"{path}:score")(Prompt("p", "q", "a"), "a") == 1.0
