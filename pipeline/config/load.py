@@ -42,6 +42,16 @@ MOVED: dict[str, str | Removed] = {
 }
 
 
+def _misplaced(dotted: str, value: Any) -> str | None:
+    """A top-level `reward:` that holds what data.reward takes (a spec, or a map
+    of specs): data.reward dedented out of its section, not the old section."""
+    specs = isinstance(value, str) or (isinstance(value, dict) and bool(value) and
+                                       all(isinstance(s, str) and ":" in s for s in value.values()))
+    if dotted == "reward" and specs:
+        return "did you mean 'data.reward'? The reward function is a key of the data section"
+    return None
+
+
 def _moved(dotted: str) -> str | None:
     """Why an unknown key is unknown, if an earlier release had it."""
     if dotted in MOVED:
@@ -93,6 +103,14 @@ def _coerce(key: str, value: Any, typ: Any, meta: dict) -> Any:
                                                                         for v in items):
             raise ConfigError(f"{key}: expected a non-empty list of names, got {value!r}")
         return tuple(v.strip() for v in items)
+    elif typ == str | dict:  # a reward spec, or a map of them by data_source (pipeline/rewards/specs.py)
+        if isinstance(value, dict) and value and all(isinstance(k, str) and isinstance(v, str) and v.strip()
+                                                     for k, v in value.items()):
+            return dict(value)
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected module:function, or a mapping of data_source to module:function "
+                              f"(with 'default' for the others), got {value!r}")
+        return value
     elif typ is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ConfigError(f"{key}: expected a mapping of names to values, got {value!r}")
@@ -121,7 +139,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         key = FIELD_NAMES.get(key, key)
         try:
             if key not in fields:
-                moved = _moved(dotted)
+                moved = _misplaced(dotted, value) or _moved(dotted)
                 if moved is not None:
                     raise ConfigError(f"unknown key {dotted!r}: {moved}")
                 close = difflib.get_close_matches(str(key), fields, n=1)

@@ -55,8 +55,9 @@ class ValidationConfig:
     period: int = _key(0, "validate after every period-th step; 0 = never", ge=0)
     at_start: bool = _key(False, "validate the initial weights")
     at_end: bool = _key(False, "validate after the last step")
-    reward: str = _key("", "validation's reward as module:function (a verifier while training on a reward model's "
-                       "score, say); empty: the training reward (data.reward's plus the reward model's)")
+    reward: str | dict = _key("", "validation's reward, as data.reward (a verifier while training on a reward "
+                              "model's score, say); empty: the training reward (data.reward's plus the reward "
+                              "model's)")
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,13 @@ class ModelConfig:
 class DataConfig:
     train: str = _key("", "training prompts, JSONL or Parquet; required with backend real")
     val: str = _key("", "validation prompts; required when validation is scheduled")
-    reward: str = _key("", "reward function as module:function; required with backend real")
+    reward: str | dict = _key("", "reward function as module:function, or file.py:function by the file's path, "
+                              "or a map from data_source to one with a `default` entry for the others; required "
+                              "with backend real")
+    prompt_key: str = _key("", "the field that holds the prompt (text or chat messages); empty: `prompt`, or "
+                           "GSM8K's `question`")
+    answer_key: str = _key("", "the field that holds the answer (`a.b`: key b inside object field a); empty: "
+                           "`answer`, or verl's `reward_model.ground_truth`")
     system_prompt: str = _key("", "a system message put first in every chat-format prompt (a list of "
                               "messages) that has none")
     filter_overlong: bool = _key(True, "leave out (and count, on the console and in summary.json) prompts whose "
@@ -370,7 +377,7 @@ class Config:
         """The recipe's keys and values (what load_config reads back)."""
         def keys(tree: dict) -> dict:
             # Lists, not tuples: the dict is written as YAML and JSON and compared with what they read back.
-            return {YAML_NAMES.get(k, k): keys(v) if isinstance(v, dict) and k != "args"
+            return {YAML_NAMES.get(k, k): keys(v) if isinstance(v, dict) and k not in ("args", "reward")
                     else list(v) if isinstance(v, tuple) else v for k, v in tree.items()}
         return keys(dataclasses.asdict(self))
 

@@ -26,6 +26,10 @@ class Prompt:
     # A chat-format prompt's messages as JSON (the system prompt included), "" for
     # text: a reward model renders the conversation with its own chat template.
     messages: str = ""
+    # verl's per-row fields, given to a reward with verl's signature (pipeline/rewards/specs.py):
+    # where the row comes from ("" for none; data.reward may route by it), and extra_info as JSON text.
+    data_source: str = ""
+    extra_info: str = ""
 
     def __post_init__(self):
         # A checkpoint's round trip (Arrow, JSON) hands lists back: equal prompts stay equal.

@@ -8,13 +8,8 @@ Three schemas are accepted:
   answer in `answer` or, verl's layout, `reward_model.ground_truth`;
 - GSM8K: `question`, `answer` ending in "#### N"; the question is wrapped in
   GSM8K_TEMPLATE and the answer becomes N (commas removed).
-Every error is a DataError naming the file, the field and where it is: "line N"
-in JSONL (from 1, as an editor numbers lines; blank lines count) and "row N" in
-Parquet (from 0, as pyarrow and pandas number rows). A bad dataset would
-otherwise surface inside a remote worker, far from the recipe.
-
-JSONL is parsed line by line with `json` rather than by pyarrow, whose errors
-give a row within a read block, not the line of the file.
+Every error is a DataError naming the file, the field and the line or row
+(pipeline/inputs/rows.py reads the files and their fields).
 
 A real run generates from `run_prompts`: the prompts whose tokens (the model's
 tokenizer, as the generator encodes them) plus generation.max_new_tokens fit
@@ -28,145 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from pipeline.core.types import Prompt
-from pipeline.core.jsonl import JsonLineError, json_lines
+from pipeline.inputs.layouts import Columns, Layout, layout
+from pipeline.inputs.rows import (DataError, Rows, answer, json_text, messages, optional_text, read_rows,
+                                  text as field_text)
 
 GSM8K_TEMPLATE = ("{question}\nLet's think step by step and output the final answer "
                   "after \"####\".\n")
-# The fields read; any other field or column is ignored, whatever its type.
-FIELDS = ("prompt", "question", "answer", "id", "reward_model")
-ROLES = ("system", "user", "assistant", "tool")
-_TEXT_TYPES = tuple(getattr(pa.types, name) for name in ("is_string", "is_large_string", "is_string_view",
-                                                         "is_null") if hasattr(pa.types, name))
-_JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
-
-
-class DataError(ValueError):
-    """A dataset that cannot be used; the message names the file, field and line/row."""
-
-
-@dataclass
-class _Rows:
-    path: Path
-    rows: list[dict]
-    where: list[str]      # "line 18" / "row 17", one per row
-    names: list[str]      # fields seen in any row (JSONL) or the columns (Parquet)
-    noun: str             # "field" (JSONL) or "column" (Parquet)
-
-    def error(self, i: int, message: str) -> DataError:
-        return DataError(f"{self.path}: {self.where[i]}: {message}")
-
-
-def _read_jsonl(p: Path) -> _Rows:
-    raw = p.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise DataError(f"{p}: line {line}: not UTF-8 text") from None
-    rows, where, names = [], [], {}
-    try:
-        # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line breaks.
-        decoded = list(json_lines(text.split("\n")))
-    except JsonLineError as exc:
-        raise DataError(f"{p}: line {exc.line}, column {exc.column}: not valid JSON: {exc.msg}") from None
-    for n, row in decoded:
-        if not isinstance(row, dict):
-            got = _JSON_TYPES.get(type(row), type(row).__name__)
-            raise DataError(f"{p}: line {n}: expected a JSON object such as "
-                            f'{{"prompt": ..., "answer": ...}}, got {got} (JSONL holds one object per line)')
-        rows.append(row)
-        where.append(f"line {n}")
-        names.update(dict.fromkeys(row))
-    return _Rows(p, rows, where, list(names), "field")
-
-
-def _read_parquet(p: Path) -> _Rows:
-    try:
-        table = pq.read_table(p)
-    except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{p}: cannot read as parquet: {exc}") from None
-    used = [name for name in table.column_names if name in FIELDS]
-    for name in used:
-        typ = table.schema.field(name).type
-        if (name == "prompt" and pa.types.is_list(typ)) or (name == "reward_model" and pa.types.is_struct(typ)):
-            continue  # chat messages, verl's reward_model: checked row by row with the JSONL rows
-        # pandas writes categorical text as a dictionary of strings; it reads back as str.
-        value_type = typ.value_type if pa.types.is_dictionary(typ) else typ
-        if not any(check(value_type) for check in _TEXT_TYPES):
-            hint = " (store it as text, so \"007\" stays \"007\")" if name in ("answer", "id") else ""
-            raise DataError(f"{p}: column {name!r} has type {typ}; it must be a string{hint}")
-    rows = table.select(used).to_pylist()
-    return _Rows(p, rows, [f"row {i}" for i in range(len(rows))], table.column_names, "column")
-
-
-def _read(p: Path) -> _Rows:
-    suffix = p.suffix.lower()
-    if suffix not in (".parquet", ".jsonl"):
-        raise DataError(f"{p}: unknown data file extension {p.suffix!r}; expected .parquet or .jsonl")
-    if not p.exists():
-        # Relative paths are read from the working directory, not from the recipe's.
-        cwd = "" if p.is_absolute() else f" (relative to the working directory {str(Path.cwd())!r})"
-        raise DataError(f"{p}: data file does not exist{cwd}")
-    if not p.is_file():
-        raise DataError(f"{p}: is not a file")
-    try:
-        return _read_parquet(p) if suffix == ".parquet" else _read_jsonl(p)
-    except OSError as exc:
-        raise DataError(f"{p}: cannot read: {exc.strerror or exc}") from None
-
-
-def _text(data: _Rows, i: int, name: str) -> str:
-    row = data.rows[i]
-    if name not in row:
-        raise data.error(i, f"{data.noun} {name!r} is missing")
-    value = row[name]
-    if value is None:
-        raise data.error(i, f"{data.noun} {name!r} is null")
-    if not isinstance(value, str):
-        got = _JSON_TYPES.get(type(value), type(value).__name__)
-        # Numbers are refused, not converted, so that "007" and "7" stay different answers.
-        hint = f' (quote it: "{name}": "{value}")' if type(value) in (int, float) else ""
-        raise data.error(i, f"{data.noun} {name!r} is {got}, not a string{hint}")
-    if not value.strip():
-        raise data.error(i, f"{data.noun} {name!r} is empty")
-    return value
-
-
-def _messages(data: _Rows, i: int) -> list[dict]:
-    """A chat-format prompt: a non-empty list of {role, content} with known roles."""
-    messages = data.rows[i]["prompt"]
-    if not messages:
-        raise data.error(i, f"{data.noun} 'prompt' is an empty list of messages")
-    out = []
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise data.error(i, f"{data.noun} 'prompt': message {k} must be an object with string 'role' and "
-                                f"'content', got {m!r:.80}")
-        if m["role"] not in ROLES:
-            raise data.error(i, f"{data.noun} 'prompt': message {k} has role {m['role']!r}; "
-                                f"expected one of {', '.join(ROLES)}")
-        out.append({"role": m["role"], "content": m["content"]})
-    if out[-1]["role"] == "assistant":
-        raise data.error(i, f"{data.noun} 'prompt': the last message is the assistant's; the model would "
-                            "continue its turn instead of answering")
-    return out
-
-
-def _ground_truth(data: _Rows, i: int) -> str:
-    """verl's answer: reward_model.ground_truth, a string."""
-    rm = data.rows[i].get("reward_model")
-    if not isinstance(rm, dict) or "ground_truth" not in rm:
-        raise data.error(i, f"{data.noun} 'reward_model' has no 'ground_truth' (verl's layout: "
-                            "{\"ground_truth\": \"...\"})")
-    truth = rm["ground_truth"]
-    if not isinstance(truth, str) or not truth.strip():
-        got = "an empty string" if isinstance(truth, str) else _JSON_TYPES.get(type(truth), type(truth).__name__)
-        raise data.error(i, f"{data.noun} 'reward_model.ground_truth' must be a non-empty string, got {got}")
-    return truth
 
 
 @dataclass(frozen=True)
@@ -196,76 +59,88 @@ def gsm8k_final_answer(answer: str) -> str | None:
     return answer.rsplit("####", 1)[1].strip().replace(",", "") or None
 
 
-def load_prompts(path: str | Path, *, kind: str = "train", chat: ChatTemplate | None = None) -> list[Prompt]:
+def load_prompts(path: str | Path, *, kind: str = "train", chat: ChatTemplate | None = None,
+                 columns: Columns = Columns()) -> list[Prompt]:
     """Read a prompt dataset; `kind` ("train", "val") only prefixes generated ids;
-    `chat` renders chat-format prompts (a dataset of them without one is refused)."""
-    return _load(path, kind, chat)[0]
+    `chat` renders chat-format prompts (a dataset of them without one is refused);
+    `columns`: data.prompt_key and data.answer_key."""
+    return _load(path, kind, columns, chat)[0]
 
 
-def check_prompts(path: str | Path, *, kind: str = "train") -> int:
+@dataclass(frozen=True)
+class Checked:
+    """A dataset as check_prompts found it."""
+    count: int
+    sources: dict[str, str]   # each data_source ("": none) and where it first appears ("row 3")
+
+
+def check_prompts(path: str | Path, *, kind: str = "train", columns: Columns = Columns()) -> Checked:
     """Every row checked as load_prompts checks it, chat messages too, but none
-    rendered (that needs the model's tokenizer): the preflight's quick look.
-    Returns the number of prompts."""
-    return len(_load(path, kind, check_only=True)[0])
+    rendered (that needs the model's tokenizer): the preflight's quick look."""
+    prompts, where = _load(path, kind, columns, check_only=True)
+    sources: dict[str, str] = {}
+    for prompt, at in zip(prompts, where):
+        sources.setdefault(prompt.data_source, at)
+    return Checked(len(prompts), sources)
 
 
-def _load(path: str | Path, kind: str, chat: ChatTemplate | None = None,
+def _load(path: str | Path, kind: str, columns: Columns, chat: ChatTemplate | None = None,
           check_only: bool = False) -> tuple[list[Prompt], list[str]]:
     """load_prompts, and where each prompt is in the file ("line 7", "row 6")."""
-    data = _read(Path(path))
-    p = data.path
-    if not data.rows:
-        raise DataError(f"{p}: the dataset is empty (0 rows)")
-    is_gsm8k = "prompt" not in data.names and "question" in data.names
-    text_name = "question" if is_gsm8k else "prompt"
-    verl_answer = "answer" not in data.names and "reward_model" in data.names and not is_gsm8k
-    for name in (text_name, "answer"):
-        if name not in data.names and not (name == "answer" and verl_answer):
-            hint = (" or 'question' (GSM8K)" if name == "prompt"
-                    else " or 'reward_model' with a 'ground_truth' (verl)" if not is_gsm8k else "")
-            raise DataError(f"{p}: missing required {data.noun} {name!r}{hint} "
-                            f"({data.noun}s found: {', '.join(data.names) or 'none'})")
-    has_ids = "id" in data.names
+    data = read_rows(Path(path))
+    if not data.where:
+        raise DataError(f"{data.path}: the dataset is empty (0 rows)")
+    fields = layout(data, columns)
+    data.use(fields.kinds())
     first_of: dict[str, int] = {}
     prompts = []
     for i in range(len(data.rows)):
-        token_ids: tuple[int, ...] = ()
-        conversation = ""
-        if not is_gsm8k and isinstance(data.rows[i].get("prompt"), list):
-            messages = _messages(data, i)
-            if check_only:
-                text = ""
-            elif chat is None:
-                raise data.error(i, f"{data.noun} 'prompt' is a list of chat messages; they are rendered by the "
-                                    "model's chat template, so they are read with the model (backend real)")
-            elif not getattr(chat.tokenizer, "chat_template", None):
-                raise data.error(i, f"{data.noun} 'prompt' is a list of chat messages, but the tokenizer of "
-                                    f"{chat.model or 'the model'} has no chat template (tokenizer_config.json "
-                                    "'chat_template'); give the prompts as text, or a model that has one")
-            else:
-                text, token_ids = chat.render(messages)
-                conversation = json.dumps(chat.conversation(messages))
-        else:
-            text = _text(data, i, text_name)
-        answer = _ground_truth(data, i) if verl_answer else _text(data, i, "answer")
+        text, token_ids, conversation = _prompt(data, i, fields, chat, check_only)
+        truth = answer(data, i, fields.answer)
+        if fields.gsm8k:
+            text, truth = GSM8K_TEMPLATE.format(question=text.strip()), _gsm8k_answer(data, i, truth)
         pid = f"{kind}-{i}"
-        if has_ids:
-            pid = _text(data, i, "id")
+        if "id" in fields.optional:
+            pid = field_text(data, i, "id")
             if pid in first_of:
                 raise data.error(i, f"{data.noun} 'id' repeats {pid!r} from {data.where[first_of[pid]]}")
             first_of[pid] = i
-        if is_gsm8k:
-            final = gsm8k_final_answer(answer)
-            if not final:
-                raise data.error(i, f"{data.noun} 'answer' has no final '#### <number>' (GSM8K format)")
-            try:
-                float(final)
-            except ValueError:
-                raise data.error(i, f"{data.noun} 'answer' ends in '#### {final}', "
-                                 "which is not a number") from None
-            text, answer = GSM8K_TEMPLATE.format(question=text.strip()), final
-        prompts.append(Prompt(id=pid, text=text, answer=answer, token_ids=token_ids, messages=conversation))
+        prompts.append(Prompt(id=pid, text=text, answer=truth, token_ids=token_ids, messages=conversation,
+                              data_source=optional_text(data, i, "data_source"),
+                              extra_info=json_text(data, i, "extra_info")))
     return prompts, data.where
+
+
+def _prompt(data: Rows, i: int, fields: Layout, chat: ChatTemplate | None,
+            check_only: bool) -> tuple[str, tuple[int, ...], str]:
+    """A row's prompt: (text, token ids, the conversation as JSON); the ids and
+    conversation are those of a chat prompt, rendered by `chat` (none when `check_only`)."""
+    name = fields.prompt
+    if fields.gsm8k or not isinstance(data.rows[i].get(name), list):
+        return field_text(data, i, name), (), ""
+    listed = messages(data, i, name)
+    if check_only:
+        return "", (), ""
+    if chat is None:
+        raise data.error(i, f"{data.noun} {name!r} is a list of chat messages; they are rendered by the "
+                            "model's chat template, so they are read with the model (backend real)")
+    if not getattr(chat.tokenizer, "chat_template", None):
+        raise data.error(i, f"{data.noun} {name!r} is a list of chat messages, but the tokenizer of "
+                            f"{chat.model or 'the model'} has no chat template (tokenizer_config.json "
+                            "'chat_template'); give the prompts as text, or a model that has one")
+    text, token_ids = chat.render(listed)
+    return text, token_ids, json.dumps(chat.conversation(listed))
+
+
+def _gsm8k_answer(data: Rows, i: int, solution: str) -> str:
+    final = gsm8k_final_answer(solution)
+    if not final:
+        raise data.error(i, f"{data.noun} 'answer' has no final '#### <number>' (GSM8K format)")
+    try:
+        float(final)
+    except ValueError:
+        raise data.error(i, f"{data.noun} 'answer' ends in '#### {final}', which is not a number") from None
+    return final
 
 
 @dataclass(frozen=True)
@@ -301,11 +176,11 @@ def prompt_lengths(prompts: list[Prompt], tokenizer) -> list[int]:
 
 
 def fit_prompts(path: str | Path, kind: str, tokenizer, *, context: int, max_new_tokens: int,
-                drop: bool, system_prompt: str = "", model: str = "") -> Fitted:
+                drop: bool, system_prompt: str = "", model: str = "", columns: Columns = Columns()) -> Fitted:
     """The prompts of `path` whose tokens plus max_new_tokens fit `context`.
     An over-long prompt is left out when `drop`, else a DataError naming its
     line or row and its length; a dataset with none left is a DataError too."""
-    prompts, where = _load(path, kind, ChatTemplate(tokenizer, system_prompt, model))
+    prompts, where = _load(path, kind, columns, ChatTemplate(tokenizer, system_prompt, model))
     limit = context - max_new_tokens
     lengths = prompt_lengths(prompts, tokenizer)
     over = [i for i, n in enumerate(lengths) if n > limit]
@@ -334,6 +209,10 @@ def _stamp(path: Path) -> tuple:
     return str(path.resolve()), st.st_mtime_ns, st.st_size
 
 
+def data_columns(cfg) -> Columns:
+    return Columns(cfg.data.prompt_key, cfg.data.answer_key)
+
+
 def run_prompts(cfg, kind: str) -> Fitted:
     """The prompts of data.train or data.val (`kind`) that a real run generates
     from: over-long ones left out, or refused, per data.filter_overlong. The
@@ -342,15 +221,16 @@ def run_prompts(cfg, kind: str) -> Fitted:
     path = Path(cfg.data.train if kind == "train" else cfg.data.val)
     model = Path(cfg.model.path)
     stamps = tuple(_stamp(f) for f in (model / "config.json", *(model / n for n in TOKENIZER_FILES)) if f.is_file())
+    columns = data_columns(cfg)
     key = (kind, _stamp(path), stamps, cfg.generation.max_new_tokens, cfg.data.filter_overlong,
-           cfg.data.system_prompt)
+           cfg.data.system_prompt, columns)
     if key not in _FITTED:
         from transformers import AutoTokenizer
         # The generator's tokenizer: vLLM loads model.path's with AutoTokenizer too.
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         fitted = fit_prompts(path, kind, tokenizer, context=context_length(model),
                              max_new_tokens=cfg.generation.max_new_tokens, drop=cfg.data.filter_overlong,
-                             system_prompt=cfg.data.system_prompt, model=str(model))
+                             system_prompt=cfg.data.system_prompt, model=str(model), columns=columns)
         while len(_FITTED) >= 8:
             _FITTED.pop(next(iter(_FITTED)))
         _FITTED[key] = fitted

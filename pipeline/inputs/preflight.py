@@ -24,10 +24,10 @@ def preflight(cfg: Config) -> Future | None:
     uses them, {"train": Fitted, "val": Fitted (when data.val is set)}."""
     if cfg.backend == "sim":
         return None
-    from pipeline.inputs.datasets import DataError, check_prompts, run_prompts
+    from pipeline.inputs.datasets import DataError, check_prompts, data_columns, run_prompts
     from pipeline.inputs.models import (
         ModelError, check_model_files, check_model_loads, check_reward_model, context_length)
-    from pipeline.rewards.specs import RewardError, load_reward
+    from pipeline.rewards.specs import RewardError, check_routes, load_reward
 
     def check(key: str, fn: Callable, *args, **kwargs):
         # Prefix the recipe key, so the error also says which setting named the bad path or spec.
@@ -47,13 +47,20 @@ def preflight(cfg: Config) -> Future | None:
         check("reward_model.path", check_reward_model, cfg.reward_model.path, cfg.reward_model.kind)
     # Empty files are DataErrors inside check_prompts. data.val is read whenever it is
     # set: the generators load it at start-up even when no validation is scheduled.
-    check("data.train", check_prompts, cfg.data.train, kind="train")
+    columns = data_columns(cfg)
+    datasets = {"train": (cfg.data.train, check("data.train", check_prompts, cfg.data.train, kind="train",
+                                                columns=columns))}
     if cfg.data.val:
-        check("data.val", check_prompts, cfg.data.val, kind="val")
-    if cfg.data.reward:  # else an environment's steps give the rewards, or a reward model
-        check("data.reward", load_reward, cfg.data.reward)
-    if cfg.validation.reward:
-        check("validation.reward", load_reward, cfg.validation.reward)
+        datasets["val"] = (cfg.data.val, check("data.val", check_prompts, cfg.data.val, kind="val", columns=columns))
+    # Each reward, and the datasets it scores: a reward routed by data_source needs a route for each of theirs.
+    rewards = [("data.reward", cfg.data.reward, ["train"] if cfg.validation.reward else ["train", "val"]),
+               ("validation.reward", cfg.validation.reward, ["val"])]
+    for key, spec, kinds in rewards:
+        if not spec:  # no data.reward: an environment's steps give the rewards, or a reward model
+            continue
+        fn = check(key, load_reward, spec)
+        for path, checked in (datasets[kind] for kind in kinds if kind in datasets):
+            check(key, check_routes, fn, path, checked.sources)
 
     context, new = context_length(cfg.model.path), cfg.generation.max_new_tokens
     if new >= context:

@@ -30,6 +30,8 @@ def reference_table() -> str:
                 allowed = " / ".join(repr(a) for a in typing.get_args(typ))
             elif typ == tuple[str, ...]:
                 allowed = "list of names"
+            elif typ == str | dict:
+                allowed = "str or mapping"
             else:
                 bounds = [f"{op} {meta[k]:g}" for k, op in (("ge", ">="), ("gt", ">"), ("le", "<="))
                           if meta.get(k) is not None]

@@ -79,8 +79,10 @@ def test_the_template_tokens_count_against_the_context(tmp_path, tokenizer):
      "the last message is the assistant's"),
     ({"prompt": [{"role": "user", "content": "q"}], "reward_model": {"style": "rule"}},
      "line 1: field 'reward_model' has no 'ground_truth'"),
-    ({"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": 7}},
-     "'reward_model.ground_truth' must be a non-empty string, got a number"),
+    ({"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": " "}},
+     "line 1: field 'reward_model.ground_truth' is empty"),
+    ({"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": [1, 2]}},
+     "line 1: field 'reward_model.ground_truth' is a list, not a string or a number"),
 ])
 def test_a_bad_chat_row_is_named(tmp_path, tokenizer, row, needle):
     with pytest.raises(DataError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -45,8 +45,18 @@ def test_ids_are_generated_from_kind_when_absent(tmp_path):
     ("missing_in_row.jsonl", [{"prompt": "p", "answer": "a"}, {"answer": "a"}], "line 2: field 'prompt' is missing"),
     ("empty_row.jsonl", [{"prompt": "p", "answer": "a"}] * 2 + [{"prompt": "p", "answer": " "}],
      "line 3: field 'answer' is empty"),
-    ("int_answer.jsonl", [{"prompt": "p", "answer": 7}], "line 1: field 'answer' is a number, not a string"),
-    ("bool_answer.jsonl", [{"prompt": "p", "answer": True}], "line 1: field 'answer' is a boolean, not a string$"),
+    # A number with no one text is refused; numbers that have one are read (test_numbers_are_read_as_their_text).
+    ("bool_answer.jsonl", [{"prompt": "p", "answer": True}],
+     "line 1: field 'answer' is a boolean, not a number; store the answer as text$"),
+    ("nan_answer.jsonl", [{"prompt": "p", "answer": float("nan")}],
+     "line 1: field 'answer' is the float nan, which no answer equals; store the answer as text"),
+    ("big_float_answer.jsonl", [{"prompt": "p", "answer": 1e20}],
+     r"line 1: field 'answer' is the float 1e\+20, which has lost the digits past 2\*\*53"),
+    ("tiny_float_answer.jsonl", [{"prompt": "p", "answer": 1.5e-7}],
+     "line 1: field 'answer' is the float 1.5e-07, which has no plain decimal text"),
+    ("object_answer.jsonl", [{"prompt": "p", "answer": {"a": 1}}],
+     "line 1: field 'answer' is an object, not a string or a number"),
+    ("int_id.jsonl", [{"id": 7, "prompt": "p", "answer": "a"}], "line 1: field 'id' is a number, not a string"),
     # A list is read as chat messages (issue: chat-format data), so its items must be messages.
     ("list_prompt.jsonl", [{"prompt": ["p"], "answer": "a"}],
      "line 1: field 'prompt': message 0 must be an object with string 'role' and 'content'"),
@@ -80,7 +90,8 @@ def test_jsonl_lines_are_the_files_lines(tmp_path):
 @pytest.mark.parametrize("columns, expected", [
     ({"prompt": ["a", "b", None], "answer": ["1", "2", "3"]}, "row 2: column 'prompt' is null"),
     ({"prompt": ["a", ""], "answer": ["1", "2"]}, "row 1: column 'prompt' is empty"),
-    ({"prompt": ["a"], "answer": [1]}, "column 'answer' has type int64; it must be a string"),
+    ({"prompt": ["a"], "answer": [True]}, "column 'answer' has type bool; an answer must be a string or a number"),
+    ({"prompt": ["a", "b"], "answer": [2.0, float("nan")]}, "row 1: column 'answer' is the float nan"),
     ({"prompt": ["a"], "answer": ["1"], "id": [3]}, "column 'id' has type int64; it must be a string"),
     ({"prompt": ["a"]}, "missing required column 'answer'"),
 ])
@@ -90,6 +101,18 @@ def test_bad_parquet_rows_and_columns_are_named(tmp_path, columns, expected):
     with pytest.raises(DataError, match=expected) as err:
         load_prompts(path)
     assert str(err.value).startswith(f"{path}: ")
+
+
+def test_numbers_are_read_as_their_text(tmp_path):
+    """An answer stored as a number has one text; text answers stay as written ("007")."""
+    answers = [72, 72.0, -3, 0.5, 12345678901234567890, "007", " 7 "]
+    texts = ["72", "72", "-3", "0.5", "12345678901234567890", "007", " 7 "]
+    path = write_jsonl(tmp_path / "n.jsonl", [{"prompt": "p", "answer": a} for a in answers])
+    assert [p.answer for p in load_prompts(path)] == texts
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": pa.array([72, -3], pa.int64())}), tmp_path / "i.parquet")
+    assert [p.answer for p in load_prompts(tmp_path / "i.parquet")] == ["72", "-3"]
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [2.5, 3.0]}), tmp_path / "f.parquet")
+    assert [p.answer for p in load_prompts(tmp_path / "f.parquet")] == ["2.5", "3"]
 
 
 def test_parquet_accepts_categorical_text_and_ignores_other_columns(tmp_path):

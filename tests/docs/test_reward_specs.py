@@ -1,0 +1,65 @@
+"""Every reward spec the guides write (`module:function`, `<dir>/<file>.py:function`,
+in inline code or a code block) loads with load_reward, as a reader would
+paste it into data.reward. What is not meant to load is skipped by a rule
+that pytest reports (-rs): a placeholder (`module:function`, `<dir>/...`), a
+module of the reader's own (named `my_rewards...`), a class (env.class)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pipeline.rewards.specs import load_reward
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
+# A dotted module or a .py path, a colon, a dotted attribute: not a URL, a port, a YAML key.
+SPEC = re.compile(r"(?<![\w./<>:-])((?:[\w<>.-]+/)*[\w<>-]+\.py|[A-Za-z_<][\w<>]*(?:\.[A-Za-z_]\w*)*)"
+                  r":([A-Za-z_<][\w<>]*(?:\.\w+)*)(?![\w(/:])")
+PLACEHOLDERS = {"module", "package.module", "function", "Class"}
+OWN = "my_rewards"
+
+
+def doc_specs() -> dict[str, str]:
+    """Each spec the pages write, and the first page that writes it."""
+    found: dict[str, str] = {}
+    for page in PAGES:
+        for code in CODE.findall(page.read_text()):
+            for module, attr in SPEC.findall(code):
+                found.setdefault(f"{module}:{attr}", str(page.relative_to(ROOT)))
+    return found
+
+
+def skip_rule(spec: str) -> str | None:
+    module, attr = spec.split(":")
+    if module in PLACEHOLDERS or attr in PLACEHOLDERS or "<" in spec:
+        return "a placeholder"
+    if module.split(".")[0] == OWN:
+        return f"a module of the reader's own ({OWN}...)"
+    if attr[0].isupper():
+        return "a class, not a reward (env.class)"
+    return None
+
+
+SPECS = doc_specs()
+
+
+def test_the_extraction_finds_the_built_in_rewards_and_skips_non_specs():
+    assert {"pipeline.rewards.rules:tiny_reward", "pipeline.rewards.rules:gsm8k_reward",
+            "pipeline.rewards.math_verifier:math_verify_reward"} <= set(SPECS)
+    text = ("`https://x.org/a:b` `localhost:8265` `reward: pipeline.rewards.rules:tiny_reward` "
+            "`path/to/f.py:score` `f(x):`")
+    assert [f"{m}:{a}" for code in CODE.findall(text) for m, a in SPEC.findall(code)] == [
+        "pipeline.rewards.rules:tiny_reward", "path/to/f.py:score"]
+
+
+@pytest.mark.parametrize("spec", sorted(SPECS))
+def test_each_reward_spec_in_the_guides_loads(spec):
+    rule = skip_rule(spec)
+    if rule:
+        pytest.skip(f"{spec} ({SPECS[spec]}): {rule}")
+    assert callable(load_reward(spec)), f"{SPECS[spec]}: {spec}"
