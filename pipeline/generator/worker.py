@@ -267,6 +267,7 @@ class GeneratorWorker(Actor):
                 "loss_mask": [list(c.loss_mask) or [1] * len(c.response_ids) for _, c in rows],
                 "token_rewards": [_token_rewards(c, r) for (_, c), r in zip(rows, rewards)],
                 "truncated": [c.truncated for _, c in rows],
+                "transcript": [list(c.transcript) or None for _, c in rows],
             }, schema=TRAJECTORY_SCHEMA)
 
 
