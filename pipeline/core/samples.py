@@ -114,6 +114,11 @@ def format_sample(sample: dict) -> str:
     return "\n".join(lines)
 
 
+# A sampled control character (an escape, a backspace) shown as \xNN, never acted on by the terminal.
+_VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), 127] if chr(c) not in "\n\t"}
+
+
 def _indent(text: str, depth: int) -> str:
     pad = "    " * depth
-    return "\n".join(pad + line for line in text.splitlines()) if text.strip() else pad + "(empty)"
+    text = text.translate(_VISIBLE)
+    return "\n".join(pad + line for line in text.split("\n")) if text else pad + "(empty)"

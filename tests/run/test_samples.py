@@ -103,9 +103,10 @@ def test_a_sample_reads_as_its_prompt_then_each_completion_turns_indented():
         "completion 2/2  reward 0.000  versions 4  tokens 1  error: prompt p2: ValueError: no\n"
         "    x")
     val = _val(0, 1, 1)[0]
-    val["completions"][0]["text"] = "two\nlines"
+    val["completions"][0]["text"] = "two\nlines\x1b[2J\r\x08"  # a sampled escape must not clear the terminal
     assert format_sample(val) == ("step 3 val  prompt val0  version 4\nprompt:\n    question 0\n"
-                                  "completion 1/1  reward 0.500  versions 4  tokens 2\n    two\n    lines")
+                                  "completion 1/1  reward 0.500  versions 4  tokens 2\n"
+                                  "    two\n    lines\\x1b[2J\\x0d\\x08")
 
 
 def _two_steps() -> list[list[dict]]:
