@@ -88,3 +88,14 @@ def test_the_same_recipe_and_seed_write_the_same_first_samples(tmp_path, sim_poo
         for step in sorted({s["step"] for s in full if s["kind"] == kind}):
             assert [s for s in few if s["kind"] == kind and s["step"] == step] == \
                    [s for s in full if s["kind"] == kind and s["step"] == step][:2], (kind, step)
+
+
+def test_with_dynamic_sampling_the_samples_are_groups_it_trained(tmp_path, sim_pool):
+    """The flat groups dynamic sampling leaves out are not written: every group shown has a spread."""
+    samples, metrics = _run(tmp_path, sim_pool, "dapo", f"metrics.samples={PROMPTS}", "sim.generate_s=0.02",
+                            "dynamic_sampling.max_rounds=2", "validation.period=0", "validation.at_start=false")
+    informative = {m["step"]: m["informative_groups"] for m in metrics if "informative_groups" in m}
+    assert sum(m["flat_groups_dropped"] for m in metrics if "flat_groups_dropped" in m) > 0
+    for step, count in informative.items():
+        train = [s for s in samples if s["kind"] == "train" and s["step"] == step]
+        assert len(train) == count and all(len({c["reward"] for c in s["completions"]}) > 1 for s in train)
