@@ -190,8 +190,10 @@ class MetricSinks:
         # W&B first: its missing-package error must come before any file is touched.
         if cfg.metrics.wandb:
             self._wandb = _WandB(run_dir, cfg, start_step)
-        self._jsonl: TextIO = _open_from(self.path, start_step)
-        self._samples: TextIO | None = _open_from(self.samples_path, start_step) if cfg.metrics.samples else None
+        for path in (self.path, self.samples_path):
+            _drop_records_from(path, start_step)
+        self._jsonl: TextIO = open(self.path, "a")
+        self._samples: TextIO | None = open(self.samples_path, "a") if cfg.metrics.samples else None
         if cfg.metrics.tensorboard:
             self._tb = _TensorBoard(run_dir / "tensorboard", start_step if start_step > 0 else None)
 
@@ -235,16 +237,16 @@ class MetricSinks:
             self._wandb = None
 
 
-def _open_from(path: Path, start_step: int) -> TextIO:
-    """`path` to append to; a resumed run first drops the killed run's records of
-    the steps it runs again (from start_step on)."""
-    if start_step > 0 and path.is_file():
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) < start_step]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
-    return open(path, "a")
+def _drop_records_from(path: Path, start_step: int) -> None:
+    """A resumed run (start_step > 0) drops the killed run's records of the steps it
+    runs again; samples.jsonl too where this run writes none (metrics.samples 0)."""
+    if start_step == 0 or not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", -1) < start_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def _fmt(metrics: dict, key: str, spec: str) -> str:

@@ -158,6 +158,10 @@ def test_a_resume_drops_the_samples_of_the_steps_it_runs_again(tmp_path):
     resumed.close()
     lines = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [s["prompt"] for s in lines] == ["killed 0", "killed 1", "resumed 2", "resumed 3", "resumed 4"]
+    # Resumed again from step 3 with the samples off: none of the steps it runs is left over.
+    MetricSinks(tmp_path, load_config(None, ["metrics.tensorboard=false", "metrics.samples=0"]), start_step=3).close()
+    lines = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in lines] == ["killed 0", "killed 1", "resumed 2"]
 
 
 class _WandbStandIn:
