@@ -50,6 +50,9 @@ class Batch:
     table_ref: Stored | None = None
     wait_s: float = 0.0              # how long sample waited for rollouts: exposed generation
     metrics: tuple[tuple[str, float], ...] = ()  # dynamic sampling's: groups left out, extra launches
+    # metrics.samples: the first groups' text for the driver to write (pipeline/core/samples.py);
+    # dicts, so out of the hash
+    samples: tuple[dict, ...] = field(default=(), hash=False)
     clock: Clock = ()
 
 
@@ -123,6 +126,8 @@ class ValOut:
     validated: bool
     scores: tuple[tuple[str, float], ...] = ()
     validate_s: float = 0.0
+    # metrics.samples: this generator's share (pipeline/core/samples.py)
+    samples: tuple[dict, ...] = field(default=(), hash=False)
     clock: Clock = ()
 
 

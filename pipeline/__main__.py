@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline {train,check-events,viz,timeline,build-tiny,warmup,export,config-table} ...`."""
+"""Command line: `python -m pipeline {train,check-events,samples,viz,timeline,build-tiny,warmup,export,config-table} ...`."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,11 @@ def _train(args: argparse.Namespace) -> int:
 def _check_events(args: argparse.Namespace) -> int:
     from pipeline.tools.check import main
     return main(args.run_dir)
+
+
+def _samples(args: argparse.Namespace) -> int:
+    from pipeline.tools.samples import samples_main
+    return samples_main(args.run_dir, args.step, args.kind, args.limit)
 
 
 def _viz(args: argparse.Namespace) -> int:
@@ -79,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check-events", help="verify the ordering invariants of a run's event log")
     p.add_argument("run_dir", help="runs/<name>")
     p.set_defaults(func=_check_events)
+    p = sub.add_parser("samples", help="print the prompts and completions a run wrote (metrics.samples)")
+    p.add_argument("run_dir", help="runs/<name>")
+    p.add_argument("--step", type=int, default=None, help="only this step's (-1: validation before training)")
+    p.add_argument("--kind", choices=("train", "val"), default=None, help="only training or validation samples")
+    p.add_argument("--limit", type=int, default=None, metavar="M", help="at most the first M samples")
+    p.set_defaults(func=_samples)
     p = sub.add_parser("viz", help="draw the step graph: .dot .mmd .png .svg")
     p.add_argument("--config", required=True)
     p.add_argument("--out", action="append", default=[], help="output file; repeat for several formats")

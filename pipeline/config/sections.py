@@ -259,6 +259,9 @@ class MetricsConfig:
     wandb: bool = _key(False, "log to Weights & Biases (pip install dagrl[wandb])")
     wandb_project: str = _key("dagrl", "W&B project")
     progress: bool = _key(True, "show a progress bar")
+    samples: int = _key(4, "prompts of each step's batch (with all their group's completions) and of each "
+                        "validation written as text to samples.jsonl, TensorBoard and W&B; 4: enough to see what "
+                        "the policy does, few enough to read and to carry on the step's tokens; 0 = off", ge=0)
 
 
 @dataclass(frozen=True)

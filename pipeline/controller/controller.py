@@ -41,6 +41,7 @@ from pipeline.algos.groups import choose_groups, flat_group_indices
 from pipeline.core.events import EventLog
 from pipeline.core.node import Actor, node, whereabouts
 from pipeline.controller.rollout_queue import RolloutQueue
+from pipeline.core.samples import train_samples
 from pipeline.core.types import Prompt
 from pipeline.config import Config
 from pipeline.core import spans
@@ -58,6 +59,8 @@ class Controller(Actor):
         self.log.emit("worker_start", **whereabouts())
         self.queue = RolloutQueue(cfg.schedule.max_age, self.log)
         self.prompts = list(prompts) if prompts is not None else train_prompts(cfg)
+        # metrics.samples: the prompt of each group shown (top-ups and restored batches draw from these too).
+        self._prompt_texts = {p.id: p.text for p in self.prompts} if cfg.metrics.samples else {}
         self.rng = random.Random(cfg.run.seed)
         self.order: list[int] = []
         self.cursor = 0
@@ -93,8 +96,10 @@ class Controller(Actor):
             table, metrics = self._informative_groups(plan.step, table)
         with spans.span("batch.put"):
             stored = self.put_for_step("batch", table)
+        samples = train_samples(plan.step, table, self._prompt_texts, dict(zip(ids, versions)),
+                                self.cfg.metrics.samples, self.cfg.schedule.group_size)
         return Batch(plan.step, tuple(ids), tuple(versions), stored,
-                     wait_s=time.perf_counter() - started, metrics=metrics)
+                     wait_s=time.perf_counter() - started, metrics=metrics, samples=samples)
 
     @node("top_up")
     def top_up(self, plan: StepPlan, round_: int, *started: Ticket) -> TopUp:

@@ -53,7 +53,13 @@ class Completion:
     turns: int = 1
     # Cut at max_new_tokens (vLLM's finish_reason "length"); None where the engine does not say.
     truncated: bool | None = None
+    # Multi-turn only: the turns in order, as the model saw them (TRANSCRIPT_TURN).
+    transcript: tuple[dict, ...] = ()
 
+
+# A multi-turn sample's turn: "env" (an observation, formatted as the model saw it; the first is
+# reset's) or "model" (its reward: the environment's answer to that action).
+TRANSCRIPT_TURN = pa.struct([("role", pa.string()), ("text", pa.string()), ("reward", pa.float32())])
 
 # One row per completion. Rows of one prompt group share batch_id and prompt_id.
 TRAJECTORY_SCHEMA = pa.schema([
@@ -81,6 +87,9 @@ TRAJECTORY_SCHEMA = pa.schema([
     # True where generation stopped at max_new_tokens, not at an end-of-text
     # token; null where the engine does not report it (multi-turn, simulated).
     ("truncated", pa.bool_()),
+    # A multi-turn sample's turns (TRANSCRIPT_TURN), for reading its samples (metrics.samples):
+    # `text` holds only the model's turns. Null for a single-turn sample.
+    ("transcript", pa.list_(TRANSCRIPT_TURN)),
 ])
 
 

@@ -57,6 +57,7 @@ class Episode:
     mask: list[int] = field(default_factory=list)
     token_rewards: list[float] = field(default_factory=list)
     text: str = ""                  # the model's turns, as text, one line each
+    transcript: list[dict] = field(default_factory=list)  # every turn, the environment's too (Completion)
     turns: int = 0
     reward: float = 0.0
     error: str = ""
@@ -107,6 +108,7 @@ class Episodes:
         episode.mask += [1] * n
         episode.token_rewards += [0.0] * n
         episode.text += ("\n" if episode.turns else "") + completion.text
+        episode.transcript.append({"role": "model", "text": completion.text, "reward": None})
         episode.turns += 1
         self._call(episode, "step", completion.text)
 
@@ -130,6 +132,7 @@ class Episodes:
             if not isinstance(value, str):
                 return self._end(episode, f"environment reset: returned a {type(value).__name__}; expected the "
                                           "first observation as str")
+            episode.transcript.append({"role": "env", "text": value, "reward": None})
             return self._next_turn(episode, Prompt(episode.prompt.id, value, episode.prompt.answer,
                                                    token_ids=tuple(self.engine.encode(value))))
         try:
@@ -138,12 +141,15 @@ class Episodes:
             return self._end(episode, f"environment {what}: {exc}")
         if episode.token_rewards:
             episode.token_rewards[-1] += reward  # on the turn's last model token
+        episode.transcript[-1]["reward"] = reward
         episode.reward += reward
         self._emit("env_step", batch=key.rpartition("/")[0], sample=key, turn=episode.turns, reward=reward,
                    done=done)
         if done or episode.turns >= self.cfg.max_turns:
             return self._end(episode, "")
-        ids = self.engine.encode_continuation(self.cfg.observation_format.format(observation=observation))
+        shown = self.cfg.observation_format.format(observation=observation)
+        episode.transcript.append({"role": "env", "text": shown, "reward": None})
+        ids = self.engine.encode_continuation(shown)
         episode.response += ids
         episode.logprobs += [0.0] * len(ids)
         episode.versions += [version] * len(ids)
@@ -222,7 +228,8 @@ class Episodes:
             prompt_ids=episode.prompt_ids or tuple(self.engine.encode(episode.prompt.text)),
             response_ids=tuple(episode.response), logprobs=tuple(episode.logprobs), text=episode.text,
             versions=tuple(episode.versions), loss_mask=tuple(episode.mask),
-            token_rewards=tuple(episode.token_rewards), reward=episode.reward, error=error, turns=episode.turns)
+            token_rewards=tuple(episode.token_rewards), reward=episode.reward, error=error, turns=episode.turns,
+            transcript=tuple(episode.transcript))
 
     def _release(self, episode: Episode) -> None:
         episode.waiting = -1

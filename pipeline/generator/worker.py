@@ -27,6 +27,7 @@ from pipeline.core.node import Actor, node, one_thread, whereabouts
 from pipeline.weights import sync
 from pipeline.generator.engines import generation_engine, reward_function, val_prompts
 from pipeline.rewards.specs import load_reward
+from pipeline.core.samples import shard_count, val_samples
 from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, sample_seeds
 from pipeline.config import Config
 from pipeline.core import spans
@@ -159,10 +160,13 @@ class GeneratorWorker(Actor):
             scored = [combine(r, m, self.cfg.reward_model.weight, "the reward model") for r, m in zip(scored, model)]
         rewards = [r for r, error in scored if not error]
         self.log.emit("validation_end", step=ready.step, version=self.version)
+        # This generator's share of the validation set's first metrics.samples prompts.
+        shown = shard_count(self.cfg.metrics.samples, self.index, self.cfg.generation.num_generators)
         return ValOut(self.log.worker, ready.step, self.version, True,
                       (("reward_sum", float(sum(rewards))), ("count", float(len(rewards))),
                        ("failed", float(len(scored) - len(rewards)))),
-                      validate_s=time.perf_counter() - started)
+                      validate_s=time.perf_counter() - started,
+                      samples=val_samples(ready.step, self.version, self.val_prompts[:shown], completions, scored))
 
     @node("collect")
     def collect(self, resume: Resume | Relaunch) -> Ticket:
@@ -267,6 +271,7 @@ class GeneratorWorker(Actor):
                 "loss_mask": [list(c.loss_mask) or [1] * len(c.response_ids) for _, c in rows],
                 "token_rewards": [_token_rewards(c, r) for (_, c), r in zip(rows, rewards)],
                 "truncated": [c.truncated for _, c in rows],
+                "transcript": [list(c.transcript) or None for _, c in rows],
             }, schema=TRAJECTORY_SCHEMA)
 
 

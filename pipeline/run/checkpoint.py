@@ -132,6 +132,7 @@ def archive_attempt(run_dir: Path, steps_done: int) -> Path:
         if (run_dir / name).exists():
             (run_dir / name).rename(dest / name)
     # Copied, not moved: the resumed run keeps the steps before the checkpoint (MetricSinks drops the rest).
-    if (run_dir / "metrics.jsonl").is_file():
-        shutil.copy2(run_dir / "metrics.jsonl", dest / "metrics.jsonl")
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, dest / name)
     return dest

@@ -37,7 +37,7 @@ from pipeline.core.precision import cpu_bf16_flags, describe_cpu
 from pipeline.inputs.preflight import preflight
 from pipeline.run import checkpoint
 from pipeline.run.execution import Execution
-from pipeline.run.metrics import MetricSinks, Progress, RunTotals, step_metrics
+from pipeline.run.metrics import MetricSinks, Progress, RunTotals, step_metrics, step_samples
 from pipeline.run.placement import place
 from pipeline.run.pool import begin_run, end_run, start_workers, stop_workers
 from pipeline.run.resources import ResourceProbe
@@ -194,6 +194,7 @@ class Run:
         self.log.emit("startup", **self.summary["startup"])
         if out["resume"].val_scores:
             self.sinks.write({"step": self.start_step - 1, **dict(out["resume"].val_scores)})
+        self.sinks.write_samples(step_samples(out))
         self.probe = ResourceProbe(cfg.run.deadline_s)
         self.summary["resources_peak"] = self.probe.peak
 
@@ -207,6 +208,7 @@ class Run:
         out = self.execution.step(StepPlan(step, validation_due(step, cfg)))
         metrics = {**step_metrics(step, time.time() - started, out), **self.probe.read()}
         self.sinks.write(metrics)
+        self.sinks.write_samples(step_samples(out))
         self.progress.update(metrics)
         for line in console_warnings(step, metrics, cfg.fault.max_nonfinite_steps):
             self.say(line)

@@ -1,6 +1,6 @@
-"""Per-step metrics from the step graph's tokens, the sinks they go to
-(metrics.jsonl always; TensorBoard and Weights & Biases when the recipe asks)
-and the progress display of the training loop."""
+"""Per-step metrics and samples from the step graph's tokens, the sinks they go to
+(metrics.jsonl and samples.jsonl; TensorBoard and Weights & Biases when the
+recipe asks) and the progress display of the training loop."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline.config import Config, ConfigError
+from pipeline.core.samples import format_sample, unshard
 
 
 def _clamp01(x: float) -> float:
@@ -78,6 +79,13 @@ def step_metrics(step: int, elapsed_s: float, out: dict[str, object]) -> dict[st
     return record
 
 
+def step_samples(out: dict[str, object]) -> list[dict]:
+    """The samples the graph's tokens carry (metrics.samples): the step's batch's,
+    then its validation's in the validation set's order."""
+    batch = out.get("sample")
+    return [*(batch.samples if batch is not None else ()), *unshard([v.samples for v in _nodes(out, "validate")])]
+
+
 def _scalars(record: dict) -> dict[str, float]:
     """The numeric values of a record, without the step (it is the x-axis)."""
     return {k: float(v) for k, v in record.items()
@@ -92,8 +100,9 @@ class _TensorBoard:
     def __init__(self, log_dir: Path, purge_step: int | None):
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.plugins.text.summary_v2 import text_pb
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        self._event, self._summary = Event, Summary
+        self._event, self._summary, self._text_pb = Event, Summary, text_pb
         log_dir.mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(str(log_dir))
         if purge_step is not None:
@@ -104,7 +113,12 @@ class _TensorBoard:
                                          session_log=SessionLog(status=SessionLog.START)))
 
     def write(self, step: int, values: dict[str, float]) -> None:
-        summary = self._summary(value=[self._summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        self._add(step, self._summary(value=[self._summary.Value(tag=k, simple_value=v) for k, v in values.items()]))
+
+    def write_text(self, step: int, tag: str, markdown: str) -> None:
+        self._add(step, self._text_pb(tag, markdown))
+
+    def _add(self, step: int, summary) -> None:
         self._writer.add_event(self._event(step=step, wall_time=time.time(), summary=summary))
         # A killed driver loses at most the line being written, not two minutes of them.
         self._writer.flush()
@@ -139,40 +153,49 @@ class _WandB:
     def write(self, step: int, values: dict[str, float]) -> None:
         self.run.log({"step": step, **values})
 
+    def write_table(self, step: int, key: str, samples: list[dict]) -> None:
+        """One row per completion, as TRL logs its completions."""
+        import wandb
+        rows = [[s["step"], s["kind"], s["prompt_id"], s["prompt"], c["text"], c["reward"],
+                 ",".join(map(str, c["versions"])), s.get("age"), c["tokens"],
+                 "\n".join(f"{t['role']}: {t['text']}" for t in c.get("turns", ()))]
+                for s in samples for c in s["completions"]]
+        self.run.log({"step": step, key: wandb.Table(columns=list(WANDB_SAMPLE_COLUMNS), data=rows)})
+
     def close(self) -> None:
         self.run.finish()
 
 
+WANDB_SAMPLE_COLUMNS = ("step", "kind", "prompt_id", "prompt", "completion", "reward", "versions", "age", "tokens",
+                        "turns")
+
+
 class MetricSinks:
     """Every record goes to run_dir/metrics.jsonl, and to TensorBoard
-    (run_dir/tensorboard) and W&B when cfg.metrics says so.
+    (run_dir/tensorboard) and W&B when cfg.metrics says so; the samples to
+    read (metrics.samples) go to run_dir/samples.jsonl and the same two.
 
     start_step > 0 is a resumed run that re-runs steps start_step... of a
     killed one in the same run directory: the killed run's records of those
-    steps are superseded, in metrics.jsonl (rewritten without them) and in
+    steps are superseded, in the .jsonl files (rewritten without them) and in
     TensorBoard (purged on reading). W&B keeps what it was sent; its charts
     plot against `step`."""
 
     def __init__(self, run_dir: Path, cfg: Config, start_step: int = 0):
         run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
+        self.samples_path = run_dir / "samples.jsonl"
         self._tb: _TensorBoard | None = None
         self._wandb: _WandB | None = None
         # W&B first: its missing-package error must come before any file is touched.
         if cfg.metrics.wandb:
             self._wandb = _WandB(run_dir, cfg, start_step)
-        if start_step > 0 and self.path.is_file():
-            self._drop_records_from(start_step)
+        for path in (self.path, self.samples_path):
+            _drop_records_from(path, start_step)
         self._jsonl: TextIO = open(self.path, "a")
+        self._samples: TextIO | None = open(self.samples_path, "a") if cfg.metrics.samples else None
         if cfg.metrics.tensorboard:
             self._tb = _TensorBoard(run_dir / "tensorboard", start_step if start_step > 0 else None)
-
-    def _drop_records_from(self, start_step: int) -> None:
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) < start_step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
         if "step" not in record:
@@ -185,14 +208,45 @@ class MetricSinks:
         if self._wandb is not None:
             self._wandb.write(int(record["step"]), values)
 
+    def write_samples(self, samples: list[dict]) -> None:
+        """One step's samples (pipeline/core/samples.py): a line each in samples.jsonl;
+        in TensorBoard one text per kind (samples/train, samples/val), in W&B one table per kind."""
+        if self._samples is None or not samples:
+            return
+        self._samples.write("".join(json.dumps(s) + "\n" for s in samples))
+        self._samples.flush()
+        for kind in dict.fromkeys(s["kind"] for s in samples):
+            of_kind = [s for s in samples if s["kind"] == kind]
+            step = int(of_kind[0]["step"])
+            if self._tb is not None:
+                # Indented four spaces: Markdown shows it as written, whatever the text holds.
+                self._tb.write_text(step, f"samples/{kind}", "\n\n".join(
+                    "    " + format_sample(s).replace("\n", "\n    ") for s in of_kind))
+            if self._wandb is not None:
+                self._wandb.write_table(step, f"samples/{kind}", of_kind)
+
     def close(self) -> None:
         self._jsonl.close()
+        if self._samples is not None:
+            self._samples.close()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
         if self._wandb is not None:
             self._wandb.close()
             self._wandb = None
+
+
+def _drop_records_from(path: Path, start_step: int) -> None:
+    """A resumed run (start_step > 0) drops the killed run's records of the steps it
+    runs again; samples.jsonl too where this run writes none (metrics.samples 0)."""
+    if start_step == 0 or not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", -1) < start_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def _fmt(metrics: dict, key: str, spec: str) -> str:

@@ -76,6 +76,13 @@ def test_a_sample_holds_its_turns_with_the_observations_masked(tmp_path):
         assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.loss_mask) if not m)
         assert c.loss_mask[-1] == 1 and c.token_rewards[-1] == c.reward == sum(c.token_rewards)
         assert c.text.count("\n") == c.turns - 1 and not c.error
+        # The transcript: reset's observation, then each model turn and the observation after it.
+        roles = ["env"] + ["model", "env"] * (c.turns - 1) + ["model"]
+        assert [t["role"] for t in c.transcript] == roles
+        assert [t["text"] for t in c.transcript if t["role"] == "env"] == [c.transcript[0]["text"]] + ["ooooo"] * (
+            c.turns - 1)
+        assert "\n".join(t["text"] for t in c.transcript if t["role"] == "model") == c.text
+        assert [t["reward"] for t in c.transcript if t["role"] == "model"][-1] == c.reward
 
 
 def test_a_sample_that_finishes_a_turn_early_goes_on_without_its_batch(tmp_path):
@@ -226,3 +233,25 @@ def test_environment_failures_count_like_reward_failures_then_stop_the_run(tmp_p
     with pytest.raises(PipelineError, match=r"failed on \d+ samples, more than fault.max_reward_failures \(0\).*"
                                             r"injected tool failure"):
         sim_run(tmp_path, "stops", "run.steps=3", "env.args={turns: 2, latency_s: 0.0, fail: raise, fail_every: 4}")
+
+
+def test_a_multi_turn_sample_is_written_with_its_turns(tmp_path, ray_session):
+    """samples.jsonl (metrics.samples) lists each sample's turns in order, who spoke
+    and the reward of each action; validation's too, since it plays the environment."""
+    import json
+    sim_run(tmp_path, "turns", "run.steps=3", "validation.period=2", "metrics.samples=2",
+            "env.args={turns: random, max_turns: 3, latency_s: 0.0, observation_tokens: 3}")
+    samples = [json.loads(line) for line in (tmp_path / "turns" / "samples.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["kind"]) for s in samples] == [(0, "train")] * 2 + [(1, "train")] * 2 + [(1, "val")] * 2 \
+        + [(2, "train")] * 2
+    counts = set()
+    for c in (c for s in samples for c in s["completions"]):
+        turns = c["turns"]
+        model = [t for t in turns if t["role"] == "model"]
+        counts.add(len(model))
+        assert [t["role"] for t in turns] == ["env"] + ["model", "env"] * (len(model) - 1) + ["model"]
+        assert turns[0]["text"].startswith("simulated prompt ") and all(
+            t["text"] == "ooo" for t in turns[1:] if t["role"] == "env")
+        assert "\n".join(t["text"] for t in model) == c["text"]
+        assert sum(t["reward"] for t in model) == pytest.approx(c["reward"])
+    assert counts == {1, 2, 3}

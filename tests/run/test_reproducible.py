@@ -27,6 +27,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import load_config
+from pipeline.inputs.datasets import load_prompts
+from pipeline.rewards.rules import tiny_reward
 from pipeline.run.driver import train
 import pytest
 
@@ -38,22 +40,43 @@ STEPS = 8
 HOG = "import os, time\nos.nice(15)\nend = time.time() + 600\nwhile time.time() < end:\n    pass\n"
 
 
-def run(tmp_path: Path, name: str, model: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def run(tmp_path: Path, name: str, model: Path) -> tuple[list[dict], list[dict], dict[str, torch.Tensor]]:
+    """The run's metrics, its samples (metrics.samples) and its final weights."""
     cfg = load_config("examples/tiny_grpo.yaml", [
         f"model.path={model}", f"run.output_dir={tmp_path}", f"run.name={name}", f"run.steps={STEPS}",
         "run.checkpoint_every=0", "validation.period=4", "run.dag_mode=classic", "metrics.tensorboard=false"])
     summary = train(cfg, quiet=True)
     assert summary["error"] is None and summary["steps"] == STEPS
-    metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    metrics, samples = ([json.loads(line) for line in (tmp_path / name / f).read_text().splitlines()]
+                        for f in ("metrics.jsonl", "samples.jsonl"))
     policy = tmp_path / name / "checkpoints" / f"step_{STEPS}" / "policy"
-    return metrics, load_file(str(next(policy.glob("*.safetensors"))))
+    return metrics, samples, load_file(str(next(policy.glob("*.safetensors"))))
+
+
+def check_samples_are_the_models_output(samples: list[dict]) -> None:
+    """Each step's first prompts with their groups, and each validation's: texts the
+    tiny task's reward scores as the run did, sampled by the batch's weights."""
+    prompts = {p.id: p for kind, path in (("train", "data/tiny_train.jsonl"), ("val", "data/tiny_val.jsonl"))
+               for p in load_prompts(path, kind=kind)}
+    train_steps = [s["step"] for s in samples if s["kind"] == "train"]
+    assert train_steps == [step for step in range(STEPS) for _ in range(4)]  # metrics.samples: 4 by default
+    assert sorted({s["step"] for s in samples if s["kind"] == "val"}) == [3, 7]
+    for s in samples:
+        prompt = prompts[s["prompt_id"]]
+        assert s["prompt"] == prompt.text
+        assert len(s["completions"]) == (4 if s["kind"] == "train" else 1)
+        for c in s["completions"]:
+            assert c["reward"] == pytest.approx(tiny_reward(prompt, c["text"]))
+            assert 1 <= c["tokens"] <= 16 and c["versions"] == [s["version"]] and "truncated" in c
+    groups = [{c["text"] for c in s["completions"]} for s in samples if s["kind"] == "train"]
+    assert any(len(texts) > 1 for texts in groups), "sampled at temperature 1: a group's texts differ"
 
 
 def test_a_loaded_machine_gives_the_same_rewards_and_weights(tmp_path, ray_session, tiny_model):
-    quiet_metrics, quiet_weights = run(tmp_path, "quiet", tiny_model)
+    quiet_metrics, quiet_samples, quiet_weights = run(tmp_path, "quiet", tiny_model)
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(2)]
     try:
-        loaded_metrics, loaded_weights = run(tmp_path, "loaded", tiny_model)
+        loaded_metrics, loaded_samples, loaded_weights = run(tmp_path, "loaded", tiny_model)
     finally:
         for hog in hogs:
             hog.kill()
@@ -69,6 +92,9 @@ def test_a_loaded_machine_gives_the_same_rewards_and_weights(tmp_path, ray_sessi
     assert curve(loaded_metrics, "loss") == curve(quiet_metrics, "loss")
     # The load did change the timing, or the test proves nothing about it.
     assert curve(loaded_metrics, "step_time_s") != curve(quiet_metrics, "step_time_s")
+    # The samples written (metrics.samples) are the model's text, and replay with the rest.
+    check_samples_are_the_models_output(quiet_samples)
+    assert loaded_samples == quiet_samples
     assert quiet_weights.keys() == loaded_weights.keys()
     for name, tensor in quiet_weights.items():
         assert torch.equal(tensor, loaded_weights[name]), f"{name} differs after {STEPS} steps"

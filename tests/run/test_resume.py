@@ -183,6 +183,11 @@ def test_resumed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, sim_pool, u
     saved = json.loads((ckpt / "policy" / "sim_weights.json").read_text())
     assert version == RESUMED_AT and weights.fetch(60) == (RESUMED_AT, saved) == (RESUMED_AT, {"sim_updates": 4})
 
+    # (d) Its samples are the uninterrupted run's, each step once: the killed attempt's of the
+    # steps run again are dropped, those before the checkpoint kept.
+    assert (run_dir / "samples.jsonl").read_text() == (ref_dir / "samples.jsonl").read_text()
+    assert (run_dir / "attempts" / "1" / "samples.jsonl").is_file()
+
 
 def test_resume_when_every_batch_had_arrived_at_the_checkpoint(tmp_path, monkeypatch, sim_pool, uninterrupted):
     """A checkpoint taken once the rollouts in flight had all arrived holds only
