@@ -42,7 +42,7 @@ from pipeline.core.events import EventLog
 from pipeline.core.node import Actor, node, whereabouts
 from pipeline.controller.rollout_queue import RolloutQueue
 from pipeline.core.samples import train_samples
-from pipeline.core.types import Prompt
+from pipeline.core.types import TRAJECTORY_SCHEMA, Prompt
 from pipeline.config import Config
 from pipeline.core import spans
 from pipeline.core.worker_names import CONTROLLER
@@ -294,7 +294,7 @@ class Controller(Actor):
         self._launched_through = state["launched_through"]
         tables = {}
         if (path / "buffer.parquet").is_file():
-            table = pq.read_table(path / "buffer.parquet")
+            table = in_trajectory_schema(pq.read_table(path / "buffer.parquet"))
             for batch_id in set(table.column("batch_id").to_pylist()):
                 tables[batch_id] = table.filter(pc.equal(table.column("batch_id"), batch_id))
         for e in state["entries"]:
@@ -306,6 +306,15 @@ class Controller(Actor):
                               target=e["target"])
             else:
                 self._relaunch_at_start.append(e["batch_id"])
+
+
+def in_trajectory_schema(table: pa.Table) -> pa.Table:
+    """A buffer an earlier release checkpointed lacks the columns added since
+    (transcript): null there, as a single-turn row's is."""
+    for field in TRAJECTORY_SCHEMA:
+        if field.name not in table.column_names:
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    return table.select(TRAJECTORY_SCHEMA.names).cast(TRAJECTORY_SCHEMA)
 
 
 def _jsonable(state):
