@@ -75,6 +75,23 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tool_model(tiny_model, tmp_path_factory):
+    """The tiny model warmed up on the calculator's call format, by the Makefile's
+    command for models/tiny_tool, once per session."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path_factory.mktemp("models") / "tiny_tool"
+    run = subprocess.run([sys.executable, "-m", "pipeline", "warmup", "--model", str(tiny_model),
+                          "--env", "pipeline.envs.calculator:CalculatorEnv", "--data", "data/tool_train.jsonl",
+                          "--val", "data/tool_val.jsonl", "--out", str(out), "--seed", "0"],
+                         cwd=root, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
 def pytest_sessionfinish(session, exitstatus):
     import ray
     if ray.is_initialized():

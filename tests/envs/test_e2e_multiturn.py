@@ -24,15 +24,6 @@ pytestmark = pytest.mark.real
 REWARD_RISE = 0.15
 
 
-@pytest.fixture(scope="module")
-def tool_model(tiny_model, tmp_path_factory):
-    from pipeline.trainer.warmup import warmup
-    out = tmp_path_factory.mktemp("models") / "tiny_tool"
-    warmup(tiny_model, "pipeline.envs.calculator:CalculatorEnv", "data/tool_train.jsonl", out,
-           val="data/tool_val.jsonl", seed=0)
-    return out
-
-
 @pytest.mark.parametrize("recipe", ["tiny_tool_grpo", "tiny_tool_ppo"])
 def test_the_tool_recipes_learn_to_call_the_tool(tmp_path, ray_session, tool_model, recipe):
     cfg = load_config(f"examples/{recipe}.yaml", [

@@ -120,13 +120,18 @@ def test_the_tiny_reward_model_make_builds_has_the_pinned_digest(tmp_path):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("task", sorted(WARMUP_MODELS))
-def test_the_warmed_up_models_make_builds_have_the_pinned_digest(tmp_path, task):
-    from pipeline.inputs.tiny import build_tiny_model, model_digest
-    env_class, digest = WARMUP_MODELS[task]
-    out = tmp_path / f"tiny_{task}"
-    # The Makefile's command for models/tiny_{task}.
-    _pipeline("warmup", "--model", str(build_tiny_model(tmp_path / "tiny")), "--env", env_class,
-              "--data", str(ROOT / "data" / f"{task}_train.jsonl"), "--val", str(ROOT / "data" / f"{task}_val.jsonl"),
-              "--out", str(out), "--seed", "0")
+def test_the_warmed_up_tool_model_make_builds_has_the_pinned_digest(tool_model):
+    """tests/conftest.py builds it with the Makefile's command; the multi-turn tests train it."""
+    from pipeline.inputs.tiny import model_digest
+    assert model_digest(tool_model) == WARMUP_MODELS["tool"][1]
+
+
+@pytest.mark.real
+def test_the_warmed_up_game_model_make_builds_has_the_pinned_digest(tmp_path, tiny_model):
+    from pipeline.inputs.tiny import model_digest
+    env_class, digest = WARMUP_MODELS["game"]
+    out = tmp_path / "tiny_game"
+    # The Makefile's command for models/tiny_game.
+    _pipeline("warmup", "--model", str(tiny_model), "--env", env_class, "--data", "data/game_train.jsonl",
+              "--val", "data/game_val.jsonl", "--out", str(out), "--seed", "0")
     assert model_digest(out) == digest

@@ -20,6 +20,7 @@ import pytest
 pytestmark = pytest.mark.real
 
 STEPS = 30
+RESUME_AT = 20  # the last checkpoint before the end; the resumed run redoes the steps after it
 
 
 def rewards(run_dir) -> dict[int, float]:
@@ -29,7 +30,7 @@ def rewards(run_dir) -> dict[int, float]:
 
 def test_lora_learns_syncs_the_adapter_and_resumes_from_it(tmp_path, ray_session, tiny_model):
     overrides = [f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=lora", f"run.steps={STEPS}",
-                 f"run.checkpoint_every={STEPS // 2}", "run.dag_mode=classic", "generation.weight_sync=collective"]
+                 f"run.checkpoint_every={RESUME_AT}", "run.dag_mode=classic", "generation.weight_sync=collective"]
     summary = train(load_config("examples/tiny_grpo_lora.yaml", overrides), quiet=True)
     run_dir = tmp_path / "lora"
     violations = check_events(load_events(run_dir))
@@ -59,12 +60,12 @@ def test_lora_learns_syncs_the_adapter_and_resumes_from_it(tmp_path, ray_session
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
 
-    # Resume from the half-way checkpoint (as if the run had died after it): the adapter,
+    # Resume from the checkpoint before the last (as if the run had died after it): the adapter,
     # its optimizer state and the data position come back, and the curve goes on as it went.
     shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS}")
     summary = train(load_config("examples/tiny_grpo_lora.yaml", overrides), quiet=True, restore_from=str(run_dir))
     assert summary["error"] is None
     resumed = rewards(run_dir)
-    assert {s: resumed[s] for s in range(STEPS // 2, STEPS)} == {s: first[s] for s in range(STEPS // 2, STEPS)}
+    assert {s: resumed[s] for s in range(RESUME_AT, STEPS)} == {s: first[s] for s in range(RESUME_AT, STEPS)}
     violations = check_events(load_events(run_dir))
     assert violations == [], "\n".join(v.message for v in violations)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.config import load_config
+from pipeline.run.driver import train
 from pipeline.run.reaper import MARK
 from tests.support._procs import ROOT, sigkill_tree, start_driver, steps_logged, wait_for
 
@@ -54,7 +56,8 @@ def _no_ray_left_within(driver_pid: int, seconds: float) -> list[str]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM])
-def test_a_signal_checkpoints_the_last_step_and_the_resumed_run_is_the_unstopped_one(tmp_path, signum):
+def test_a_signal_checkpoints_the_last_step_and_the_resumed_run_is_the_unstopped_one(tmp_path, signum,
+                                                                                      ray_session):
     steps = 10
     run_dir = tmp_path / "stopped"
     log = tmp_path / "stopped.log"
@@ -85,11 +88,8 @@ def test_a_signal_checkpoints_the_last_step_and_the_resumed_run_is_the_unstopped
                              cwd=ROOT, capture_output=True, text=True, timeout=300,
                              env={**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    whole = subprocess.run([sys.executable, "-m", "pipeline", "train",
-                            *_sim_run(tmp_path, "whole", f"run.steps={steps}", "run.checkpoint_every=0")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"})
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    whole = _sim_run(tmp_path, "whole", f"run.steps={steps}", "run.checkpoint_every=0")
+    assert train(load_config(whole[1], whole[2:]), quiet=True)["error"] is None
     assert _curve(run_dir) == _curve(tmp_path / "whole")
 
 
