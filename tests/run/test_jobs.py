@@ -334,9 +334,47 @@ def test_submit_real_stack_run(cluster, tmp_path):
     print(f"real-stack job: {elapsed:.1f} s from submit to exit")
     assert "succeeded" in output
     # Not a terminal: the progress display prints one plain line per step.
-    assert f"step {steps}/{steps} reward=" in output, output[-3000:]
+    assert f"step {steps - 1} ({steps} of {steps} done) reward=" in output, output[-3000:]
     run_dir = tmp_path / "real_job"
     check_job(cluster, "dagrl-real", run_dir, steps, min_actors=3)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["generation_backend"] == "vllm" and summary["training_backend"] == "deepspeed"
     assert Path(summary["checkpoint"]).is_dir() and Path(summary["checkpoint"]).parent == run_dir / "checkpoints"
+
+
+@pytest.mark.timeout(START_DEADLINE_S + 300)
+def test_ray_job_stop_stops_a_run_as_sigterm_does(cluster, tmp_path):
+    """`ray job stop` sends the driver SIGTERM, then SIGKILL after
+    RAY_JOB_STOP_WAIT_TIME_S: given the time, the run checkpoints its last step
+    and says how to resume, as a SIGTERM on a laptop does (docs/checkpoints-and-faults.md)."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+    run_dir = tmp_path / "stopped_job"
+    runtime_env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", cluster.url, "--submission-id", "dagrl-stop",
+           "--working-dir", ".", "--runtime-env-json", runtime_env, "--no-wait", "--", "python", "-m", "pipeline",
+           "train", "--config", "examples/sim_grpo.yaml", "run.steps=500", "run.checkpoint_every=0",
+           f"run.output_dir={tmp_path}", "run.name=stopped_job", "metrics.progress=false"]
+    proc = subprocess.run(cmd, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    client = JobSubmissionClient(cluster.url, headers=cluster.headers)
+    end = time.monotonic() + 240
+    while _steps_done(run_dir) < 3:
+        status = client.get_job_status("dagrl-stop")
+        assert status == JobStatus.RUNNING or status == JobStatus.PENDING, client.get_job_logs("dagrl-stop")[-3000:]
+        assert time.monotonic() < end, "the job did not reach step 3"
+        time.sleep(0.5)  # polling another process's files, with a deadline
+    stop = subprocess.run([str(BIN / "ray"), "job", "stop", "--address", cluster.url, "dagrl-stop"], cwd=REPO,
+                          env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert client.get_job_status("dagrl-stop") == JobStatus.STOPPED
+    summary = json.loads((run_dir / "summary.json").read_text())
+    done = summary["steps"]
+    assert summary["stopped_by"] == "SIGTERM" and done >= 3, summary
+    assert (run_dir / "checkpoints" / f"step_{done}" / "meta.json").is_file()
+    logs = client.get_job_logs("dagrl-stop")
+    assert f"resume with: python -m pipeline train --resume {run_dir}" in logs, logs[-3000:]
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if '"step": -1' not in line) if path.is_file() else 0
