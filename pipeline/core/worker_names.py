@@ -1,9 +1,11 @@
 """Every worker's name: in its event log's file name and `worker` field, its
-clock lane, metrics and errors, and the checker's reading of them.
+clock lane, metrics and errors, and the checker's reading of them. One rule:
+the role, its index where there are several, and `_r<k>` for the k-th
+replacement of a worker that died.
 
     driver, controller                 one of each
     trainer, critic                    alone; trainer0, trainer1, ... with several ranks
-    gen0, gen1, ...                    generators; gen0r1 is gen0's first replacement
+    gen0, gen1, ...                    generators; gen0_r1 is gen0's first replacement
     reward_model, reward_model_r1      the reward model; _r1 after Ray's first restart
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ def first_rank_names(role: str) -> tuple[str, str]:
 
 def generator_name(index: int, incarnation: int = 0) -> str:
     """Generator `index`, or its `incarnation`-th replacement."""
-    return f"{GENERATOR}{index}" + (f"r{incarnation}" if incarnation else "")
+    return f"{GENERATOR}{index}" + (f"_r{incarnation}" if incarnation else "")
 
 
 def reward_model_name(incarnation: int = 0) -> str:

@@ -70,18 +70,18 @@ def test_a_restart_is_told_on_the_console(tmp_path, ray_session, capsys):
     died = [line for line in out.splitlines() if "generator gen1 died" in line]
     assert len(died) == 1 and "starting restart 1 of 2" in died[0], out
     step = died[0].split("step ")[1].split(":")[0]
-    assert (f"dagrl: step {step}: gen1r1 replaced gen1 and relaunched {len(relaunched)} unfinished batches "
+    assert (f"dagrl: step {step}: gen1_r1 replaced gen1 and relaunched {len(relaunched)} unfinished batches "
             f"{relaunched}; the step goes on") in out, out
 
 
 def test_restarts_exhausted_stops_naming_the_worker(tmp_path, ray_session):
     cfg = sim_config(tmp_path, "x", run__steps=8, generation__num_generators=2, inject__fault="generate_exit",
                      inject__after=1, inject__worker=1, inject__incarnations=9, fault__max_restarts=1)
-    with pytest.raises(PipelineError, match=r"worker gen1r1 died.*fault.max_restarts is 1"):
+    with pytest.raises(PipelineError, match=r"worker gen1_r1 died.*fault.max_restarts is 1"):
         train(cfg, quiet=True)
     events = load_events(tmp_path / "x")
     deaths = [e for e in events if e["ev"] == "generator_died"]
-    assert [e["dead"] for e in deaths] == ["gen1", "gen1r1"]
+    assert [e["dead"] for e in deaths] == ["gen1", "gen1_r1"]
     # The error follows the second death within the fault deadline (pings every second).
     end = next(e for e in events if e["ev"] == "run_end")
     assert end["t"] - deaths[-1]["t"] < cfg.run.deadline_s

@@ -35,7 +35,7 @@ def test_generator_kill_then_driver_kill_then_resume(tmp_path, tiny_model):
         sigkill_tree(proc)
     first = load_events(run_dir)  # per-worker files: the killed driver never merged them
     assert [e["dead"] for e in first if e["ev"] == "generator_died"] == ["gen0"]
-    assert [e["new"] for e in first if e["ev"] == "generator_restarted"] == ["gen0r1"]
+    assert [e["new"] for e in first if e["ev"] == "generator_restarted"] == ["gen0_r1"]
     assert check_events(first) == []  # an unfinished log: nothing counted as lost, nothing wrong
 
     done = subprocess.run([sys.executable, "-m", "pipeline", "train", *args, "--resume", str(run_dir)],

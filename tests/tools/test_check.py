@@ -185,7 +185,7 @@ def test_a_dead_workers_events_are_before_its_death():
         return {"t": t, "ev": kind, "step": 0, "version": 0, "worker": worker, **extra, "lane": lane, "vc": vc}
     rs = e(1.0, "rollout_start", "gen0", "gen0/rollouts", {"gen0/rollouts": 1}, batch="b")
     died = e(2.0, "generator_died", "driver", "driver", {"driver": 1}, dead="gen0")
-    vs = e(3.0, "validation_start", "gen0r1", "gen0r1/validate", {"driver": 1, "gen0r1/validate": 1})
+    vs = e(3.0, "validation_start", "gen0_r1", "gen0_r1/validate", {"driver": 1, "gen0_r1/validate": 1})
     assert Judge([rs, died, vs]).before(rs, vs) and not Judge([rs, vs]).before(rs, vs)
     assert not Judge([rs, died, vs]).before(vs, rs)
 
