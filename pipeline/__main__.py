@@ -58,7 +58,8 @@ def _config_table(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser; each subcommand's `func` runs it."""
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run a training job from a YAML recipe")
@@ -97,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_export)
     p = sub.add_parser("config-table", help="print every config key with its default as a Markdown table")
     p.set_defaults(func=_config_table)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from pipeline.config import ConfigError
     from pipeline.run.runner import PipelineError
     try:
