@@ -3,7 +3,7 @@ the repository shipped with `--working-dir .`, a short real-stack run
 (vLLM-CPU + DeepSpeed-CPU) checked from its run files and from the cluster's
 own record of the job.
 
-Token authentication is on, as the README's cluster recipe has it: a fresh
+Token authentication is on, as docs/clusters.md's recipe has it: a fresh
 random token per test session, in a token file in the cluster's temp dir,
 reaches `ray start` and every authorized `ray job submit` through
 RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH. One test checks that a
