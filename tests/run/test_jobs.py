@@ -335,6 +335,8 @@ def test_submit_real_stack_run(cluster, tmp_path):
     assert "succeeded" in output
     # Not a terminal: the progress display prints one plain line per step.
     assert f"step {steps}/{steps} reward=" in output, output[-3000:]
+    # The workers' lines reach the job's log; vLLM's INFO line at every refit must not (pipeline/core/vllm_env.py).
+    assert "reset prefix cache" not in output, output[-3000:]
     run_dir = tmp_path / "real_job"
     check_job(cluster, "dagrl-real", run_dir, steps, min_actors=3)
     summary = json.loads((run_dir / "summary.json").read_text())
