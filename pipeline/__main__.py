@@ -68,10 +68,11 @@ def _config_table(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser; each subcommand's `func` runs it."""
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    train_parser = p = sub.add_parser("train", help="run a training job from a YAML recipe")
+    p = sub.add_parser("train", help="run a training job from a YAML recipe")
     p.add_argument("--config", default=None, help="YAML recipe, e.g. examples/sim_grpo.yaml; with --resume, "
                    "default: the run's own config.yaml")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
@@ -117,12 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_export)
     p = sub.add_parser("config-table", help="print every config key with its default as a Markdown table")
     p.set_defaults(func=_config_table)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "train" and args.resume is None:
         if args.config is None:
-            train_parser.error("--config is required unless --resume names a run directory")
+            parser.error("--config is required unless --resume names a run directory")
         if args.allow_change:
-            train_parser.error("--allow-change applies to --resume only")
+            parser.error("--allow-change applies to --resume only")
     from pipeline.config import ConfigError
     from pipeline.run.runner import PipelineError
     from pipeline.run.stopping import Stopped, StopNow

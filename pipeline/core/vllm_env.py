@@ -1,10 +1,14 @@
 """What every in-process vLLM engine of a run needs (a generator's, a judge's):
-its process's environment, set before vllm is imported, and the KV cache's
-size on a CPU, which vLLM would otherwise make 4 GiB, allocated and zeroed at
-start-up."""
+its process's environment, set before vllm is imported, its logging, and the
+KV cache's size on a CPU, which vLLM would otherwise make 4 GiB, allocated and
+zeroed at start-up."""
 from __future__ import annotations
 
+import logging
 import os
+
+# vLLM's loggers that log INFO at every refit: a line per generator per step in a job's log.
+PER_REFIT_LOGGERS = ("vllm.v1.core.block_pool",)  # "Successfully reset prefix cache"
 
 
 def set_vllm_environment() -> None:
@@ -20,6 +24,23 @@ def set_vllm_environment() -> None:
     # own cache kept 1024 more, so a generator grew for as long as new sizes came.
     # With 64 the bound is reached at start-up (VllmGenerationEngine._probe).
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    quiet_per_refit_logs()
+
+
+class _WarningsAndErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+def quiet_per_refit_logs() -> None:
+    """Keep the INFO lines vLLM logs at every refit out of the logs, and its
+    warnings and errors in. A filter, not a level: vLLM's logging setup
+    (dictConfig, run again by an engine's start) resets the levels of the
+    loggers under `vllm`, never their filters."""
+    for name in PER_REFIT_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _WarningsAndErrors) for f in logger.filters):
+            logger.addFilter(_WarningsAndErrors())
 
 
 def kv_cache_bytes(config: dict, max_model_len: int, seqs: int, dtype: str) -> int:

@@ -11,6 +11,7 @@ runs both.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 # Every file of a tokenizer that transformers may write: one of them marks a
@@ -48,6 +49,18 @@ def _weight_files(p: Path) -> list[Path]:
     return sorted([*p.glob("*.safetensors"), *p.glob("pytorch_model*.bin")])
 
 
+def _how_to_build(p: Path) -> str:
+    """How to build a missing model directory that the working directory's
+    Makefile builds (the tiny models under models/), else ''."""
+    makefile, cwd = Path("Makefile"), Path.cwd().resolve()
+    if not makefile.is_file() or not p.resolve().is_relative_to(cwd):
+        return ""
+    target = f"{p.resolve().relative_to(cwd).as_posix()}/config.json"
+    if not re.search(rf"^{re.escape(target)}\s*:", makefile.read_text(), re.M):
+        return ""
+    return f"; build it with `make {target}`"
+
+
 def check_model_files(path: str | Path, *, own_tokenizer: bool = True) -> Path:
     """The quick part of check_model_dir: the directory, its files, the
     weights' headers and config.json's JSON.
@@ -60,7 +73,7 @@ def check_model_files(path: str | Path, *, own_tokenizer: bool = True) -> Path:
     if not p.exists():
         # Relative paths are read from the working directory, not from the recipe's.
         cwd = "" if p.is_absolute() else f" (relative to the working directory {str(Path.cwd())!r})"
-        raise ModelError(f"model directory {str(p)!r} does not exist{cwd}")
+        raise ModelError(f"model directory {str(p)!r} does not exist{cwd}{_how_to_build(p)}")
     if not p.is_dir():
         raise ModelError(f"model directory {str(p)!r} is not a directory")
     missing = []

