@@ -13,7 +13,7 @@ as can be told without running a job:
 
 A code block a reader must edit before it runs has `<!-- not checked: why -->`
 on the line above it, and footnotes quote other projects' settings: both are
-reported as skips with their reason, never left out silently."""
+listed one by one with their reason (NOT_CHECKED), never left out silently."""
 from __future__ import annotations
 
 import contextlib
@@ -201,6 +201,11 @@ def problem(example: Example, tmp: Path) -> str:
 
 
 EXAMPLES = [e for page in PAGES for e in examples(page)]
+_QUOTED = "a footnote quotes another project's settings"
+NOT_CHECKED = [("docs/your-model-and-data.md", "actor.optim.lr=1e-6", _QUOTED),
+               ("docs/your-model-and-data.md", "data.train_batch_size=1024", _QUOTED),
+               ("docs/your-model-and-data.md", "rollout.n=5", _QUOTED),
+               ("docs/your-model-and-data.md", "rollout.n=5", _QUOTED)]
 
 
 def test_the_pages_have_examples_of_every_kind():
@@ -244,9 +249,12 @@ def test_a_fragment_loads_over_its_recipe_and_a_span_may_name_a_subcommand(tmp_p
     assert "required" in command_problem("python -m pipeline export")
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: f"{e.id}:{e.kind}")
+def test_the_examples_not_checked_are_these():
+    """Each with its reason, by page and text: a new one is a decision, not a default."""
+    assert sorted((e.id.split(":")[0], e.text, e.skip) for e in EXAMPLES if e.skip) == NOT_CHECKED
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if not e.skip], ids=lambda e: f"{e.id}:{e.kind}")
 def test_every_example_works_as_written(example, tmp_path):
-    if example.skip:
-        pytest.skip(f"{example.id}: {example.skip}")
     why = problem(example, tmp_path)
     assert not why, f"{example.id}: {example.text!r}: {why}"
