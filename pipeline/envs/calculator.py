@@ -32,21 +32,15 @@ plus a fixed word, never arithmetic. A call is at most 10 tokens plus </s>
 and an answer 7 plus </s>, under generation.max_new_tokens 16 (numbers
 split unevenly: " 12" is one token, " 17" two, " 7" two).
 
-Why operands 0..99, not 0..9: with 100 problems the 256 training rows cover
-them all, and supervised warm-up's greedy reward jumps from 0.28 to 1.0
-within 25 steps (lr 3e-3, steps 75-100): nothing in between is a stable
-starting point. With 10,000, validation problems are mostly unseen, and the
-reward is how well copying generalises: a warm-up on 64 problems plateaus
-at 0.41-0.50 greedy, on all 256 near 0.8-0.97 (pipeline/trainer/warmup.py).
+Why operands 0..99, not 0..9 or 0..9999: with 100 problems the training rows
+cover them all, so a supervised warm-up reaches the format at once and the
+reward measures the format, not how far copying generalises to unseen sums.
 
 What RL learns here is to use the tool: the warm-up (warmup_action)
-demonstrates the format on all training prompts, but half of its episodes
-answer at once with a guess. Measured (800 steps, lr 2e-3, seed 0): greedy
-validation 0.25, sampled 0.22, 98 % of sampled episodes well formed; GRPO
-(examples/tiny_tool_grpo.yaml, lr 5e-4) then took greedy validation to
-0.56-0.625 in 60 steps (seeds 0-2). Left to imitate a perfect expert on few
-prompts instead, the warm-up leaves only copying errors, and RL barely moved
-them (0.56 -> 0.45 sampled over 40 steps, lr 2e-4).
+demonstrates the format on every training prompt, but half of its episodes
+answer at once with a guess, which RL then unlearns (the warm-up's and the
+recipes' curves: benchmarks/tool_seeds.py, docs/results.md). A warm-up that
+imitates a perfect expert leaves only copying errors, which RL barely moves.
 """
 from __future__ import annotations
 
@@ -76,7 +70,7 @@ class CalculatorEnv:
     """One episode of the calculator task; see the module docstring for the rules."""
 
     # `python -m pipeline warmup`'s defaults for this env: every training prompt,
-    # warmup_action's transcripts (measured in the module docstring).
+    # warmup_action's transcripts (the module docstring says why).
     warmup_steps = 800
     warmup_prompts = None
 
