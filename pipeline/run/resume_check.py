@@ -24,7 +24,7 @@ from pipeline.config import MOVED, YAML_NAMES, Config, ConfigError, load_config
 SAFE_TO_CHANGE = frozenset({
     "run.name", "run.output_dir",  # the run directory is --resume's argument
     "run.steps", "run.deadline_s", "run.startup_deadline_s", "run.dag_mode", "run.ray_address", "run.num_cpus",
-    "run.checkpoint_every",
+    "run.checkpoint_every", "run.stop_grace_s",
     "validation.period", "validation.at_start", "validation.at_end",
     "generation.sync_bucket_mb",
     "env.actors", "env.worker_cpus", "env.threads", "env.step_timeout_s",
