@@ -191,8 +191,9 @@ def trainer_efficiency(r: dict) -> str:
 def soak(r: dict) -> str:
     p, t = r["params"], r["totals"]
     walls = [x["wall_s"] for x in r["runs"]]
-    head = (f"{p['schedules']} schedules of {p['steps']} steps, seed {p['seed']}, fault kinds "
-            f"{', '.join(sorted({x['fault'] for x in r['runs']}))}. {machine(r)}\n\n"
+    kinds = sorted({f"{x['fault']} ({x['phase']})" if x["phase"] != "-" else x["fault"] for x in r["runs"]})
+    head = (f"{p['schedules']} schedules of {p['steps']} steps per seed, seeds "
+            f"{', '.join(str(seed) for seed in p['seeds'])}; faults by phase: {', '.join(kinds)}. {machine(r)}\n\n"
             f"A schedule took {min(walls):.0f}-{max(walls):.0f} s (median {statistics.median(walls):.0f} s), "
             f"{sum(walls):.0f} s in all.\n\n")
     rows = [[k.replace("_", " "), v] for k, v in t.items()]
