@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -248,14 +249,17 @@ def test_worker_exception_names_node_worker_and_step(tmp_path, ray_session, faul
     msg = str(err.value)
     assert f"node {node!r}" in msg and "injected fault" in msg and "at step" in msg
     summary = json.loads((tmp_path / f"fault_{fault}" / "summary.json").read_text())
-    assert summary["error"] == msg
+    # The same, and what to do next: no checkpoint was written before step 2.
+    assert summary["error"] == (f"{msg}; no checkpoint was written: start the run again "
+                                "(run.checkpoint_every writes them)")
 
 
 @pytest.mark.parametrize("mode", ["classic", "compiled"])
 def test_stuck_worker_becomes_an_error_within_the_deadline(tmp_path, ray_session, mode):
     cfg = sim_config(tmp_path, f"hang_{mode}", run__steps=6, run__deadline_s=3, run__dag_mode=mode,
                      inject__fault="train_hang", inject__after=1, sim__generate_s=0.0, sim__train_s=0.0)
+    started = time.monotonic()
     with pytest.raises(PipelineError, match=r"step 1: node train on worker trainer did not finish within 3 s"):
         train(cfg, quiet=True)
     summary = json.loads((tmp_path / f"hang_{mode}" / "summary.json").read_text())
-    assert summary["steps"] == 1 and summary["wall_s"] < 60
+    assert summary["steps"] == 1 and time.monotonic() - started < 60
