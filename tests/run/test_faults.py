@@ -57,7 +57,7 @@ def test_generator_dies_mid_rollout_and_is_replaced(tmp_path_factory, ray_sessio
     # The dead generator's unfinished batches restarted on its replacement with the same ids.
     relaunched = {e["batch"] for e in events if e["ev"] == "relaunch"}
     assert relaunched and all(b.endswith(f".g{worker}") for b in relaunched)
-    assert {e["batch"] for e in events if e["ev"] == "rollout_start" and e["worker"] == f"gen{worker}r1"} >= relaunched
+    assert {e["batch"] for e in events if e["ev"] == "rollout_start" and e["worker"] == f"gen{worker}_r1"} >= relaunched
 
 
 def test_a_restart_is_told_on_the_console(tmp_path, ray_session, capsys):
