@@ -48,14 +48,30 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+_SUITE_RAY: dict[str, str] = {}
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    _SUITE_RAY["node"] = ray.get_runtime_context().get_node_id()
     try:
         yield ray
     finally:
+        _SUITE_RAY.clear()
         ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _the_suites_ray_stays_up():
+    """A test that shuts the suite's Ray down (a real ray.shutdown in a unit test)
+    fails itself, not every later test on the session's actors."""
+    yield
+    if _SUITE_RAY:
+        import ray
+        assert ray.is_initialized() and ray.get_runtime_context().get_node_id() == _SUITE_RAY["node"], \
+            "this test shut down or replaced the suite's Ray, which later tests' actors live in"
 
 
 @pytest.fixture(scope="session")

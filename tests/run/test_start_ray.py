@@ -18,6 +18,8 @@ def calls(monkeypatch):
     seen: list[dict] = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.append(kw))
+    # Not the suite's own Ray, which later tests in this process use.
+    monkeypatch.setattr(ray, "shutdown", lambda: seen.append({"shutdown": True}))
     return seen
 
 
@@ -25,14 +27,15 @@ def test_without_an_address_the_run_starts_a_local_cluster_of_its_own(monkeypatc
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     stop = startup.start_ray(load_config("examples/sim_grpo.yaml"))
     stop()
-    (kw,) = calls
-    assert kw["address"] == "local" and kw["num_cpus"] >= 1
+    kw, stopped = calls
+    assert kw["address"] == "local" and kw["num_cpus"] >= 1 and stopped == {"shutdown": True}
 
 
 def test_an_address_given_is_joined_as_it_is(monkeypatch, calls):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert startup.start_ray(load_config("examples/sim_grpo.yaml")) is ray.shutdown
-    (kw,) = calls
+    startup.start_ray(load_config("examples/sim_grpo.yaml"))()
+    kw, stopped = calls
+    assert stopped == {"shutdown": True}
     assert kw["address"] == "10.0.0.1:6379" and "num_cpus" not in kw
 
 
