@@ -129,6 +129,7 @@ class Run:
         """Before Ray: a resume its checkpoint cannot continue is refused at no cost, its run directory untouched."""
         self.inputs = data_digests(self.cfg)
         self.ckpt, self.start_step, self.resume_changes = None, 0, []
+        self.checkpointed = 0  # steps done at the newest checkpoint this attempt wrote
         if restore_from is not None:
             self.ckpt = checkpoint.latest(Path(restore_from))
             self.start_step, self.resume_changes = checkpoint.read_meta(self.ckpt, self.cfg, allow_change, self.inputs)
@@ -222,14 +223,15 @@ class Run:
         cfg = self.cfg
         self.summary["checkpoint"] = str(checkpoint.save(self.execution.workers, self.run_dir, steps_done, cfg,
                                                          cfg.run.startup_deadline_s, inputs=self.inputs))
+        self.checkpointed = steps_done
 
     def stop_on(self, signum: int) -> None:
         """A signal asked for a stop: the last finished step checkpointed, unless
         it is already, then Stopped with the command that resumes the run."""
         done = self.summary["steps"]
-        if done > self.start_step and not self.summary.get("checkpoint", "").endswith(f"step_{done}"):
+        if done > self.start_step and self.checkpointed != done:
             self._checkpoint(done)
-        self.summary["stopped_by"] = name = signal.Signals(signum).name
+        name = signal.Signals(signum).name
         if done == 0:
             raise Stopped(f"stopped by {name} before the first step; nothing to resume, start the run again", signum)
         raise Stopped(f"stopped by {name} after {done} of {self.cfg.run.steps} steps, checkpoint "
@@ -258,19 +260,21 @@ class Run:
         workers = self.execution.workers if self.execution is not None else self.workers
         if self.own_workers and failed:
             stop_workers(workers)  # before teardown: a stuck actor would hold a compiled teardown up
-        if self.execution is not None:
-            self.execution.close(self.external_runner, failed)
-        if not failed:
-            end_run(workers, self.cfg.run.deadline_s)
-        if self.own_workers and not failed:
-            stop_workers(workers)
+        try:
+            if self.execution is not None:
+                self.execution.close(self.external_runner, failed)
+            if not failed:
+                end_run(workers, self.cfg.run.deadline_s)
+        finally:
+            if self.own_workers and not failed:
+                stop_workers(workers)  # whatever the closing above raised: no actor outlives its run
         return False
 
     def _note_error(self, exc_type, exc, tb) -> bool:
         """An error after the run directory exists: what to do next goes with it."""
         if exc is None:
             return False
-        if isinstance(exc, StopNow):
+        if isinstance(exc, (Stopped, StopNow)):
             self.summary["stopped_by"] = exc.signal
         if not isinstance(exc, Stopped):
             exc.add_note(resume_hint(self.run_dir))
