@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from pipeline.config.load import MOVED, load_config
 from pipeline.config.sections import (
-    YAML_NAMES, Config, ConfigError, DataConfig, EnvConfig, FaultConfig, GenerationConfig, InjectConfig,
+    YAML_NAMES, AgentConfig, Config, ConfigError, DataConfig, EnvConfig, FaultConfig, GenerationConfig, InjectConfig,
     LoraConfig, MetricsConfig, ModelConfig, PolicyLossConfig, PpoConfig, ResourcesConfig, RoleResources, RunConfig,
     ScheduleConfig, SimConfig, TrainingConfig, ValidationConfig,
 )
 
 __all__ = [
-    "MOVED", "YAML_NAMES", "Config", "ConfigError", "DataConfig", "EnvConfig", "FaultConfig", "GenerationConfig",
+    "MOVED", "YAML_NAMES", "AgentConfig", "Config", "ConfigError", "DataConfig", "EnvConfig", "FaultConfig", "GenerationConfig",
     "InjectConfig", "LoraConfig", "MetricsConfig", "ModelConfig", "PolicyLossConfig", "PpoConfig", "ResourcesConfig",
     "RoleResources", "RunConfig", "ScheduleConfig", "SimConfig", "TrainingConfig", "ValidationConfig",
     "load_config",

@@ -22,7 +22,8 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
     env = cfg.env
     if cfg.backend == "real":
         needed = [("model.path", cfg.model.path), ("data.train", cfg.data.train)]
-        if not env.class_ and not cfg.reward_model.kind:  # an environment, or a reward model, scores the samples
+        # An environment, an agent or a reward model scores the samples.
+        if not env.class_ and not cfg.agent.function and not cfg.reward_model.kind:
             needed.append(("data.reward", cfg.data.reward))
         for key, value in needed:
             if not value:
@@ -64,8 +65,9 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         if cfg.algorithm == "ppo":
             raise fail(key, "shapes the outcome rewards of the critic-free algorithms; with ppo the critic's "
                        "GAE reads the environment's token rewards, which it does not change")
-        if env.class_:
-            raise fail(key, "needs single-turn samples: a multi-turn sample has a limit per turn (env.class is set)")
+        if env.class_ or cfg.agent.function:
+            raise fail(key, "needs single-turn samples: a multi-turn sample has a limit per turn ("
+                       f"{'env.class' if env.class_ else 'agent.function'} is set)")
         if o.buffer >= g.max_new_tokens:
             raise fail("overlong.buffer", f"{o.buffer} must be below generation.max_new_tokens "
                        f"({g.max_new_tokens}): the penalty starts buffer tokens before the limit")
@@ -109,6 +111,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
                                     ("env.args", env.args, {})):
             if value != default:
                 raise fail(key, f"{value!r} needs an environment; set env.class (module:Class)")
+    _check_agent(cfg, fail)
     _check_reward_model(cfg, fail)
     if v.reward and (cfg.backend != "real" or env.class_):
         raise fail("validation.reward", "scores single-turn validations on the real stack; " + (
@@ -127,6 +130,25 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         raise fail("run.name", f"{name!r} must be a non-empty name without '/' or '\\', "
                    "other than '.' and '..'")
     return cfg
+
+
+def _check_agent(cfg: Config, fail) -> None:
+    agent = cfg.agent
+    if not agent.function:
+        for key, value, default in (("agent.tool_parser", agent.tool_parser, ""),):
+            if value != default:
+                raise fail(key, f"{value!r} needs an agent; set agent.function (module:function)")
+        return
+    if cfg.env.class_:
+        raise fail("agent.function", f"{agent.function!r} and env.class {cfg.env.class_!r} both drive the samples; "
+                   "set one")
+    from pipeline.agents.contract import AgentError, load_agent_function
+    try:
+        load_agent_function(agent.function)
+    except AgentError as exc:
+        raise fail("agent.function", str(exc)) from None
+    if agent.tool_parser and cfg.backend != "real":
+        raise fail("agent.tool_parser", f"{agent.tool_parser!r} reads a model's text; backend 'sim' has none")
 
 
 def _check_reward_model(cfg: Config, fail) -> None:

@@ -326,6 +326,19 @@ class EnvConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """Agents through the OpenAI-compatible gateway (docs/agents.md): without a
+    function, samples are single-turn or env.class episodes."""
+    function: str = _key("", "agent as module:function, called as function(client, prompt) for every sample with "
+                         "an openai client bound to the sample's session; empty: no agent")
+    tool_parser: str = _key("", "vLLM tool parser that turns the model's text into message.tool_calls (e.g. "
+                            "pythonic); empty: the text is the message's content")
+    timeout_s: float = _key(300.0, "longest an agent may run for one sample; a slower one fails its sample", gt=0)
+    threads: int = _key(256, "agents written as plain def: how many run at once in a generator (one thread each)",
+                        ge=1)
+
+
+@dataclass(frozen=True)
 class InjectConfig:
     """Fault injection for the recovery tests and the soak, on the simulated
     workers (backend sim) only; no user's setting, so the README's table leaves
@@ -373,6 +386,7 @@ class Config:
     resources: ResourcesConfig = ResourcesConfig()
     metrics: MetricsConfig = MetricsConfig()
     env: EnvConfig = EnvConfig()
+    agent: AgentConfig = AgentConfig()
     # Last, and out of the README's table (metadata "test_only"): the recovery tests' switches.
     inject: InjectConfig = field(default=InjectConfig(), metadata={"test_only": True})
 

@@ -108,6 +108,15 @@ def sample_seeds(run_seed: int, batch_id: str, prompts: list[Prompt], n: int) ->
     return [[seed(i, p, j) for j in range(n)] for i, p in enumerate(prompts)]
 
 
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The sampler seed of a sample's `turn`: the sample's own for the first,
+    a hash of it after (vLLM would make seed + 1 the next request's stream)."""
+    if seed is None or turn == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}|turn{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class GenerationEngine(Protocol):
     """Driven a step at a time by the generator's engine loop
     (pipeline/generator/engine_loop.py): requests are added whenever, each step

@@ -12,6 +12,9 @@ send commands):
     env        an environment's answer for a multi-turn sample (posted by the
                environment's thread or worker, pipeline/generator/episodes.py):
                its next turn is added, or the sample is complete
+    chat       an agent's request from the gateway (pipeline/agents/gateway.py):
+               its turn is added to its session's context, answered when decoded
+    agent_end  an agent returned or raised (pipeline/agents/runner.py): its sample is complete
 
 Between commands the loop steps the engine while it has requests, so batches
 of several collects decode together and a load lands between two steps with
@@ -89,10 +92,11 @@ class EngineLoop:
     the loop's thread, on its lane."""
 
     def __init__(self, engine: GenerationEngine, log: EventLog, deliver: Callable, fail: Callable,
-                 version: int, group_size: int, env=None, env_workers=None):
+                 version: int, group_size: int, env=None, env_workers=None, agents: Callable | None = None):
         """`env` (an EnvConfig with a class): samples are multi-turn episodes
         (pipeline/generator/episodes.py), their environments in `env_workers` or in
-        this process."""
+        this process. `agents(emit, version)`: samples are agents' sessions
+        (pipeline/agents/sessions.py), built with the loop's event emitter and its weights' version."""
         self.engine, self.log = engine, log
         self._deliver, self._fail = deliver, fail
         self.version = version
@@ -106,7 +110,8 @@ class EngineLoop:
         self._stopped = False
         self.died: str | None = None
         self.lane = f"{log.worker}/rollouts"
-        self.episodes = None if env is None else Episodes(env, engine, self._post_env, self._emit_env, env_workers)
+        self.episodes = Episodes(env, engine, self._post_env, self._emit_env, env_workers) if env is not None \
+            else agents(self._emit_env, lambda: self.version) if agents is not None else None
         self.thread = threading.Thread(target=self._run, name=self.lane, daemon=True)
         self.thread.start()
 
@@ -123,6 +128,19 @@ class EngineLoop:
                                "(run.deadline_s)") from None
         self.log.merge(clock)
         return answer
+
+    def chat(self, session_id: str, request: Any) -> Future:
+        """An agent's request (the gateway's thread): answered once its turn is decoded."""
+        reply: Future = Future()
+        if self.died is not None:
+            reply.set_exception(RuntimeError(f"the engine loop died: {self.died}"))
+        else:
+            self._commands.put(_Command("chat", (session_id, request), (), self.lane, reply))
+        return reply
+
+    def agent_done(self, key: str, outcome: tuple) -> None:
+        """An agent returned or raised (its runner's thread)."""
+        self._commands.put(_Command("agent_end", (key, outcome), (), self.lane, Future()))
 
     def in_flight(self) -> int:
         return len(self._batches)
@@ -251,6 +269,17 @@ class EngineLoop:
         """An environment's answer: the sample's next turn is added, or it is over."""
         key, call, outcome = command.payload
         finished = self.episodes.on_env(key, call, outcome, self.version)
+        if finished is not None:
+            self._finished(*finished)
+        return _LATER  # nobody waits for it
+
+    def _on_chat(self, command: _Command) -> object:
+        session_id, request = command.payload
+        self.episodes.on_chat(session_id, request, command.reply)
+        return _LATER  # answered by the session, once decoded (or refused)
+
+    def _on_agent_end(self, command: _Command) -> object:
+        finished = self.episodes.on_agent_end(*command.payload)
         if finished is not None:
             self._finished(*finished)
         return _LATER  # nobody waits for it

@@ -23,25 +23,15 @@ loaded when it was appended (it is never older than the token before it).
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pipeline.core.types import Completion, GenerationEngine, Prompt
+from pipeline.core.types import Completion, GenerationEngine, Prompt, turn_seed
 from pipeline.envs.interface import check_step_result, load_env_class
 from pipeline.envs.threads import DaemonThreads
-
-
-def turn_seed(seed: int | None, turn: int) -> int | None:
-    """The sampler seed of a sample's `turn`: the sample's own for the first,
-    a hash of it after (vLLM would make seed + 1 the next request's stream)."""
-    if seed is None or turn == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}|turn{turn}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass

@@ -166,15 +166,41 @@ class VllmGenerationEngine:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     # -- the step API (pipeline/core/types.py): the engine loop drives it --
-    def add(self, key: str, prompt: Prompt, seed: int | None) -> None:
-        """Queue one request; `seed` None: greedy."""
+    def add(self, key: str, prompt: Prompt, seed: int | None, max_tokens: int | None = None,
+            stop: tuple[str, ...] = ()) -> None:
+        """Queue one request; `seed` None: greedy. `max_tokens` (default
+        generation.max_new_tokens) and `stop`: an agent's request's own."""
         if seed is not None and self.temperature == 0:
             raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
         with span("vllm.requests"):
             ids = list(prompt.token_ids) or self.encode(prompt.text)
             self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=ids),
-                                            self._params(seed), lora_request=self._adapter)
+                                            self._params(seed, max_tokens, stop), lora_request=self._adapter)
         self._prompts[key] = prompt
+
+    def abort(self, keys: list[str]) -> None:
+        """Drop these requests (an agent's sample that ended while one decoded)."""
+        keys = [key for key in keys if self._prompts.pop(key, None) is not None]
+        if keys:
+            self.llm.llm_engine.abort_request(keys)
+
+    # -- chat, for the agents' gateway (pipeline/agents/) ------------------
+    def render_chat(self, messages: list[dict], tools: tuple[dict, ...], add_generation_prompt: bool) -> str:
+        """The conversation as the model's chat template writes it."""
+        return self.tokenizer.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def eos_text(self) -> str:
+        return self.tokenizer.eos_token or ""
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.llm.llm_engine.model_config.max_model_len)
 
     def busy(self) -> bool:
         return bool(self._prompts)
@@ -328,13 +354,13 @@ class VllmGenerationEngine:
         with self._eager():
             return self.llm.generate(inputs, params, use_tqdm=False)
 
-    def _params(self, seed: int | None) -> SamplingParams:
+    def _params(self, seed: int | None, max_tokens: int | None = None, stop: tuple[str, ...] = ()) -> SamplingParams:
         # detokenize=False: vLLM's incremental detokenizer decodes every token of
         # every request, and each sampled token's logprob entry, at every engine
         # step (a fifth of a tiny model's call); _completion decodes each
-        # completion once instead, to the same text.
-        common = dict(n=1, max_tokens=self.max_new_tokens, logprobs=0, detokenize=False,
-                      output_kind=RequestOutputKind.FINAL_ONLY)
+        # completion once instead, to the same text. Stop strings need it on.
+        common = dict(n=1, max_tokens=max_tokens or self.max_new_tokens, logprobs=0, detokenize=bool(stop),
+                      output_kind=RequestOutputKind.FINAL_ONLY, **({"stop": list(stop)} if stop else {}))
         if seed is None:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed, **common)

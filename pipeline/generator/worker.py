@@ -45,6 +45,7 @@ class GeneratorWorker(Actor):
         one_thread()
         self.index = index
         self._loop: EngineLoop | None = None
+        self._serving = None
         self._puts: list = []   # the controller's answers to batches put, not yet checked (the loop's)
         self.weights = None
 
@@ -75,8 +76,16 @@ class GeneratorWorker(Actor):
             from pipeline.envs.workers import EnvWorkers
             workers = EnvWorkers(env, self.log.worker)
             workers.wait_ready(cfg.run.startup_deadline_s)
+        self._serving = None
+        if cfg.agent.function:
+            from pipeline.agents.serving import AgentServing
+            self._serving = AgentServing(cfg, self.engine, self.reward_fn is not None or reward_model is not None,
+                                         lambda key, outcome: self._loop.agent_done(key, outcome))
         self._loop = EngineLoop(self.engine, self.log, self._deliver, self._fail, self.version,
-                                cfg.schedule.group_size, env, workers)
+                                cfg.schedule.group_size, env, workers,
+                                self._serving.sessions if self._serving is not None else None)
+        if self._serving is not None:
+            self._serving.start(self._loop.chat)
         self.weights = sync.receiver(cfg, self.log)
         if start_weights is not None:
             # Logged as a refit to that version, after the step that made it.
@@ -88,8 +97,13 @@ class GeneratorWorker(Actor):
 
     def end_run(self, deadline_s: float) -> None:
         """The engine loop stopped and the puts it made answered, so that nothing
-        of this run reaches the controller after the run's end."""
+        of this run reaches the controller after the run's end. Agents stop
+        first, so no request reaches a stopped loop."""
+        if self._serving is not None:
+            self._serving.stop_agents(deadline_s)
         self._loop.stop(deadline_s)
+        if self._serving is not None:
+            self._serving.stop_server(deadline_s)
         if self._puts:
             ray.wait(self._puts, num_returns=len(self._puts), timeout=deadline_s)
         self.weights.close()

@@ -80,12 +80,18 @@ class SimGenerationEngine:
         self._stepped = True
         self._running: dict[str, _SimRequest] = {}
 
-    def add(self, key: str, prompt: Prompt, seed: int | None) -> None:
+    # An agent's chat (pipeline/agents/): one token per byte of a plain rendering, no end-of-turn token.
+    max_model_len = 1 << 16
+    eos_id = None
+    eos_text = ""
+
+    def add(self, key: str, prompt: Prompt, seed: int | None, max_tokens: int | None = None,
+            stop: tuple[str, ...] = ()) -> None:
         if seed is not None and self._stepped:
             self.calls += 1
             self._stepped = False
         rng = random.Random(prompt.id if seed is None else seed)
-        request = _SimRequest(rng, self._length(rng), greedy=seed is None)
+        request = _SimRequest(rng, min(self._length(rng), max_tokens or self.max_new_tokens), greedy=seed is None)
         if seed is not None and random.Random(f"flat:{prompt.id}").random() >= self.cfg.flat_share:
             request.bonus = f"+{rng.randrange(4)}"  # this prompt's samples score apart (sim.flat_share)
         self._running[key] = request
@@ -133,6 +139,17 @@ class SimGenerationEngine:
 
     def abort_all(self) -> None:
         self._running.clear()
+
+    def abort(self, keys: list[str]) -> None:
+        for key in keys:
+            self._running.pop(key, None)
+
+    def render_chat(self, messages: list[dict], tools: tuple[dict, ...], add_generation_prompt: bool) -> str:
+        text = "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def decode(self, ids) -> str:
+        return bytes(i % 256 for i in ids).decode(errors="replace")
 
     def load_weights(self, weights: dict) -> None:
         self.latency.spend(self.cfg.refit_s)

@@ -17,6 +17,7 @@ LAYERS = [
     ["dags"],
     ["pipeline.core"],
     ["pipeline.algos", "pipeline.envs"],
+    ["pipeline.agents"],
     ["pipeline.config"],
     ["pipeline.rewards"],
     ["pipeline.inputs"],
