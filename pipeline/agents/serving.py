@@ -19,12 +19,14 @@ from pipeline.core.types import GenerationEngine
 
 class AgentServing:
     """`cfg`: the run's Config. `done(key, outcome)`: where an agent's end goes (the engine loop's agent_done);
-    `scored`: data.reward or a reward model scores an agent's None."""
+    `scored`: data.reward or a reward model scores an agent's None;
+    `host`: the address to serve on (default: this node's, as Ray knows it)."""
 
-    def __init__(self, cfg, engine: GenerationEngine, scored: bool, done: Callable[[str, tuple], None]):
+    def __init__(self, cfg, engine: GenerationEngine, scored: bool, done: Callable[[str, tuple], None],
+                 host: str | None = None):
         self.cfg, self.engine, self.scored = cfg, engine, scored
         self.model_name = Path(cfg.model.path).name if cfg.model.path else "sim"
-        self.gateway = Gateway(ray.util.get_node_ip_address(), self.model_name)
+        self.gateway = Gateway(host or ray.util.get_node_ip_address(), self.model_name)
         self.runner = AgentRunner(cfg.agent, self.gateway.session_url, self.gateway.key, done)
         self.parse = None
         if cfg.agent.tool_parser:

@@ -1,17 +1,93 @@
-"""Agents the tests run through the gateway."""
+"""Agents the tests run through the gateway (agent.function=tests.agents.agents_for_tests:<name>)."""
 from __future__ import annotations
+
+import asyncio
+import math
+import os
+import queue
+import subprocess
+import sys
+
+# Sessions an agent hands to the test that probes them (probe_and_wait).
+OPEN_SESSIONS: queue.Queue = queue.Queue()
 
 
 async def two_turns(client, prompt):
     """A user turn, the model's answer, a follow-up: the history repeats, so one segment."""
     messages = [{"role": "user", "content": prompt.text}]
     first = await client.chat.completions.create(model="any", messages=messages)
-    messages += [first.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "user", "content": "and again"}]
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and again"}]
     await client.chat.completions.create(model="any", messages=messages)
     return None
 
 
+async def rewrites_history(client, prompt):
+    """The second request drops the first answer: a new segment."""
+    first = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt.text}])
+    summary = f"summary: {first.choices[0].message.content}"
+    await client.chat.completions.create(model="any", messages=[{"role": "user", "content": summary}])
+    return 0.5
+
+
 def plain_def(client, prompt):
     answer = client.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt.text}])
-    return {"reward": float(len(answer.choices[0].message.content) % 3), "info": {"chars": 1}}
+    return {"reward": 1.0, "info": {"chars": len(answer.choices[0].message.content)}}
+
+
+async def fails_on_odd_prompts(client, prompt):
+    await client.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt.text}])
+    number = int(prompt.id[1:])
+    if number % 4 == 1:
+        raise ValueError(f"agent bug on {prompt.id}")
+    if number % 4 == 3:
+        return math.nan
+    return 1.0
+
+
+async def overlong(client, prompt):
+    """Asks once within the context, then with a message over it; reports the error it got."""
+    await client.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt.text}])
+    try:
+        await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x" * 500}])
+    except Exception as exc:  # the test reads what the SDK raised
+        return {"reward": 0.25, "info": {"error": type(exc).__name__, "code": getattr(exc, "code", None)}}
+    return 1.0
+
+
+async def sleeps_past_its_timeout(client, prompt):
+    await client.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt.text}])
+    OPEN_SESSIONS.put((str(client.base_url), client.api_key))
+    await asyncio.sleep(3600)
+
+
+async def hands_its_session_to_the_test(client, prompt):
+    """Publishes its base URL and key, then waits until the test has probed the session."""
+    done = asyncio.Event()
+    OPEN_SESSIONS.put((str(client.base_url), client.api_key, asyncio.get_running_loop(), done))
+    await done.wait()
+    return 1.0
+
+
+async def one_request(client, prompt):
+    answer = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt.text}])
+    return float(bool(answer.choices[0].message.content))
+
+
+CHILD = r"""
+import json, os, urllib.request
+body = json.dumps({"model": "m", "messages": [{"role": "user", "content": os.environ["QUESTION"]}]}).encode()
+request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body, method="POST",
+                                 headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                          "Content-Type": "application/json"})
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+print(json.loads(opener.open(request, timeout=60).read())["choices"][0]["message"]["content"])
+"""
+
+
+def child_process(client, prompt):
+    """The agent's work done by a child process over plain HTTP, with the client's URL and key."""
+    env = {**os.environ, "OPENAI_BASE_URL": str(client.base_url).rstrip("/"), "OPENAI_API_KEY": client.api_key,
+           "QUESTION": prompt.text}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
+    return {"reward": 1.0, "info": {"content": out.stdout.strip()}}
