@@ -1,0 +1,45 @@
+"""Agents on the real CPU stack: vLLM behind the gateway, DeepSpeed training on the
+sessions' tokens, the tiny model with a chat template."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.core.events import load_events
+from pipeline.run.driver import train
+from pipeline.tools.check import check_events
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    from pipeline.inputs.tiny import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_chat", chat_template=True)
+
+
+def agent_run(tmp_path, chat_model, *overrides: str) -> tuple[dict, list[dict], list[dict]]:
+    cfg = load_config("examples/tiny_grpo.yaml", [
+        f"model.path={chat_model}", f"run.output_dir={tmp_path}", "run.name=agent", "run.steps=3",
+        "run.checkpoint_every=0", "validation.period=0", "validation.at_end=true", "metrics.tensorboard=false",
+        "agent.function=tests.agents.agents_for_tests:two_turns", "generation.max_new_tokens=8", *overrides])
+    summary = train(cfg, quiet=True)
+    run_dir = tmp_path / "agent"
+    metrics = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    return summary, metrics, load_events(run_dir)
+
+
+def test_an_agent_run_trains_the_sampled_tokens_with_the_engines_logprobs(tmp_path, ray_session, chat_model):
+    summary, metrics, events = agent_run(tmp_path, chat_model, "schedule.max_age=0")
+    assert summary["error"] is None and summary["steps"] == 3
+    assert check_events(events) == []
+    steps = [m for m in metrics if m["step"] >= 0]
+    # At age 0 the trainer's logprob of every model token is vLLM's; the rendered follow-ups are masked out.
+    assert steps[0]["age_max"] == 0 and steps[0]["is_weight"] == pytest.approx(1.0, abs=1e-5)
+    assert all(m["tokens"] == m["model_tokens"] < m["response_tokens"] for m in steps)
+    assert [m["reward_failures"] for m in steps] == [0.0] * 3
+    requests = [e for e in events if e["ev"] == "agent_request_end"]
+    assert requests and {e["request"] for e in requests} == {1, 2}
+    assert "val_reward" in metrics[-1]
