@@ -46,8 +46,8 @@ class Gateway:
         ], exception_handlers={GatewayError: _error_response, 404: _not_served, 405: _not_served})
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                                      timeout_keep_alive=60, timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="gateway", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="gateway", daemon=True)
+        self.died: str | None = None
 
     def session_url(self, session_id: str) -> str:
         return f"{self.url}/sessions/{session_id}/v1"
@@ -57,6 +57,17 @@ class Gateway:
         server's loop runs waits in the backlog instead of being refused."""
         self._submit = submit
         self._thread.start()
+
+    def check(self) -> None:
+        """Raise if the server is gone: its generator fails and is replaced like one whose engine died."""
+        if self._submit is not None and not self._thread.is_alive() and not self._server.should_exit:
+            raise RuntimeError(f"the agents' gateway at {self.url} stopped serving: {self.died or 'no error'}")
+
+    def _serve(self) -> None:
+        try:
+            self._server.run(sockets=[self._socket])
+        except BaseException as exc:  # uvicorn exits on a failed start-up: check() reports it to the generator
+            self.died = f"{type(exc).__name__}: {exc}"
 
     def stop(self, timeout_s: float) -> None:
         self._server.should_exit = True

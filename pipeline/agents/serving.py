@@ -27,7 +27,12 @@ class AgentServing:
         self.cfg, self.engine, self.scored = cfg, engine, scored
         self.model_name = Path(cfg.model.path).name if cfg.model.path else "sim"
         self.gateway = Gateway(host or ray.util.get_node_ip_address(), self.model_name)
-        self.runner = AgentRunner(cfg.agent, self.gateway.session_url, self.gateway.key, done)
+        actors = None
+        if cfg.agent.actors:
+            from pipeline.agents.actors import AgentActors
+            actors = AgentActors(cfg.agent)
+            actors.wait_ready(cfg.run.startup_deadline_s)
+        self.runner = AgentRunner(cfg.agent, self.gateway.session_url, self.gateway.key, done, actors)
         self.parse = None
         if cfg.agent.tool_parser:
             from pipeline.agents.tool_calls import tool_call_reader

@@ -336,6 +336,9 @@ class AgentConfig:
     timeout_s: float = _key(300.0, "longest an agent may run for one sample; a slower one fails its sample", gt=0)
     threads: int = _key(256, "agents written as plain def: how many run at once in a generator (one thread each)",
                         ge=1)
+    actors: int = _key(0, "Ray actors per generator that run its agents (for isolation); 0: in the generator's "
+                       "process", ge=0)
+    worker_cpus: float = _key(0.0, "logical CPUs each agent actor asks Ray for", ge=0)
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,8 @@ class GeneratorWorker(Actor):
 
     def _drain(self, step: int) -> None:
         """refit_mode drain: wait until no rollout is in flight. Either mode: raise what failed."""
+        if self._serving is not None:
+            self._serving.gateway.check()  # a drain would wait out agents that cannot reach it
         if self.cfg.generation.refit_mode == "drain":
             with spans.span("drain"):
                 self._loop.call("wait_idle", None, self.cfg.run.deadline_s,

@@ -27,7 +27,8 @@ SAFE_TO_CHANGE = frozenset({
     "run.checkpoint_every", "run.stop_grace_s",
     "validation.period", "validation.at_start", "validation.at_end",
     "generation.sync_bucket_mb",
-    "env.actors", "env.worker_cpus", "env.threads", "env.step_timeout_s", "agent.threads", "agent.timeout_s",
+    "env.actors", "env.worker_cpus", "env.threads", "env.step_timeout_s",
+    "agent.threads", "agent.timeout_s", "agent.actors", "agent.worker_cpus",
     "sim.generate_s", "sim.train_s", "sim.refit_s", "sim.validate_s", "sim.score_s", "sim.jitter",
     "fault", "resources", "metrics", "inject",
 })
