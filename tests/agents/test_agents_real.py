@@ -43,3 +43,18 @@ def test_an_agent_run_trains_the_sampled_tokens_with_the_engines_logprobs(tmp_pa
     requests = [e for e in events if e["ev"] == "agent_request_end"]
     assert requests and {e["request"] for e in requests} == {1, 2}
     assert "val_reward" in metrics[-1]
+
+
+@pytest.mark.parametrize("case, overrides", [
+    ("lora inflight", ("training.lora.rank=4", "training.lora.alpha=8", "generation.refit_mode=inflight",
+                       "schedule.max_age=1")),
+    ("ppo on two ranks", ("algorithm=ppo", "training.ranks=2", "schedule.max_age=1")),
+])
+def test_agents_train_with_lora_inflight_refits_ppo_and_data_parallel_ranks(tmp_path, ray_session, chat_model,
+                                                                             case, overrides):
+    summary, metrics, events = agent_run(tmp_path, chat_model, *overrides)
+    assert summary["error"] is None and summary["steps"] == 3
+    assert check_events(events) == []
+    steps = [m for m in metrics if m["step"] >= 0]
+    assert all(m["tokens"] == m["model_tokens"] < m["response_tokens"] for m in steps)
+    assert steps[0]["is_weight"] == pytest.approx(1.0, abs=1e-5)  # step 0 trains version-0 samples
