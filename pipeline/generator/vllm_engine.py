@@ -31,6 +31,7 @@ from pipeline.core.types import Completion, Prompt  # noqa: E402
 from pipeline.inputs.models import DEFAULT_MAX_MODEL_LEN, ModelError, check_model_dir  # noqa: E402
 from pipeline.core.spans import span  # noqa: E402
 from pipeline.generator.cpu_moe import repack_experts_on_reload  # noqa: E402
+from pipeline.generator.vllm_outputs import completion_of  # noqa: E402
 
 
 class VllmGenerationEngine:
@@ -372,12 +373,7 @@ class VllmGenerationEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
 
     def _completion(self, prompt: Prompt, out) -> Completion:
-        comp = out.outputs[0]
-        ids = tuple(comp.token_ids)
-        return Completion(prompt_ids=tuple(out.prompt_token_ids), response_ids=ids,
-                          logprobs=tuple(_sampled_logprobs(comp.logprobs, ids, prompt.id)),
-                          text=self.decode(ids), versions=_token_versions(comp.weight_versions, len(ids)),
-                          truncated=comp.finish_reason == "length")
+        return completion_of(prompt, out, self.decode)
 
     def close(self) -> None:
         """Shut the in-process engine core down (idempotent)."""
@@ -404,18 +400,3 @@ def _reuse_freed_memory() -> None:
         return  # not glibc: its allocator has its own policy
     libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD: blocks up to 1 GiB come from the heap
     libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD: up to 1 GiB free at the heap's top is kept
-
-
-def _token_versions(spans: Any, n: int) -> tuple[int, ...]:
-    """vLLM's weight-version spans of a completion ([start, end) each) as one version per token."""
-    versions = [int(span.version) for span in spans or () for _ in range(span.start, span.end)]
-    if len(versions) != n:
-        raise RuntimeError(f"vLLM labelled {len(versions)} of {n} tokens with a weight version")
-    return tuple(versions)
-
-
-def _sampled_logprobs(logprobs: Any, ids: tuple[int, ...], prompt_id: str) -> list[float]:
-    if logprobs is None or len(logprobs) != len(ids):
-        raise RuntimeError(f"vLLM returned {0 if logprobs is None else len(logprobs)} logprobs for "
-                           f"{len(ids)} tokens of prompt {prompt_id!r}")
-    return [float(step[tok].logprob) for step, tok in zip(logprobs, ids)]
