@@ -40,11 +40,11 @@ class Gateway:
         self._socket = socket.create_server((host, 0), backlog=2048)
         port = self._socket.getsockname()[1]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-        app = Starlette(routes=[
+        self.app = Starlette(routes=[
             Route("/sessions/{session}/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/sessions/{session}/v1/models", self._models, methods=["GET"]),
         ], exception_handlers={GatewayError: _error_response, 404: _not_served, 405: _not_served})
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                                      timeout_keep_alive=60, timeout_graceful_shutdown=2))
         self._thread = threading.Thread(target=self._serve, name="gateway", daemon=True)
         self.died: str | None = None

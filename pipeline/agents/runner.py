@@ -30,8 +30,12 @@ from pipeline.core.types import Prompt
 from pipeline.envs.threads import DaemonThreads
 
 
-async def run_async_agent(function: Callable, base_url: str, api_key: str, timeout_s: float, prompt: Prompt) -> Any:
-    async with httpx.AsyncClient(trust_env=False, verify=False) as http:
+async def run_async_agent(function: Callable, base_url: str, api_key: str, timeout_s: float, prompt: Prompt,
+                          app: Any = None) -> Any:
+    """`app`: the gateway's ASGI app, when it lives in this process: the client's
+    requests go to it directly instead of through a socket (the same handlers)."""
+    transport = None if app is None else httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, trust_env=False, verify=False) as http:
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
                                     http_client=http)
         return await function(client, prompt)
@@ -47,13 +51,14 @@ def run_agent(function: Callable, base_url: str, api_key: str, timeout_s: float,
 class AgentRunner:
     """`url(session_id)`: the session's base URL; `done(key, outcome)`: an agent
     returned (("ok", value)) or raised (("error", reason)), on the runner's thread.
-    `actors`: pipeline/agents/actors.AgentActors, or None: in this process."""
+    `actors`: pipeline/agents/actors.AgentActors, or None: in this process, where
+    coroutine agents reach the gateway's `app` without a socket."""
 
     def __init__(self, agent_cfg, url: Callable[[str], str], api_key: str, done: Callable[[str, tuple], None],
-                 actors=None):
+                 actors=None, app: Any = None):
         self._timeout_s = agent_cfg.timeout_s
         self._url, self._key, self._done = url, api_key, done
-        self._actors = actors
+        self._actors, self._app = actors, app
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: DaemonThreads | None = None
         if actors is not None:
@@ -71,7 +76,7 @@ class AgentRunner:
         if self._actors is not None:
             future = self._actors.run(*args)
         elif self._loop is not None:
-            future = asyncio.run_coroutine_threadsafe(run_async_agent(self.function, *args), self._loop)
+            future = asyncio.run_coroutine_threadsafe(run_async_agent(self.function, *args, app=self._app), self._loop)
         else:
             future = self._threads.submit(run_agent, self.function, *args)
         future.add_done_callback(lambda f: self._finished(key, f))

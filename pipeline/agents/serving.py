@@ -32,7 +32,8 @@ class AgentServing:
             from pipeline.agents.actors import AgentActors
             actors = AgentActors(cfg.agent)
             actors.wait_ready(cfg.run.startup_deadline_s)
-        self.runner = AgentRunner(cfg.agent, self.gateway.session_url, self.gateway.key, done, actors)
+        self.runner = AgentRunner(cfg.agent, self.gateway.session_url, self.gateway.key, done, actors,
+                                  self.gateway.app)
         self.parse = None
         if cfg.agent.tool_parser:
             from pipeline.agents.tool_calls import tool_call_reader

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.agents.agents_for_tests import OPEN_SESSIONS
-from tests.agents.loop_harness import AgentLoop, prompts
+from benchmarks.agent_rig import AgentLoop, prompts
 
 pytestmark = pytest.mark.sim
 

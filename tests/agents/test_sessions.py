@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.agents.loop_harness import AgentLoop, prompts, sim_engine
+from benchmarks.agent_rig import AgentLoop, prompts, sim_engine
 
 pytestmark = pytest.mark.sim
 

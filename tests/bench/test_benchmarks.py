@@ -205,3 +205,17 @@ def test_long_run_reads_step_time_at_the_first_tenths_machine_speed():
     assert own == pytest.approx(tenths) and slower(own)
     assert step_tenths(climb, []) == (tenths, None, tenths)
     assert step_tenths(climb, steady[:50])[1] is None  # the last tenths had no probe
+
+
+@pytest.mark.real
+def test_agents_quick(tmp_path):
+    result = run_quick("agents", tmp_path)
+    figures = result["figures"]
+    (throughput,) = figures["throughput"]
+    assert throughput["model"] == "tiny" and is_stat(throughput["ratio"])
+    run = throughput["repeats"][0]
+    # Both paths played the same task on the same engine: equal turns, tokens within a turn's worth.
+    assert run["env"]["mean_turns"] == run["gateway"]["mean_turns"] == 3
+    assert [o["sessions"] for o in figures["overhead"]] == [1, 64] and all(o["p99_ms"] >= o["p50_ms"] > 0
+                                                                         for o in figures["overhead"])
+    assert figures["concurrency"] == [dict(figures["concurrency"][0], sessions=64, errors=0, first_error="")]
