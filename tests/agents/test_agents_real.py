@@ -58,3 +58,20 @@ def test_agents_train_with_lora_inflight_refits_ppo_and_data_parallel_ranks(tmp_
     steps = [m for m in metrics if m["step"] >= 0]
     assert all(m["tokens"] == m["model_tokens"] < m["response_tokens"] for m in steps)
     assert steps[0]["is_weight"] == pytest.approx(1.0, abs=1e-5)  # step 0 trains version-0 samples
+
+
+# The presets whose losses or sampling read the rows beyond an outcome advantage: token-level
+# IS clipping, sequence-level ratios, dynamic sampling, a batch-normalised KL, PPO epochs.
+# (dr_grpo and rloo change only the per-sample advantage, which every row has.)
+PRESETS = ["tiny_cispo", "tiny_dapo", "tiny_gspo", "tiny_ppo_epochs", "tiny_reinforce_pp"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_algorithm_preset_trains_an_agent(tmp_path, ray_session, chat_model, preset):
+    cfg = load_config(f"examples/{preset}.yaml", [
+        f"model.path={chat_model}", f"run.output_dir={tmp_path}", "run.name=p", "run.steps=2",
+        "run.checkpoint_every=0", "validation.period=0", "validation.at_end=false", "metrics.tensorboard=false",
+        "agent.function=tests.agents.agents_for_tests:two_turns", "generation.max_new_tokens=8"])
+    summary = train(cfg, quiet=True)
+    assert summary["error"] is None and summary["steps"] == 2
+    assert check_events(load_events(tmp_path / "p")) == []

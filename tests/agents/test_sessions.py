@@ -106,3 +106,14 @@ def test_a_thousand_concurrent_sessions_on_one_generator(tmp_path):
         completions = rig.roll(prompts(250), timeout_s=300)
     assert len(completions) == 1000
     assert [c.error for c in completions if c.error] == [] and all(c.reward == 1.0 for c in completions)
+
+
+def test_the_key_is_drawn_per_gateway_and_written_nowhere(tmp_path):
+    keys = []
+    for run in ("a", "b"):
+        with AgentLoop(tmp_path / run, f"{AGENTS}:plain_def", "schedule.group_size=2") as rig:
+            rig.roll(prompts(2))
+            keys.append(rig.serving.gateway.key)
+    assert keys[0] != keys[1] and len(keys[0]) >= 32
+    for path in (p for p in tmp_path.rglob("*") if p.is_file()):
+        assert not any(key in path.read_text(errors="replace") for key in keys), path
