@@ -43,3 +43,20 @@ def test_an_agent_run_trains_the_sampled_tokens_with_the_engines_logprobs(tmp_pa
     requests = [e for e in events if e["ev"] == "agent_request_end"]
     assert requests and {e["request"] for e in requests} == {1, 2}
     assert "val_reward" in metrics[-1]
+
+
+def test_a_lora_agent_run_with_inflight_refits_samples_only_adapter_versions_it_loaded(tmp_path, ray_session,
+                                                                                       chat_model):
+    """vLLM's labels of an adapter's versions, as check-events reads them: requests
+    that decoded across an adapter refit pass, and a token relabelled with the
+    next adapter version, which was loaded only after its request, is caught."""
+    summary, _, events = agent_run(tmp_path, chat_model, "training.lora.rank=8", "training.lr=0.01",
+                                   "generation.refit_mode=inflight", "schedule.max_age=1", "run.steps=4")
+    assert summary["error"] is None and check_events(events) == []
+    across = [e for e in events if e["ev"] == "agent_request_end" and len(e["token_versions"]) > 1]
+    assert across, "no request decoded across an adapter refit"
+    last = across[0]["token_versions"][-1]
+    last[0] += 1
+    found = check_events(events)
+    assert [v.invariant for v in found] == [2] and "which its generator never held while it decoded" in \
+        found[0].message
