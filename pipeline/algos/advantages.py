@@ -28,7 +28,7 @@ from pipeline.algos.ppo import ADVANTAGE_SCHEMA
 
 # The policy update reads only the advantages: PPO's column, on its own.
 CRITIC_FREE_ADVANTAGE_SCHEMA = pa.schema([ADVANTAGE_SCHEMA.field("advantages")])
-GROUP_KEYS = ("batch_id", "prompt_id", "prompt_ids")
+GROUP_KEYS = ("batch_id", "prompt_id")
 
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")

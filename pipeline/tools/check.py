@@ -10,7 +10,8 @@ holds whatever the hosts' clocks say. The wall-clock reading of the same pairs
 is kept as a second opinion: `check_report` returns it as notes, which fail
 nothing. Invariants 3-5 compare versions and counts, never two hosts' times.
 Invariant 7, the bound on weight copies in the object store, is proven from
-the clocks too (pipeline/tools/check_bounds.py).
+the clocks too (pipeline/tools/check_bounds.py), and so are agents' requests
+inside their rollouts and their tokens' versions (pipeline/tools/check_agents.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Iterable, Iterator
 
 from pipeline.core.events import load_events
 from pipeline.core.worker_names import DRIVER, TRAINER, first_rank_names
+from pipeline.tools.check_agents import check_agents
 from pipeline.tools.check_bounds import weight_copies_bounded
 from pipeline.tools.check_sampling import flat_groups_never_trained
 from pipeline.tools.check_scoring import batches_scored_before_training
@@ -305,6 +307,7 @@ def check_report(events: Iterable[dict]) -> Report:
     tokens_follow_the_refits(events, pairs, judge)
     env_steps_inside_their_rollouts(events, pairs, judge, drain,
                                     None if run_start is None else run_start.get("env_max_turns"))
+    check_agents(events, pairs, judge, drain)
     rollouts_run_the_loaded_version(events, judge)
     one_version_per_trajectory(events, judge)
     weights_come_from_the_trainer(events, judge, generator_names(events))

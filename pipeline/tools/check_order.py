@@ -204,7 +204,7 @@ def rollouts_run_the_loaded_version(events: list[dict], judge: Judge) -> None:
     loads: dict[str, list[dict]] = defaultdict(list)
     for e in of(events, "refit_end"):
         loads[e.get("worker")].append(e)
-    latest = {worker: _Loads(mine, worker in judge.deaths) for worker, mine in loads.items()}
+    latest = {worker: Loads(mine, worker in judge.deaths) for worker, mine in loads.items()}
 
     def mismatch(rs: dict, last: dict | None) -> dict | None:
         return last if last is not None and last.get("version") != rs.get("version") else None
@@ -214,7 +214,7 @@ def rollouts_run_the_loaded_version(events: list[dict], judge: Judge) -> None:
                 f"{rs.get('version')}, but the last refit before it there (step {load.get('step')}, "
                 f"{t_(load['t'])}) loaded version {load.get('version')}")
     for rs in of(events, "rollout_start"):
-        mine = latest.get(rs.get("worker")) or _Loads([], False)
+        mine = latest.get(rs.get("worker")) or Loads([], False)
         wrong_by_wall = mismatch(rs, mine.latest_by_time(rs["t"]))
         if has_clock(rs) and mine.clocked:
             wrong = mismatch(rs, mine.latest_before(rs, judge))
@@ -231,7 +231,7 @@ def rollouts_run_the_loaded_version(events: list[dict], judge: Judge) -> None:
                            (wrong_by_wall, rs))
 
 
-class _Loads:
+class Loads:
     """One worker's refit_ends in time order, and the latest (by step) of any
     first n of them: the last load before a rollout, by time or by clock,
     without a pass over all of them for each rollout."""

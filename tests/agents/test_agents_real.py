@@ -45,14 +45,26 @@ def test_an_agent_run_trains_the_sampled_tokens_with_the_engines_logprobs(tmp_pa
     assert "val_reward" in metrics[-1]
 
 
-@pytest.mark.parametrize("case, overrides", [
-    ("lora inflight", ("training.lora.rank=4", "training.lora.alpha=8", "generation.refit_mode=inflight",
-                       "schedule.max_age=1")),
-    ("ppo on two ranks", ("algorithm=ppo", "training.ranks=2", "schedule.max_age=1")),
-])
-def test_agents_train_with_lora_inflight_refits_ppo_and_data_parallel_ranks(tmp_path, ray_session, chat_model,
-                                                                             case, overrides):
-    summary, metrics, events = agent_run(tmp_path, chat_model, *overrides)
+def test_a_lora_agent_run_with_inflight_refits_samples_only_adapter_versions_it_loaded(tmp_path, ray_session,
+                                                                                       chat_model):
+    """vLLM's labels of an adapter's versions, as check-events reads them: requests
+    that decoded across an adapter refit pass, and a token relabelled with the
+    next adapter version, which was loaded only after its request, is caught."""
+    summary, _, events = agent_run(tmp_path, chat_model, "training.lora.rank=8", "training.lr=0.01",
+                                   "generation.refit_mode=inflight", "schedule.max_age=1", "run.steps=4")
+    assert summary["error"] is None and check_events(events) == []
+    across = [e for e in events if e["ev"] == "agent_request_end" and len(e["token_versions"]) > 1]
+    assert across, "no request decoded across an adapter refit"
+    last = across[0]["token_versions"][-1]
+    last[0] += 1
+    found = check_events(events)
+    assert [v.invariant for v in found] == [2] and "which its generator never held while it decoded" in \
+        found[0].message
+
+
+def test_agents_train_with_ppo_on_two_data_parallel_ranks(tmp_path, ray_session, chat_model):
+    summary, metrics, events = agent_run(tmp_path, chat_model, "algorithm=ppo", "training.ranks=2",
+                                         "schedule.max_age=1")
     assert summary["error"] is None and summary["steps"] == 3
     assert check_events(events) == []
     steps = [m for m in metrics if m["step"] >= 0]

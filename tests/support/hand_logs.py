@@ -29,7 +29,8 @@ def add(events: list[dict], t: float, kind: str, worker: str, lane: str | None =
 
 
 def run_log(steps=4, max_age=1, generators=("gen0", "gen1"), validate=(1,), start_step=0,
-            groups=1, finished=True, drain=True, resume_waits_for_validation=True, refit_waits_for_train=True):
+            groups=1, finished=True, drain=True, resume_waits_for_validation=True, refit_waits_for_train=True,
+            agents=False):
     """Events of a valid drain-mode run, in time order, one time unit apart.
 
     Batch "b<target>.<i>" goes to generators[(target + i) % n]. Its rollout
@@ -39,6 +40,11 @@ def run_log(steps=4, max_age=1, generators=("gen0", "gen1"), validate=(1,), star
     rollouts a refit drains, the batches sample takes; each step is after all
     of the step before (the driver's plan). The last three arguments leave one
     of those waits out, as the mutations of tests/support/mutations.py do.
+    With `agents`, each batch and each validation is one agent sample of one
+    request, logged on its generator's rollouts lane as the sessions log it
+    (pipeline/agents/sessions.py): a batch's just before its rollout_end, a
+    validation's between its start and end in time, unordered with them by
+    the clocks, as in a real run.
     """
     t = 0.0
     lanes: dict[str, dict] = {}
@@ -69,10 +75,21 @@ def run_log(steps=4, max_age=1, generators=("gen0", "gen1"), validate=(1,), star
             yield la
             yield rs
 
+    def agent_sample(worker, batch, step, version):
+        fields = dict(lane=f"{worker}/rollouts", batch=batch, sample=f"{batch}/0")
+        yield ev("agent_start", worker, step, version, **fields)
+        yield ev("agent_request_start", worker, step, version, request=1, segment=1, context=8, rendered=8,
+                 loaded=version, **fields)
+        yield ev("agent_request_end", worker, step, version, request=1, tokens=4, token_versions=[[version, 4]],
+                 finish="stop", **fields)
+        yield ev("agent_end", worker, step, version, requests=1, segments=1, reward=None, info=None, **fields)
+
     def finish(batches):
         for batch in batches:
             target, version, worker = launched[batch]
             in_flight.remove(batch)
+            if agents:
+                yield from agent_sample(worker, batch, target, version)
             ends[batch] = ev("rollout_end", worker, version=version, lane=f"{worker}/rollouts",
                              batch=batch, target=target)
             yield ends[batch]
@@ -106,6 +123,8 @@ def run_log(steps=4, max_age=1, generators=("gen0", "gen1"), validate=(1,), star
         if s in validate:
             g = generators[0]
             yield ev("validation_start", g, step=s, version=s + 1, lane=f"{g}/validate", after=[refitted[0]])
+            if agents:
+                yield from agent_sample(g, "val", None, s + 1)
             val_end = ev("validation_end", g, step=s, version=s + 1, lane=f"{g}/validate")
             yield val_end
             resumed += [val_end] * resume_waits_for_validation

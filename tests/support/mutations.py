@@ -5,7 +5,9 @@ drain a generator does before it loads new weights, or the engine's labelling
 of each token with the weights that sampled it; or the one resource bound the
 log proves, the weight copies in the object store (a trainer that keeps them all); or dynamic
 sampling's filter (a sample that trains flat groups); or the reward model's
-edge (a generator that puts its batches unscored). They are built here, in
+edge (a generator that puts its batches unscored); or, in runs with agents,
+the sessions' bounds (a sample delivered while its agent goes on, a session
+kept across batches) and the engine's labels (a version not yet loaded). They are built here, in
 the tests, from the public pieces of dags/step_graph.py; production code
 builds none of them. Some need a generator without one of its own guards
 (collect refuses a version it does not hold, or rollouts still in flight):
@@ -17,6 +19,7 @@ checker must find that violation in the log of a run that went to its end.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import sys
@@ -50,11 +53,15 @@ class MutantGenerator(GeneratorWorker):
     late_label = False
     early_delivery = False
     skip_scoring = False
+    label_ahead = False
+    stale_sessions = False
 
     def configure(self, skip_drain: bool = False, trainer=None, late_label: bool = False,
-                  early_delivery: bool = False, skip_scoring: bool = False) -> None:
+                  early_delivery: bool = False, skip_scoring: bool = False, label_ahead: bool = False,
+                  stale_sessions: bool = False) -> None:
         self.skip_drain, self.trainer, self.late_label = skip_drain, trainer, late_label
         self.early_delivery, self.skip_scoring = early_delivery, skip_scoring
+        self.label_ahead, self.stale_sessions = label_ahead, stale_sessions
 
     def begin_run(self, *args, **kwargs):
         clock = super().begin_run(*args, **kwargs)
@@ -62,8 +69,13 @@ class MutantGenerator(GeneratorWorker):
             self.delivery = build_delivery_graph(self.controller)
         if self.late_label:
             label_a_step_late(self.engine)
+        if self.label_ahead:
+            label_a_version_ahead(self.engine)
+        agents = self.cfg.agent.function
         if self.early_delivery:
-            deliver_after_the_first_turn(self._loop)
+            (deliver_after_the_first_request if agents else deliver_after_the_first_turn)(self._loop)
+        if self.stale_sessions:
+            keep_sessions_across_batches(self._loop.episodes, self.cfg.schedule.group_size)
         return clock
 
     def _drain(self, step: int) -> None:
@@ -127,6 +139,61 @@ def deliver_after_the_first_turn(loop) -> None:
         finished = on_env(key, call, outcome, version)
         return None if finished is not None and finished[0] in delivered else finished
     episodes.on_turn, episodes.on_env = turned, answered
+
+
+def label_a_version_ahead(engine) -> None:
+    """label_ahead: the engine labels its tokens with the version after the one
+    it holds, one that no refit has loaded yet."""
+    label = engine.set_version
+    engine.set_version = lambda version: label(version + 1)
+
+
+def deliver_after_the_first_request(loop) -> None:
+    """deliver_before_the_agent: an agent's sample is delivered (scored, put,
+    rollout_end logged) once its first request is answered, while its agent
+    goes on with its session: the requests after rollout_end belong to no
+    rollout any more, and the drain no longer waits for them."""
+    sessions = loop.episodes
+    on_turn, on_agent_end, delivered = sessions.on_turn, sessions.on_agent_end, set()
+
+    def turned(request_key, completion):
+        key = sessions._requests.get(request_key)
+        on_turn(request_key, completion)
+        if key is not None and key not in delivered and not key.startswith("val/"):
+            delivered.add(key)
+            loop._finished(key, dataclasses.replace(completion, reward=0.0))
+
+    def ended(key, outcome):
+        finished = on_agent_end(key, outcome)
+        return None if finished is not None and finished[0] in delivered else finished
+    sessions.on_turn, sessions.on_agent_end = turned, ended
+
+
+def keep_sessions_across_batches(sessions, group_size: int) -> None:
+    """session_kept_across_batches: sessions cached by their prompt's place in
+    the batch, not by the batch: each sample of a group goes on with the last
+    segment of the first sample at that place in an earlier batch (a copy, so
+    the group keeps one prompt), and its trained tokens begin with that
+    sample's, sampled by older weights."""
+    start, end, kept = sessions.start, sessions._end, {}
+
+    def place(key: str) -> int:
+        return int(key.rpartition("/")[2]) // group_size
+
+    def started(key, prompt, seed):
+        start(key, prompt, seed)
+        earlier = kept.get(place(key))
+        if earlier is not None and not key.startswith("val/"):
+            resumed = copy.deepcopy(earlier)
+            resumed.messages = []  # whatever the agent sends continues it
+            sessions._live[key].segments.append(resumed)
+
+    def ended(session, *args, **kwargs):
+        index = int(session.key.rpartition("/")[2])
+        if session.segments and not session.key.startswith("val/") and index % group_size == 0:
+            kept[place(session.key)] = copy.deepcopy(session.segments[-1])
+        return end(session, *args, **kwargs)
+    sessions.start, sessions._end = started, ended
 
 
 class MutantController(Controller):
@@ -285,10 +352,21 @@ MUTATIONS: dict[str, Mutation] = {
     # A run with a reward model whose generators put their batches without it.
     "deliver_unscored": Mutation(build_step_graph, expect=9, configure={"skip_scoring": True},
                                  overrides=("reward_model.kind=classifier",)),
+    # Runs with agents (the agents profile of tests/tools/test_mutations.py) only.
+    "deliver_before_the_agent": Mutation(build_step_graph, expect=2, configure={"early_delivery": True}),
+    "label_ahead": Mutation(build_step_graph, expect=2, configure={"label_ahead": True}),
+    "session_kept_across_batches": Mutation(build_step_graph, expect=2, configure={"stale_sessions": True}),
 }
 # Mutations that the multi-turn profile (tests/tools/test_mutations.py) runs too; the
 # last one needs environments to mean anything.
 MULTITURN = ("refit_without_drain", "validate_not_before_resume", "deliver_before_the_env")
+# Mutations that the agents profile runs, each with what its finding says. The
+# agents' checks (pipeline/tools/check_agents.py) make all but the last: a kept
+# session's stale tokens are the rollout's first tokens, older than its start.
+AGENTS = {"deliver_before_the_agent": "is not inside its rollout", "refit_without_drain": "and the refit of step",
+          "label_ahead": "which its generator never held while it decoded",
+          "session_kept_across_batches": "older than the version"}
+AGENTS_ONLY = ("deliver_before_the_agent", "label_ahead", "session_kept_across_batches")
 # Skipping the drain is what refit_mode inflight does on purpose. A label a step
 # late harms only tokens in flight at a load: under drain none are, and the
 # validation after the refit takes the late step before any rollout can.

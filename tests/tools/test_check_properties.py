@@ -1,6 +1,6 @@
-"""The event-log checker on generated logs (tests/support/hand_logs.py): every valid
-log passes, losing any trained batch is caught, and skewing one worker's
-clock never moves a verdict."""
+"""The event-log checker on generated logs (tests/support/hand_logs.py, with and
+without agents): every valid log passes, losing any trained batch is caught,
+and skewing one worker's clock never moves a verdict."""
 from __future__ import annotations
 
 import random
@@ -23,6 +23,7 @@ run_params = st.integers(1, 8).flatmap(lambda steps: st.fixed_dictionaries({
     "start_step": st.integers(0, steps - 1),
     "groups": st.integers(1, 2),
     "finished": st.booleans(),
+    "agents": st.booleans(),
 }))
 
 
@@ -74,7 +75,7 @@ def test_the_chains_find_every_pair_that_comparing_all_pairs_finds(seed):
         steps = rnd.randint(1, 8)
         events = log(steps=steps, max_age=rnd.randint(0, 3), generators=("gen0", "gen1", "gen2")[:rnd.randint(1, 3)],
                      validate={s for s in range(steps) if rnd.random() < 0.4} or {0}, groups=rnd.randint(1, 2),
-                     start_step=rnd.randrange(steps), finished=rnd.random() < 0.5,
+                     start_step=rnd.randrange(steps), finished=rnd.random() < 0.5, agents=rnd.random() < 0.5,
                      **rnd.choice([{}, {"drain": False}, {"resume_waits_for_validation": False},
                                    {"refit_waits_for_train": False}]))
         worker, seconds = rnd.choice(["driver", "controller", "trainer", "gen0", "gen1"]), rnd.uniform(-5, 5)

@@ -2,12 +2,21 @@
 is caught by the checker from the event log alone, in runs with opposite
 timings: the ordering checks read the vector clocks, so a mutation is caught
 whether or not its race happened to show. The unmutated graph on the same
-workers passes. And a clock off by a second on one worker moves no verdict."""
+workers passes, with multi-turn environments and with agents too. And a clock
+off by a second on one worker moves no verdict."""
 from __future__ import annotations
 
 import pytest
 import ray
-from tests.support.mutations import MULTITURN, MUTATIONS, ONE_MODE_ONLY, UNMUTATED, start_mutant_workers
+from tests.support.mutations import (
+    AGENTS,
+    AGENTS_ONLY,
+    MULTITURN,
+    MUTATIONS,
+    ONE_MODE_ONLY,
+    UNMUTATED,
+    start_mutant_workers,
+)
 
 from pipeline.config import load_config
 from tests.support.pooled_run import train_on
@@ -29,6 +38,9 @@ PROFILES = {
     "multiturn": {"sim.generate_s": 0.04, "sim.train_s": 0.005, "sim.refit_s": 0.005, "sim.validate_s": 0.01,
                   "env.class": "pipeline.sim.env:SimToolEnv", "env.max_turns": 2,
                   "env.args": "{turns: 2, latency_s: 0.03, latency: lognormal}"},
+    # Agents through the gateway, two requests a sample: the sessions' requests are part of the rollouts.
+    "agents": {"sim.generate_s": 0.04, "sim.train_s": 0.005, "sim.refit_s": 0.005, "sim.validate_s": 0.01,
+               "agent.function": "tests.agents.agents_for_tests:two_turns"},
 }
 
 
@@ -73,7 +85,8 @@ def run_log(mutant_pool, tmp_path_factory):
 
 
 # Inflight refits only matter where rollouts outlast the rest of a step.
-CASES = [(profile, "drain") for profile in PROFILES if profile != "multiturn"] + [("slow_generation", "inflight")]
+CASES = [(profile, "drain") for profile in PROFILES if profile not in ("multiturn", "agents")] \
+    + [("slow_generation", "inflight")]
 
 
 @pytest.mark.parametrize("profile,refit_mode", CASES)
@@ -91,9 +104,17 @@ def test_the_unmutated_graph_passes_with_multiturn_rollouts(run_log, profile, re
     assert any(e["ev"] == "env_step" for e in run_log(None, profile, refit_mode)[1])
 
 
+@pytest.mark.parametrize("refit_mode", ["drain", "inflight"])
+def test_the_unmutated_graph_passes_with_agents(run_log, refit_mode):
+    test_the_unmutated_graph_passes_on_the_same_workers(run_log, "agents", refit_mode)
+    events = [e for e in run_log(None, "agents", refit_mode)[1] if e.get("batch") not in (None, "val")]
+    samples = sum(e["ev"] == "agent_start" for e in events)
+    assert samples and sum(e["ev"] == "agent_request_end" for e in events) == 2 * samples
+
+
 @pytest.mark.parametrize("name,profile,refit_mode", [
     (name, profile, mode) for name in MUTATIONS for profile, mode in CASES
-    if ONE_MODE_ONLY.get(name, mode) == mode and name != "deliver_before_the_env"]
+    if ONE_MODE_ONLY.get(name, mode) == mode and name not in ("deliver_before_the_env", *AGENTS_ONLY)]
     + [(name, "multiturn", "drain") for name in MULTITURN])
 def test_the_checker_catches_the_mutation(run_log, name, profile, refit_mode):
     summary, events = run_log(name, profile, refit_mode)
@@ -105,6 +126,30 @@ def test_the_checker_catches_the_mutation(run_log, name, profile, refit_mode):
     expect = MUTATIONS[name].expect
     found = {v.invariant for v in check_events(events)}
     assert expect in found, f"{name} ({profile}, {refit_mode}) passed invariant {expect}; found {sorted(found)}"
+
+
+@pytest.mark.parametrize("name", AGENTS)
+def test_the_checker_catches_the_mutation_of_agents(run_log, name):
+    """Caught from the log of a run with agents, by a finding of the expected
+    invariant that says what the mutation broke (AGENTS)."""
+    test_the_checker_catches_the_mutation(run_log, name, "agents", "drain")
+    expect, needle = MUTATIONS[name].expect, AGENTS[name]
+    found = [v.message for v in check_events(run_log(name, "agents", "drain")[1]) if v.invariant == expect]
+    assert any(needle in m for m in found), f"{name}: no finding says {needle!r}: {found[:3]}"
+
+
+def test_a_kept_session_trains_tokens_older_than_max_age_and_is_caught(run_log):
+    """Invariant 3 for an agent's model tokens needs no check of its own: a
+    session kept across batches trains tokens more than max_age steps old, and
+    each batch that holds them is flagged, by its rollout's token versions."""
+    events = run_log("session_kept_across_batches", "agents", "drain")[1]
+    max_age = next(e["max_age"] for e in events if e["ev"] == "run_start")
+    ends = {e["batch"]: e for e in events if e["ev"] == "rollout_end"}
+    too_old = {batch for ts in events if ts["ev"] == "train_start" for batch in ts["batches"]
+               if any(ts["step"] - v > max_age for sample in ends[batch]["token_versions"] for v, _ in sample)}
+    assert too_old
+    flagged = {b for v in check_events(events) if v.invariant == 2 for b in too_old if f"batch {b} " in v.message}
+    assert flagged == too_old
 
 
 def shifted(events: list[dict], worker: str, seconds: float) -> list[dict]:
