@@ -133,6 +133,11 @@ class AgentSessions:
         session = self._live.get(key)
         return len(session.segments[-1].response) if session and session.segments else 0
 
+    def segment_of(self, key: str) -> int:
+        """The segment the sample's tokens now go to (0: it has made no request yet)."""
+        session = self._live.get(key)
+        return len(session.segments) if session else 0
+
     def current_request(self, key: str) -> str | None:
         session = self._live.get(key)
         return session.running[0] if session and session.running else None
@@ -216,7 +221,7 @@ class AgentSessions:
             prompt_ids=segment.prompt_ids, response_ids=tuple(segment.response), logprobs=tuple(segment.logprobs),
             text=session.text, versions=tuple(segment.versions), loss_mask=tuple(segment.mask),
             reward=0.0 if error else reward, error=error, turns=session.requests, truncated=session.truncated,
-            transcript=tuple(session.transcript))
+            transcript=tuple(session.transcript), segments=max(1, len(session.segments)))
 
     def _close(self, session: Session, why: str) -> None:
         """No request of the session runs or waits after this, and its id is forgotten."""

@@ -55,6 +55,8 @@ class Completion:
     truncated: bool | None = None
     # Multi-turn only: the turns in order, as the model saw them (TRANSCRIPT_TURN).
     transcript: tuple[dict, ...] = ()
+    # Agents only: the contexts the sample's requests made (pipeline/agents/history.py); the last is trained.
+    segments: int = 1
 
 
 # A multi-turn sample's turn: "env" (an observation, formatted as the model saw it; the first is

@@ -253,7 +253,7 @@ class EngineLoop:
                 load()
             self.engine.set_version(version)
             self.version = version
-            self.log.emit("refit_end", step=step, version=version, positions=positions)
+            self.log.emit("refit_end", step=step, version=version, positions=positions, **self._segments())
             return profile, self.log.now()
 
     def _on_greedy(self, command: _Command) -> object:
@@ -309,6 +309,15 @@ class EngineLoop:
             request = self.episodes.current_request(key)
             return self.episodes.tokens_so_far(key) + (progress.get(request, 0) if request else 0)
         return {b.launch.batch_id: [tokens(b, k) for k in b.keys] for b in self._batches.values()}
+
+    def _segments(self) -> dict:
+        """An agent's sample may start a new segment after a refit, and only its
+        last is trained: the refit's positions count tokens of the segment then
+        current, logged beside them where any is past the first."""
+        segments = {b.launch.batch_id: [b.done[k].segments if k in b.done else self.episodes.segment_of(k)
+                                        for k in b.keys] for b in self._batches.values()} \
+            if self.episodes is not None else {}
+        return {"segments": segments} if any(n != 1 for each in segments.values() for n in each) else {}
 
     def _step(self) -> None:
         started = time.perf_counter()

@@ -178,6 +178,10 @@ class Episodes:
         episode = self._live.get(key)
         return len(episode.response) if episode else 0
 
+    def segment_of(self, key: str) -> int:
+        """An episode is one context throughout."""
+        return 1
+
     def current_request(self, key: str) -> str | None:
         return next((r for r, k in self._requests.items() if k == key), None)
 

@@ -235,7 +235,7 @@ class GeneratorWorker(Actor):
         # Logged and put with the version it was launched with: its oldest token is no older.
         self.log.emit("rollout_end", step=launch.target, version=batch.version, batch=launch.batch_id,
                       target=launch.target, spans=profile, token_versions=_runs(table),
-                      turns=[c.turns for c in completions], **flat)
+                      turns=[c.turns for c in completions], **flat, **_segments(completions))
         # Not waited for here: the loop would wait out the round trip, and sample
         # waits for the batch anyway. _check_puts reads the answers of the puts.
         rollout = Rollout(launch.target, launch.batch_id, batch.version, table, tuple(launch.prompts),
@@ -299,6 +299,12 @@ def _token_rewards(completion: Completion, reward: float) -> list[float]:
     if out:
         out[-1] = reward
     return out
+
+
+def _segments(completions: list[Completion]) -> dict:
+    """Each sample's trained segment, where any agent's is past its first (engine_loop.EngineLoop._segments)."""
+    segments = [c.segments for c in completions]
+    return {"segments": segments} if any(n != 1 for n in segments) else {}
 
 
 def _runs(table: pa.Table) -> list[list[list[int]]]:

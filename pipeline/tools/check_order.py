@@ -306,7 +306,9 @@ def tokens_follow_the_refits(events: list[dict], pairs: list[list], judge: Judge
     flight, how many tokens each of its samples had when the load landed. Then:
     versions along a sample never decrease and none is older than the weights the
     batch started with; and of a refit installing V, the tokens before its
-    position are older than V and those after are not."""
+    position are older than V and those after are not. An agent's sample whose
+    trained segment (rollout_end's `segments`) began after the refit (the
+    refit's `segments` name an earlier one) has none older than V."""
     installs: dict[tuple, list[dict]] = defaultdict(list)   # (worker, batch) -> the refits it was in flight for
     for e in of(events, "refit_end"):
         if isinstance(e.get("positions"), dict):
@@ -326,10 +328,13 @@ def tokens_follow_the_refits(events: list[dict], pairs: list[list], judge: Judge
             elif versions and isinstance(start, int) and versions[0] < start:
                 judge.fail(2, f"{where}, sample {i}: its first token has version {versions[0]}, older than the "
                               f"version {start} the batch started with", (rs, re_))
+        trained = re_.get("segments") or [1] * len(runs)
         for fe in installs.get((worker, batch), []):
             at = fe["positions"].get(batch)
             if not isinstance(at, list) or len(at) != len(runs):
                 continue
+            current = (fe.get("segments") or {}).get(batch) or [1] * len(runs)
+            at = [p if then == last else 0 for p, then, last in zip(at, current, trained)]
             for i, (sample, position) in enumerate(zip(runs, at)):
                 older = sum(n for v, n in sample if v < fe.get("version"))
                 if older != position:

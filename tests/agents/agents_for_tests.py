@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import queue
@@ -91,3 +92,19 @@ def child_process(client, prompt):
     out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120,
                          check=True)
     return {"reward": 1.0, "info": {"content": out.stdout.strip()}}
+
+
+_EVERY_OTHER = itertools.count()
+
+
+async def sometimes_rewrites(client, prompt):
+    """Every other sample drops its first answer before asking again: a group's
+    samples then end on different segments (one or two)."""
+    messages = [{"role": "user", "content": prompt.text}]
+    first = await client.chat.completions.create(model="any", messages=messages)
+    if next(_EVERY_OTHER) % 2:
+        messages = [{"role": "user", "content": f"summary: {first.choices[0].message.content}"}]
+    else:
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    await client.chat.completions.create(model="any", messages=messages)
+    return None

@@ -57,3 +57,15 @@ def test_failing_agents_count_like_reward_failures_then_stop_the_run(tmp_path, r
     assert summary["accounting"]["reward_failures"] > 0 and summary["error"] is None
     with pytest.raises(PipelineError, match=r"more than fault.max_reward_failures \(0\)"):
         sim_run(tmp_path, "stops", "run.steps=3", f"agent.function={AGENTS}:fails_on_odd_prompts")
+
+
+@pytest.mark.parametrize("mode", ["drain", "inflight"])
+def test_groups_whose_samples_end_on_different_segments_train_and_check_clean(tmp_path, ray_session, mode):
+    summary, events = sim_run(tmp_path, mode, f"generation.refit_mode={mode}", "run.steps=5", "schedule.max_age=1",
+                              f"agent.function={AGENTS}:sometimes_rewrites", "sim.generate_s=0.1")
+    assert summary["error"] is None and summary["accounting"]["balanced"]
+    segments = [n for e in events if e["ev"] == "rollout_end" and e.get("batch") != "val"
+                for n in e.get("segments", [])]
+    assert set(segments) == {1, 2}
+    if mode == "inflight":  # some refit landed while a sample was still in its first segment
+        assert any(e["ev"] == "refit_end" and e.get("segments") for e in events)
