@@ -49,7 +49,8 @@ def _build_tiny(args: argparse.Namespace) -> int:
               f"(reward variance {fit['reward_var']:.3f}), correlation {fit['correlation']:.3f} "
               f"(sha256 {model_digest(args.out)[:12]})")
         return 0
-    return main(["--out", args.out, "--seed", str(args.seed), *(["--chat-template"] if args.chat_template else [])])
+    return main(["--out", args.out, "--seed", str(args.seed),
+                 *(["--chat-template", args.chat_template] if args.chat_template else [])])
 
 
 def _warmup(args: argparse.Namespace) -> int:
@@ -103,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-tiny", help="build the tiny model and tokenizer into a local HF directory")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chat-template", action="store_true", help="give the tokenizer a chat template "
-                   "(for chat-format datasets: examples/gsm8k_chat.yaml)")
+    from pipeline.inputs.tiny import CHAT_TEMPLATES
+    p.add_argument("--chat-template", nargs="?", const="plain", choices=sorted(CHAT_TEMPLATES),
+                   help="give the tokenizer a chat template: plain (the default; for chat-format datasets: "
+                   "examples/gsm8k_chat.yaml) or tools (for agents that call tools)")
     p.add_argument("--reward-model", action="store_true", help="build a classifier fitted to the tiny task's reward "
                    "(examples/tiny_reward_model.yaml)")
     p.set_defaults(func=_build_tiny)
