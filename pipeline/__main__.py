@@ -54,7 +54,7 @@ def _build_tiny(args: argparse.Namespace) -> int:
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    from pipeline.trainer.warmup import run
+    from pipeline.trainer.warmup_cli import run
     return run(args)
 
 
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(examples/tiny_reward_model.yaml)")
     p.set_defaults(func=_build_tiny)
     p = sub.add_parser("warmup", help="supervised warm-up of a model on an environment's expert transcripts")
-    from pipeline.trainer.warmup import add_arguments
+    from pipeline.trainer.warmup_cli import add_arguments
     add_arguments(p)
     p.set_defaults(func=_warmup)
     p = sub.add_parser("export", help="write a checkpoint's policy as a plain HF model (a LoRA adapter merged in)")
