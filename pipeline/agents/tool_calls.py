@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from typing import Any
 
 
@@ -35,16 +36,21 @@ def available_tool_parsers() -> list[str]:
 def load_tool_parser(name: str, tokenizer: Any) -> Any:
     """vLLM's tool parser `name` (ToolParserManager) for `tokenizer`; a
     ValueError names the parsers there are, or why this one cannot work
-    with this tokenizer (most need their model's special tokens)."""
+    with this tokenizer (most need their model's special tokens). Silences
+    vLLM's tool-parser loggers in this process."""
     from vllm.tool_parsers import ToolParserManager
     names = ToolParserManager.list_registered()
     if name not in names:
         raise ValueError(f"tool parser {name!r} is not one of vLLM's: {', '.join(names)}")
     try:
-        return ToolParserManager.get_tool_parser(name)(tokenizer)
+        parser = ToolParserManager.get_tool_parser(name)(tokenizer)
     except (RuntimeError, KeyError, ValueError) as exc:
         raise ValueError(f"tool parser {name!r} cannot parse this model's output: {exc} "
                          "(the tiny model's tool template writes the format of 'pythonic')") from None
+    # The parsers log a traceback for every malformed call, which a sampling policy writes by the
+    # thousand; parse_tool_calls returns one as content, which is all there is to say about it.
+    logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
+    return parser
 
 
 def chat_request(body: dict) -> Any:
