@@ -37,7 +37,7 @@ def load_tool_parser(name: str, tokenizer: Any) -> Any:
     """vLLM's tool parser `name` (ToolParserManager) for `tokenizer`; a
     ValueError names the parsers there are, or why this one cannot work
     with this tokenizer (most need their model's special tokens). Silences
-    vLLM's tool-parser loggers in this process."""
+    the parser's loggers in this process."""
     from vllm.tool_parsers import ToolParserManager
     names = ToolParserManager.list_registered()
     if name not in names:
@@ -49,8 +49,16 @@ def load_tool_parser(name: str, tokenizer: Any) -> Any:
                          "(the tiny model's tool template writes the format of 'pythonic')") from None
     # The parsers log a traceback for every malformed call, which a sampling policy writes by the
     # thousand; parse_tool_calls returns one as content, which is all there is to say about it.
-    logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
+    # Filters, not levels: an engine's start resets the levels of vLLM's loggers (core/vllm_env.py).
+    for logger in (logging.getLogger(type(parser).__module__), logging.getLogger("vllm.tool_parsers.utils")):
+        if not any(isinstance(f, _Silenced) for f in logger.filters):
+            logger.addFilter(_Silenced())
     return parser
+
+
+class _Silenced(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
 
 
 def chat_request(body: dict) -> Any:
