@@ -27,8 +27,10 @@ import argparse
 import json
 import random
 import re
+import sys
 from pathlib import Path
 
+from pipeline.core.jsonl import JsonLineError, json_lines
 from pipeline.core.types import Prompt
 from pipeline.envs.calculator import _OPS, MAX_OPERAND
 
@@ -76,11 +78,17 @@ def calculator_transcript(prompt: Prompt, *, guesses: float = GUESSES) -> dict:
 
 
 def write_calculator_transcripts(prompts_path: str | Path, out: str | Path, *, guesses: float = GUESSES) -> int:
-    """One transcript per row of `prompts_path`, as JSON lines into `out`; how many."""
-    from pipeline.inputs.datasets import load_prompts
+    """One transcript per row ({"id", "prompt", "answer"}) of the JSONL file
+    `prompts_path`, as JSON lines into `out`; how many."""
     if not 0 <= guesses <= 1:
         raise ValueError(f"guesses {guesses}: a share from 0 to 1")
-    rows = [calculator_transcript(p, guesses=guesses) for p in load_prompts(prompts_path, kind="train")]
+    try:
+        prompts = [Prompt(row["id"], row["prompt"], row["answer"])
+                   for _, row in json_lines(Path(prompts_path).read_text().splitlines())]
+    except (KeyError, TypeError, JsonLineError) as exc:
+        raise ValueError(f"{prompts_path}: not the calculator's rows ({{\"id\", \"prompt\", \"answer\"}}): "
+                         f"{type(exc).__name__}: {exc}") from None
+    rows = [calculator_transcript(p, guesses=guesses) for p in prompts]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text("".join(json.dumps(row) + "\n" for row in rows))
     return len(rows)
@@ -94,5 +102,8 @@ if __name__ == "__main__":
     ap.add_argument("--guesses", type=float, default=GUESSES,
                     help=f"share of transcripts that guess instead of calling the tool (default {GUESSES})")
     args = ap.parse_args()
-    n = write_calculator_transcripts(args.prompts, args.out, guesses=args.guesses)
+    try:
+        n = write_calculator_transcripts(args.prompts, args.out, guesses=args.guesses)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"error: {exc}")
     print(f"wrote {n} transcripts to {args.out}")

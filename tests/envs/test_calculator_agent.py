@@ -91,3 +91,12 @@ def test_the_writer_writes_one_transcript_per_row(tmp_path):
     assert rows == [calculator_transcript(p, guesses=0) for p in load_prompts(TRAIN, kind="train")]
     with pytest.raises(ValueError, match="guesses 1.5: a share from 0 to 1"):
         write_calculator_transcripts(TRAIN, out, guesses=1.5)
+
+
+def test_the_writer_names_a_file_that_is_not_the_calculators_rows(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "question": "What is 1+2?"}\n')
+    run = subprocess.run([sys.executable, "-m", "pipeline.envs.calculator_agent", str(bad), str(tmp_path / "o")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr == f"error: {bad}: not the calculator's rows " + '({"id", "prompt", "answer"}): KeyError: \'prompt\'\n'
