@@ -99,4 +99,5 @@ def test_the_writer_names_a_file_that_is_not_the_calculators_rows(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pipeline.envs.calculator_agent", str(bad), str(tmp_path / "o")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
-    assert run.stderr == f"error: {bad}: not the calculator's rows " + '({"id", "prompt", "answer"}): KeyError: \'prompt\'\n'
+    assert run.stderr == (f"error: {bad}: not the calculator's rows "
+                          '({"id", "prompt", "answer"}): KeyError: \'prompt\'\n')
