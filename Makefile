@@ -39,6 +39,18 @@ models/tiny_game/config.json: models/tiny/config.json data/game_train.jsonl data
 	$(PY) -m pipeline warmup --model models/tiny --env pipeline.envs.digit_game:DigitGuessEnv \
 		--data data/game_train.jsonl --val data/game_val.jsonl --out models/tiny_game --seed 0
 
+# The tiny model with the tool-calling chat template, warmed up on the calculator agent's chat
+# transcripts (pipeline/envs/calculator_agent.py), for agents on the chat API; its calls are
+# 29-31 tokens, so --max-new-tokens is the agent's max_tokens (32), not the run's 16.
+AGENT_BUILD := build/tiny_agent
+models/tiny_agent/config.json: data/tool_train.jsonl data/tool_val.jsonl | $(STAMP)
+	$(PY) -m pipeline build-tiny --out $(AGENT_BUILD)/base --chat-template tools
+	$(PY) -m pipeline.envs.calculator_agent data/tool_train.jsonl $(AGENT_BUILD)/train.jsonl
+	$(PY) -m pipeline.envs.calculator_agent data/tool_val.jsonl $(AGENT_BUILD)/val.jsonl --guesses 0
+	$(PY) -m pipeline warmup --model $(AGENT_BUILD)/base --transcripts $(AGENT_BUILD)/train.jsonl \
+		--val $(AGENT_BUILD)/val.jsonl --tool-parser pythonic --max-new-tokens 32 --steps 400 \
+		--out models/tiny_agent --seed 0
+
 # The models the recipe names (policy, reward model), when they are ones built here (models/tiny*).
 RECIPE_MODELS := $(filter models/tiny%,$(shell sed -n 's/^  path: *//p' $(RECIPE) 2>/dev/null))
 

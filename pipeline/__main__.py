@@ -49,11 +49,12 @@ def _build_tiny(args: argparse.Namespace) -> int:
               f"(reward variance {fit['reward_var']:.3f}), correlation {fit['correlation']:.3f} "
               f"(sha256 {model_digest(args.out)[:12]})")
         return 0
-    return main(["--out", args.out, "--seed", str(args.seed), *(["--chat-template"] if args.chat_template else [])])
+    return main(["--out", args.out, "--seed", str(args.seed),
+                 *(["--chat-template", args.chat_template] if args.chat_template else [])])
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    from pipeline.trainer.warmup import run
+    from pipeline.trainer.warmup_cli import run
     return run(args)
 
 
@@ -103,13 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-tiny", help="build the tiny model and tokenizer into a local HF directory")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chat-template", action="store_true", help="give the tokenizer a chat template "
-                   "(for chat-format datasets: examples/gsm8k_chat.yaml)")
+    from pipeline.inputs.tiny import CHAT_TEMPLATES
+    p.add_argument("--chat-template", nargs="?", const="plain", choices=sorted(CHAT_TEMPLATES),
+                   help="give the tokenizer a chat template: plain (the default; for chat-format datasets: "
+                   "examples/gsm8k_chat.yaml) or tools (for agents that call tools)")
     p.add_argument("--reward-model", action="store_true", help="build a classifier fitted to the tiny task's reward "
                    "(examples/tiny_reward_model.yaml)")
     p.set_defaults(func=_build_tiny)
     p = sub.add_parser("warmup", help="supervised warm-up of a model on an environment's expert transcripts")
-    from pipeline.trainer.warmup import add_arguments
+    from pipeline.trainer.warmup_cli import add_arguments
     add_arguments(p)
     p.set_defaults(func=_warmup)
     p = sub.add_parser("export", help="write a checkpoint's policy as a plain HF model (a LoRA adapter merged in)")

@@ -104,6 +104,32 @@ def build_tokenizer(vocab_size: int = 384, *, corpus: str | Path = TOKENIZER_COR
 TINY_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}"
                       "\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
+# TINY_CHAT_TEMPLATE with tools: the same text for plain messages, the tools as a turn of
+# their own before them (so every render of a longer conversation extends a shorter one's),
+# and an assistant's calls in the `pythonic` tool parser's format, the shortest a byte-level
+# vocabulary can write without special tokens: [calculator(expression="37+45")].
+# A call's arguments are a dict, as in HF templates (vLLM parses OpenAI's JSON strings before
+# rendering; pipeline.agents.tool_calls.template_messages does the same); a string is refused
+# rather than rendered into text no parser reads back. Content beside calls is refused too:
+# pythonic output is a call list or text, never both.
+TINY_TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|tools|>\n{% for t in tools %}{% set f = t['function'] if t['function'] is defined else t %}"
+    "{{ f['name'] }}({{ ((f['parameters'] | default({}))['properties'] | default({})) | list | join(', ') }})"
+    "{% if f['description'] %}: {{ f['description'] }}{% endif %}\n{% endfor %}{{ eos_token }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['tool_calls'] %}"
+    "{% if m['content'] %}{{ raise_exception('an assistant message with tool_calls must have no content') }}{% endif %}"
+    "[{% for c in m['tool_calls'] %}{% set f = c['function'] %}"
+    "{% if f['arguments'] is not mapping %}{{ raise_exception('tool call arguments must be a dict: parse the JSON "
+    "string first (pipeline.agents.tool_calls.template_messages)') }}{% endif %}"
+    "{{ f['name'] }}({% for k, v in f['arguments'] | items %}{{ k }}={{ v | tojson }}{{ ', ' if not loop.last }}"
+    "{% endfor %}){{ ', ' if not loop.last }}{% endfor %}]"
+    "{% elif m['content'] is string %}{{ m['content'] }}"
+    "{% elif m['content'] %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_TEMPLATES = {"plain": TINY_CHAT_TEMPLATE, "tools": TINY_TOOL_CHAT_TEMPLATE}
+
 
 # architecture -> (transformers config class, model class)
 ARCHITECTURES = {
@@ -118,7 +144,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
                      heads: int = 4, head_dim: int = 32, intermediate: int = 128,
                      vocab_size: int = 384, max_positions: int = 512,
                      tie_embeddings: bool = False, init_std: float = 0.02,
-                     corpus: str | Path = TOKENIZER_CORPUS, chat_template: bool = False,
+                     corpus: str | Path = TOKENIZER_CORPUS, chat_template: str | None = None,
                      architecture: str = "llama", kv_heads: int | None = None,
                      experts: int = 4, experts_per_token: int = 2, classifier: bool = False) -> Path:
     """Build and save a random tiny Llama and its tokenizer into `out_dir`.
@@ -126,8 +152,9 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
     head_dim defaults to 32 rather than hidden // heads (16) because vLLM's CPU
     attention only supports head sizes 32, 64, 80, ...; Llama allows
     heads * head_dim != hidden. Weights are fp32 so vLLM (dtype float32) and
-    transformers compute the same logprobs. `chat_template`: the tokenizer
-    gets TINY_CHAT_TEMPLATE, for chat-format datasets. `architecture`: one of
+    transformers compute the same logprobs. `chat_template`: a name in
+    CHAT_TEMPLATES, the tokenizer's chat template: "plain" for chat-format
+    datasets, "tools" for agents that call tools. `architecture`: one of
     ARCHITECTURES, the families users train (Qwen2: q/k/v biases; Qwen3: q/k
     norms; Qwen3-MoE: Qwen3 with `experts` MLPs of `intermediate` width in
     every layer, `experts_per_token` of them routed to each token);
@@ -140,11 +167,13 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, la
 
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r}: one of {', '.join(ARCHITECTURES)}")
+    if chat_template is not None and chat_template not in CHAT_TEMPLATES:
+        raise ValueError(f"chat template {chat_template!r}: one of {', '.join(CHAT_TEMPLATES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size, corpus=corpus)
-    if chat_template:
-        tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    if chat_template is not None:
+        tokenizer.chat_template = CHAT_TEMPLATES[chat_template]
     # The HF vocab must be the tokenizer's real length: vLLM pads internally
     # and reload_weights expects the unpadded [len(tokenizer), hidden] shapes.
     config_class, model_class = ARCHITECTURES[architecture]
@@ -202,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--intermediate", type=int, default=128)
     ap.add_argument("--vocab-size", type=int, default=384)
-    ap.add_argument("--chat-template", action="store_true", help="give the tokenizer a chat template")
+    ap.add_argument("--chat-template", nargs="?", const="plain", choices=sorted(CHAT_TEMPLATES),
+                    help="give the tokenizer a chat template: plain (the default) or tools")
     ap.add_argument("--write-data", metavar="DIR",
                     help="also (re)write tiny_train.jsonl / tiny_val.jsonl into DIR")
     args = ap.parse_args(argv)

@@ -37,7 +37,6 @@ in docs/results.md (tool_seeds).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -283,7 +282,7 @@ def warmup(model_dir: str | Path, env_spec: str, data: str | Path, out: str | Pa
            val: str | Path | None = None, steps: int | None = None, prompts: int | None = None,
            lr: float = DEFAULT_LR, batch_size: int = DEFAULT_BATCH, seed: int = 0,
            env_args: dict | None = None, max_turns: int | None = None, samples: int = 4,
-           log: Any = None) -> WarmupReport:
+           max_new_tokens: int = MAX_NEW_TOKENS, log: Any = None) -> WarmupReport:
     """Warm `model_dir` up on `env_spec`'s expert transcripts of the first
     `prompts` rows of `data` and save it to `out`. With `val`: the greedy
     reward before and after, and after, the reward of `samples` samples per
@@ -317,18 +316,20 @@ def warmup(model_dir: str | Path, env_spec: str, data: str | Path, out: str | Pa
     torch.set_num_threads(1)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        transcripts = [expert_episode(env_cls, env_args, p, tokenizer, max_turns=max_turns) for p in train_prompts]
+        transcripts = [expert_episode(env_cls, env_args, p, tokenizer, max_turns=max_turns,
+                                      max_new_tokens=max_new_tokens) for p in train_prompts]
         model = LlamaForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
 
         def evaluate(when: str, sampled: bool) -> tuple[EvalResult | None, EvalResult | None]:
             if val_prompts is None:
                 return None, None
-            greedy = greedy_eval(model, tokenizer, env_cls, env_args, val_prompts, max_turns=max_turns)
+            kw = dict(max_turns=max_turns, max_new_tokens=max_new_tokens)
+            greedy = greedy_eval(model, tokenizer, env_cls, env_args, val_prompts, **kw)
             line = f"val reward {when}: greedy {greedy.reward:.3f} (formatted {greedy.formatted:.2f})"
             drawn = None
             if sampled:
-                drawn = play(model, tokenizer, env_cls, env_args, val_prompts, max_turns=max_turns,
-                             temperature=1.0, samples=samples, seed=seed)
+                drawn = play(model, tokenizer, env_cls, env_args, val_prompts, temperature=1.0, samples=samples,
+                             seed=seed, **kw)
                 line += f", sampled {drawn.reward:.3f} (formatted {drawn.formatted:.2f})"
             if log:
                 log(line)
@@ -349,40 +350,9 @@ def warmup(model_dir: str | Path, env_spec: str, data: str | Path, out: str | Pa
                           before=before, after=after, after_sampled=after_sampled, out=out_path)
     meta = {"base_model": str(model_path), "env": env_spec, "env_args": env_args, "data": str(data),
             "val": None if val is None else str(val), "lr": lr, "batch_size": batch_size, "seed": seed,
-            **report.summary()}
+            "max_new_tokens": max_new_tokens, **report.summary()}
     _save(model, model_path, out_path, meta)
     if log:
         log(f"{steps} steps on {len(train_prompts)} prompts in {seconds:.1f} s, "
             f"loss {report.loss_first:.3f} -> {report.loss_last:.3f}; wrote {out_path}")
     return report
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", required=True, help="HF directory to start from, e.g. models/tiny")
-    ap.add_argument("--env", required=True, help="module:Class, e.g. pipeline.envs.calculator:CalculatorEnv")
-    ap.add_argument("--env-args", default="{}", help="JSON object of constructor arguments (env.args)")
-    ap.add_argument("--data", required=True, help="training prompts (JSONL/Parquet)")
-    ap.add_argument("--val", default=None, help="prompts to report the reward on, before and after")
-    ap.add_argument("--out", required=True, help="directory to write the warmed-up model into")
-    ap.add_argument("--steps", type=int, default=None,
-                    help=f"default: the env class's warmup_steps, else {DEFAULT_STEPS}")
-    ap.add_argument("--prompts", type=int, default=None,
-                    help="demonstrate only the first N training prompts (default: the env class's "
-                         "warmup_prompts, else all)")
-    ap.add_argument("--lr", type=float, default=DEFAULT_LR)
-    ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
-    ap.add_argument("--max-turns", type=int, default=None, help="default: the env's own max_turns")
-    ap.add_argument("--seed", type=int, default=0)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        env_args = json.loads(args.env_args)
-    except ValueError as exc:
-        raise ValueError(f"--env-args {args.env_args!r} is not JSON: {exc}") from None
-    if not isinstance(env_args, dict):
-        raise ValueError(f"--env-args {args.env_args!r} must be a JSON object")
-    warmup(args.model, args.env, args.data, args.out, val=args.val, steps=args.steps, prompts=args.prompts,
-           lr=args.lr, batch_size=args.batch_size, seed=args.seed, env_args=env_args,
-           max_turns=args.max_turns, log=print)
-    return 0

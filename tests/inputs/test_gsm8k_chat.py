@@ -19,7 +19,7 @@ pytestmark = pytest.mark.real
 
 def test_the_gsm8k_chat_recipe_runs_scores_and_checkpoints(tmp_path, ray_session):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = build_tiny_model(tmp_path / "tiny_chat", chat_template=True)
+    model = build_tiny_model(tmp_path / "tiny_chat", chat_template="plain")
     cfg = load_config("examples/gsm8k_chat.yaml", [
         f"model.path={model}", f"run.output_dir={tmp_path}", "run.name=chat", "run.steps=3",
         "run.checkpoint_every=3", "validation.period=0", "validation.at_end=false", "metrics.tensorboard=false"])

@@ -197,7 +197,7 @@ def test_integer_ground_truths_reach_a_verl_reward_as_their_text(tmp_path, chat,
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     from pipeline.inputs.tiny import build_tiny_model
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_chat", chat_template=True)
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_chat", chat_template="plain")
 
 
 @pytest.fixture

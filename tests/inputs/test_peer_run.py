@@ -42,7 +42,7 @@ def verl_parquet(path, n: int):
 
 
 def test_a_verl_parquet_trains_on_verl_rewards_given_by_path_and_routed_by_data_source(tmp_path, ray_session):
-    model = build_tiny_model(tmp_path / "tiny_chat", chat_template=True)
+    model = build_tiny_model(tmp_path / "tiny_chat", chat_template="plain")
     calls = tmp_path / "calls.jsonl"
     rewards = tmp_path / "verl_rewards.py"
     rewards.write_text(VERL_REWARDS + f"\nCALLS_FILE = {str(calls)!r}\n" + CALLS)

@@ -90,7 +90,7 @@ def test_every_step_rounds_away_tiny_differences_and_the_fit_ends_in_float32():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("chat_template", [False, True])
+@pytest.mark.parametrize("chat_template", [None, "plain", "tools"])
 def test_the_random_tiny_models_make_builds_have_the_pinned_digest(tmp_path, chat_template):
     from pipeline.inputs.tiny import build_tiny_model, model_digest
     assert model_digest(build_tiny_model(tmp_path / "tiny", chat_template=chat_template)) == TINY_DIGEST

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.real
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("rm") / "classifier", seed=3, classifier=True,
-                            chat_template=True)
+                            chat_template="plain")
 
 
 def test_a_classifiers_score_does_not_depend_on_its_batch(classifier):
@@ -59,7 +59,7 @@ def test_a_chat_prompt_reaches_the_classifier_in_its_own_template(classifier):
 
 @pytest.mark.parametrize("kind", ["classifier", "judge"])
 def test_a_run_scores_every_batch_with_its_reward_model(tmp_path, ray_session, tiny_model, classifier, kind):
-    judge = build_tiny_model(tmp_path / "judge", seed=5, chat_template=True) if kind == "judge" else None
+    judge = build_tiny_model(tmp_path / "judge", seed=5, chat_template="plain") if kind == "judge" else None
     # The classifier's run validates by the task's rule (validation.reward), the judge's by its training reward.
     overrides = {"classifier": ["reward_model.kind=classifier", f"reward_model.path={classifier}", "data.reward=",
                                 "validation.reward=pipeline.rewards.rules:tiny_reward"],
