@@ -36,8 +36,11 @@ class AgentServing:
                                   self.gateway.app)
         self.parse = None
         if cfg.agent.tool_parser:
-            from pipeline.agents.tool_calls import tool_call_reader
-            self.parse = tool_call_reader(cfg.agent.tool_parser, engine.tokenizer)
+            from pipeline.agents.tool_calls import ToolCallReader
+            try:
+                self.parse = ToolCallReader(cfg.agent.tool_parser, engine.tokenizer)
+            except ValueError as exc:
+                raise ValueError(f"agent.tool_parser: {exc}") from None
 
     def sessions(self, emit: Callable[..., None], version: Callable[[], int]) -> AgentSessions:
         """The engine loop's agents (EngineLoop's `agents`)."""

@@ -26,6 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from jinja2 import TemplateError
+
 from pipeline.agents.history import History, Segment
 from pipeline.agents.requests import ChatRequest, GatewayError
 from pipeline.agents.responses import chat_response, cut_at_stop
@@ -51,7 +53,7 @@ class Session:
 
 class AgentSessions:
     """`launch(key, session_id, prompt) -> handle` starts a sample's agent (pipeline/agents/runner.py),
-    `cancel(handle)` stops it; `parse(text, request) -> (content, tool_calls)`
+    `cancel(handle)` stops it; `parse(text, tools, tool_choice) -> (content, tool_calls)`
     reads tool calls (None: the text is the content); `scored`: data.reward or a
     reward model scores an agent's None; `version()`: the weights the engine holds now."""
 
@@ -96,8 +98,7 @@ class AgentSessions:
         segment.append(ids, list(completion.logprobs), list(completion.versions), sampled=True)
         segment.closed = bool(ids) and ids[-1] == self.engine.eos_id
         text = cut_at_stop(completion.text, request.stop)
-        content, tool_calls = self._parse(text, request) if self._parse and request.tool_choice != "none" \
-            else (text, [])
+        content, tool_calls = self._parse(text, request.tools, request.tool_choice) if self._parse else (text, [])
         message = {"role": "assistant", "content": content or ""}
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -154,13 +155,17 @@ class AgentSessions:
     # -- inside -------------------------------------------------------------------
     def _begin(self, session: Session, request: ChatRequest, reply: Future) -> None:
         messages, current = list(request.messages), session.segments[-1] if session.segments else None
-        added = None if current is None else self.history.continuation(current, messages, request.tools)
+        try:
+            added = None if current is None else self.history.continuation(current, messages, request.tools)
+            segment = self.history.start(messages, request.tools) if added is None else current
+        except (ValueError, TemplateError) as exc:
+            reply.set_exception(GatewayError(400, f"messages: the model's chat template cannot render them: {exc}",
+                                             "messages", "invalid_messages"))
+            return self._next(session)
         if added is None:
-            segment, new = self.history.start(messages, request.tools), messages
-            context = segment.prompt_ids
+            new, context = messages, segment.prompt_ids
         else:
-            segment, new = current, messages[len(current.messages):]
-            context = current.context() + tuple(added)
+            new, context = messages[len(current.messages):], current.context() + tuple(added)
         limit = self.engine.max_model_len - len(context)
         if limit < 1:
             session.truncated = True

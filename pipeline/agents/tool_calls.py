@@ -110,3 +110,21 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 call["function"]["arguments"] = arguments
         out.append(message)
     return out
+
+
+class ToolCallReader:
+    """One run's tool calls: `reader(text, tools, tool_choice) -> (content, tool_calls)`,
+    with parser `name` for `tokenizer` and vLLM's request built once per set of tools."""
+
+    def __init__(self, name: str, tokenizer: Any):
+        self.parser = load_tool_parser(name, tokenizer)
+        self._requests: dict[str, Any] = {}
+
+    def __call__(self, text: str, tools: tuple[dict, ...], tool_choice: str) -> tuple[str | None, list[dict]]:
+        key = json.dumps([tools, tool_choice], sort_keys=True)
+        request = self._requests.get(key)
+        if request is None:
+            request = chat_request({"messages": [{"role": "user", "content": ""}], "tools": list(tools) or None,
+                                    "tool_choice": tool_choice})
+            self._requests[key] = request
+        return parse_tool_calls(self.parser, text, request)

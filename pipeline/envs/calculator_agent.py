@@ -1,7 +1,9 @@
 """The calculator task (pipeline/envs/calculator.py) as an agent on the
 OpenAI chat API plays it: one function tool, `calculator`, offered with
 every request; the model's calls are run by run_calculator() and sent back
-as `tool` messages.
+as `tool` messages. solve() is that agent (agent.function of
+examples/tiny_agent_grpo.yaml); the transcripts below teach the tiny model
+its format before RL (`make models/tiny_agent/config.json`).
 
 A transcript, rendered by the tiny model's tool template (pipeline/inputs/tiny.py):
 
@@ -41,6 +43,7 @@ CALCULATOR_TOOL = {"type": "function", "function": {
 TOOL_PARSER = "pythonic"  # the format the tiny model's tool template writes calls in
 MAX_TOKENS = 32           # max_tokens of each request: the longest call with </s>, and a spare one
 GUESSES = 0.5
+MAX_REQUESTS = 3          # a call and an answer, and one retry (CalculatorEnv's max_turns)
 
 _EXPRESSION_RE = re.compile(r"\s*(\d{1,6})\s*([-+*])\s*(\d{1,6})\s*")
 
@@ -53,6 +56,36 @@ def run_calculator(arguments: dict) -> str:
     if m is None:
         return "error: expression must be A+B, A-B or A*B"
     return str(_OPS[m.group(2)](int(m.group(1)), int(m.group(3))))
+
+
+async def solve(client, prompt: Prompt) -> float:
+    """The example agent (examples/tiny_agent_grpo.yaml): offers the calculator,
+    runs the calls the model makes and sends back their results; 1.0 when the
+    model's answer is prompt.answer after at least one call (as CalculatorEnv
+    with require_tool rewards), else 0.0."""
+    messages: list[dict] = [{"role": "user", "content": prompt.text}]
+    called = False
+    for _ in range(MAX_REQUESTS):
+        answer = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL],
+                                                      max_tokens=MAX_TOKENS)
+        message = answer.choices[0].message
+        if not message.tool_calls:
+            return float(called and (message.content or "").strip() == prompt.answer)
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": _run_call(call.function)})
+        called = True
+    return 0.0
+
+
+def _run_call(function) -> str:
+    if function.name != "calculator":
+        return f"error: no tool named {function.name!r}"
+    try:
+        arguments = json.loads(function.arguments)
+    except ValueError:
+        return "error: the arguments are not JSON"
+    return run_calculator(arguments)
 
 
 def calculator_transcript(prompt: Prompt, *, guesses: float = GUESSES) -> dict:

@@ -187,9 +187,10 @@ class VllmGenerationEngine:
 
     # -- chat, for the agents' gateway (pipeline/agents/) ------------------
     def render_chat(self, messages: list[dict], tools: tuple[dict, ...], add_generation_prompt: bool) -> str:
-        """The conversation as the model's chat template writes it."""
-        return self.tokenizer.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        """The conversation as the model's chat template writes it (calls' arguments as dicts, as templates take them)."""
+        from pipeline.agents.tool_calls import template_messages
+        return self.tokenizer.apply_chat_template(template_messages(messages), tools=list(tools) or None,
+                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
 
     @property
     def eos_id(self) -> int | None:

@@ -23,7 +23,6 @@ LAYERS = [
     ["pipeline.inputs"],
     ["pipeline.sim"],
     ["pipeline.weights"],
-    ["pipeline.agents"],
     ["pipeline.controller", "pipeline.generator", "pipeline.trainer", "pipeline.reward_model"],
     ["pipeline.run"],
     ["pipeline.tools"],
