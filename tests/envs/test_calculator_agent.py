@@ -49,11 +49,11 @@ def test_a_transcript_calls_the_tool_then_answers_its_result():
     assert answer == {"role": "assistant", "content": "82"}
 
 
-def test_half_the_transcripts_guess_at_once_the_same_way_every_time():
+def test_seven_in_ten_transcripts_guess_at_once_the_same_way_every_time():
     prompts = load_prompts(TRAIN, kind="train")
     transcripts = [calculator_transcript(p) for p in prompts]
     guesses = [t for t in transcripts if len(t["messages"]) == 2]
-    assert 0.4 < len(guesses) / len(transcripts) < 0.6
+    assert 0.6 < len(guesses) / len(transcripts) < 0.8
     assert all(t["messages"][1]["role"] == "assistant" and 0 <= int(t["messages"][1]["content"]) <= 198
                for t in guesses)
     assert len({t["messages"][1]["content"] for t in guesses}) > 20
