@@ -28,7 +28,13 @@ Part 3, concurrent sessions (simulated engine, sim.generate_s 0.05 per
 16-token turn): 64, 256 and 1024 sessions of two requests each on one
 generator: errors (target 0), wall time, requests/s.
 
-    .venv/bin/python -m benchmarks.agents            # full: a few minutes on 2 cores
+Part 4, learning (real stack, training): examples/tiny_agent_grpo.yaml on
+--seeds, --steps steps, from the tiny model warmed up as `make
+models/tiny_agent/config.json` does; greedy validation before RL and at the
+end, and the training reward of the first and last ten steps. Target: the
+final greedy validation beats the warm-up's on every seed.
+
+    .venv/bin/python -m benchmarks.agents            # full: about 15 minutes on 2 cores
     .venv/bin/python -m benchmarks.agents --quick    # CI smoke: seconds; not a measurement
 """
 from __future__ import annotations
@@ -41,7 +47,8 @@ import time
 from pathlib import Path
 
 from benchmarks.agent_rig import AgentLoop, sim_engine
-from benchmarks.harness import machine_info, print_table, print_targets, stats, write_result
+from benchmarks.harness import ROOT, machine_info, print_table, print_targets, shutdown_ray, start_ray, stats
+from benchmarks.harness import write_result
 from benchmarks.workloads import MODEL_SIZES
 from pipeline.core.types import Prompt
 from pipeline.envs.calculator import CalculatorEnv, calculator_rows
@@ -90,7 +97,7 @@ def throughput(args, tmp: Path, size: str) -> dict:
     from pipeline.inputs.tiny import build_tiny_model
     hidden, layers, heads, head_dim, inter = MODEL_SIZES[size]
     model = build_tiny_model(tmp / f"{size}_chat", hidden=hidden, layers=layers, heads=heads, head_dim=head_dim,
-                             intermediate=inter, chat_template=True)
+                             intermediate=inter, chat_template="plain")
     engine = VllmGenerationEngine(model, seed=0, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0,
                                   kv_cache_seqs=args.prompts * args.group)
     rows = calculator_rows(args.prompts * args.batches, seed=0)
@@ -154,11 +161,48 @@ def concurrency(args, tmp: Path) -> list[dict]:
     return out
 
 
+def warmed_up_agent_model(tmp: Path) -> Path:
+    """The Makefile's models/tiny_agent, built in `tmp`."""
+    import subprocess
+    import sys
+    from pipeline.envs.calculator_agent import write_calculator_transcripts
+    from pipeline.inputs.tiny import build_tiny_model
+    base = build_tiny_model(tmp / "agent_base", chat_template="tools")
+    write_calculator_transcripts(ROOT / "data" / "tool_train.jsonl", tmp / "train.jsonl")
+    write_calculator_transcripts(ROOT / "data" / "tool_val.jsonl", tmp / "val.jsonl", guesses=0)
+    out = tmp / "tiny_agent"
+    subprocess.run([sys.executable, "-m", "pipeline", "warmup", "--model", str(base), "--transcripts",
+                    str(tmp / "train.jsonl"), "--val", str(tmp / "val.jsonl"), "--tool-parser", "pythonic",
+                    "--max-new-tokens", "32", "--steps", "400", "--out", str(out), "--seed", "0"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=1800)
+    return out
+
+
+def learning(args, tmp: Path) -> list[dict]:
+    from benchmarks.tool_seeds import run_once
+    model = warmed_up_agent_model(tmp)
+    runs = []
+    start_ray()
+    try:
+        for seed in args.seeds:
+            run = run_once("tiny_agent_grpo", seed, args, model, tmp)
+            runs.append(run)
+            print(f"tiny_agent_grpo seed {seed}: val {run['val_start']} -> {run['val_end']}, reward "
+                  f"{run['reward_first10']:.2f} -> {run['reward_last10']:.2f} ({run['wall_s']} s)", flush=True)
+    finally:
+        shutdown_ray()
+    return runs
+
+
 def targets(figures: dict) -> list[dict]:
     errors = sum(c["errors"] for c in figures["concurrency"])
     return [{"target": f"{t['model']} model: gateway >= 0.9x the in-process env's generated tokens/s (median ratio)",
              "value": t["ratio"]["median"], "met": t["ratio"]["median"] >= 0.9} for t in figures["throughput"]] + [
-            {"target": "0 errors with 64 / 256 / 1024 concurrent sessions", "value": errors, "met": errors == 0}]
+            {"target": "0 errors with 64 / 256 / 1024 concurrent sessions", "value": errors, "met": errors == 0}] + (
+        [{"target": "tiny_agent_grpo: final greedy val > the warm-up's, every seed",
+          "value": [r["val_end"] for r in figures["learning"]],
+          "met": all(r["val_end"] > r["val_start"] for r in figures["learning"])}]
+        if isinstance(figures["learning"], list) else [])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -172,17 +216,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sessions", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--sizes", nargs="+", default=["tiny", "25M"], choices=list(MODEL_SIZES),
                     help="models of benchmarks.workloads.MODEL_SIZES for part 1")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="part 4's run seeds")
+    ap.add_argument("--steps", type=int, default=80, help="part 4's steps per run")
+    ap.add_argument("--val-period", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None, help="folder for agents.json (default benchmarks/results)")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.batches, args.prompts, args.group = 1, 1, 2, 2
         args.overhead_requests, args.sessions, args.sizes = 64, [64], ["tiny"]
-    info = machine_info(ray=False)
+    info = machine_info()
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="dagrl_agents_"))
     try:
         figures = {"throughput": [throughput(args, tmp, size) for size in args.sizes], "overhead": overhead(args, tmp),
-                   "concurrency": concurrency(args, tmp)}
+                   "concurrency": concurrency(args, tmp),
+                   "learning": "not run under --quick" if args.quick else learning(args, tmp)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     tgts = targets(figures)
@@ -200,6 +248,11 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(["sessions", "errors", "wall s", "requests/s"],
                 [[c["sessions"], c["errors"], c["wall_s"], c["requests_per_s"]] for c in figures["concurrency"]],
                 title="concurrent sessions on one generator (simulated engine)")
+    if isinstance(figures["learning"], list):
+        print_table(["seed", "val start", "val end", "reward first 10", "reward last 10"],
+                    [[r["seed"], r["val_start"], r["val_end"], round(r["reward_first10"], 3),
+                      round(r["reward_last10"], 3)] for r in figures["learning"]],
+                    title="examples/tiny_agent_grpo.yaml across seeds (greedy validation, training reward)")
     print_targets(tgts)
     print(f"wrote {path} ({result['wall_s']:.0f} s)")
     return result

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.real
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     from pipeline.inputs.tiny import build_tiny_model
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_chat", chat_template=True)
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_chat", chat_template="plain")
 
 
 def agent_run(tmp_path, chat_model, *overrides: str) -> tuple[dict, list[dict], list[dict]]:
