@@ -87,3 +87,32 @@ def test_every_algorithm_preset_trains_an_agent(tmp_path, ray_session, chat_mode
     summary = train(cfg, quiet=True)
     assert summary["error"] is None and summary["steps"] == 2
     assert check_events(load_events(tmp_path / "p")) == []
+
+
+@pytest.fixture(scope="module")
+def calling_model(tmp_path_factory):
+    """The tiny model with the tool template, warmed up briefly on transcripts that all call the tool."""
+    from pipeline.envs.calculator_agent import write_calculator_transcripts
+    from pipeline.inputs.tiny import build_tiny_model
+    from pipeline.trainer.transcripts import warmup_on_transcripts
+    tmp = tmp_path_factory.mktemp("calling")
+    base = build_tiny_model(tmp / "base", chat_template="tools")
+    write_calculator_transcripts("data/tool_train.jsonl", tmp / "calls.jsonl", guesses=0)
+    warmup_on_transcripts(base, tmp / "calls.jsonl", tmp / "model", steps=50, lr=2e-3, batch_size=16,
+                          max_new_tokens=32)
+    return tmp / "model"
+
+
+def test_the_agent_recipe_calls_the_tool_through_the_parser_and_trains(tmp_path, ray_session, calling_model):
+    cfg = load_config("examples/tiny_agent_grpo.yaml", [
+        f"model.path={calling_model}", f"run.output_dir={tmp_path}", "run.name=calc", "run.steps=3",
+        "run.checkpoint_every=0", "validation.period=0", "validation.at_end=false", "metrics.samples=4"])
+    summary = train(cfg, quiet=True)
+    assert summary["error"] is None and summary["steps"] == 3
+    events = load_events(tmp_path / "calc")
+    assert check_events(events) == []
+    finishes = [e["finish"] for e in events if e["ev"] == "agent_request_end"]
+    assert finishes.count("tool_calls") >= 8  # sampled calls that the parser read (32 of 160 measured)
+    samples = [json.loads(line) for line in (tmp_path / "calc" / "samples.jsonl").read_text().splitlines()]
+    roles = [[t["role"] for t in c["turns"]] for s in samples for c in s["completions"]]
+    assert any(r[:4] == ["user", "model", "tool", "model"] for r in roles), roles[:4]

@@ -34,8 +34,10 @@ def tokenizer(agent_base):
 def transcripts(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("transcripts")
     write_calculator_transcripts(DATA / "tool_train.jsonl", out / "train.jsonl")
+    # Calls only, for the tests of the warm-up's fit: a guess teaches a random number.
+    write_calculator_transcripts(DATA / "tool_train.jsonl", out / "calls.jsonl", guesses=0)
     write_calculator_transcripts(DATA / "tool_val.jsonl", out / "val.jsonl", guesses=0)
-    return {"train": out / "train.jsonl", "val": out / "val.jsonl"}
+    return {"train": out / "train.jsonl", "calls": out / "calls.jsonl", "val": out / "val.jsonl"}
 
 
 def test_a_transcript_is_laid_out_as_a_session_renders_and_samples_it(tokenizer):
@@ -91,7 +93,7 @@ def test_warmup_on_transcripts_lowers_the_loss_and_is_reproducible(agent_base, t
     from pipeline.__main__ import main
     from pipeline.inputs.models import check_model_dir
     from pipeline.inputs.tiny import TINY_TOOL_CHAT_TEMPLATE, model_digest
-    args = ["warmup", "--model", str(agent_base), "--transcripts", str(transcripts["train"]), "--steps", "20",
+    args = ["warmup", "--model", str(agent_base), "--transcripts", str(transcripts["calls"]), "--steps", "20",
             "--prompts", "32", "--max-new-tokens", "32", "--val", str(transcripts["val"])]
     assert main(args + ["--out", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
@@ -133,7 +135,7 @@ def test_a_model_without_a_chat_template_is_refused(tiny_model, transcripts, tmp
 @pytest.mark.real  # the tool parser is vLLM's
 def test_a_short_warmup_makes_the_first_turn_a_call_the_parser_reads(agent_base, transcripts, tmp_path):
     from pipeline.trainer.transcripts import warmup_on_transcripts
-    meta = warmup_on_transcripts(agent_base, transcripts["train"], tmp_path / "out", val=transcripts["val"],
+    meta = warmup_on_transcripts(agent_base, transcripts["calls"], tmp_path / "out", val=transcripts["val"],
                                  steps=50, lr=2e-3, batch_size=16, tool_parser="pythonic", max_new_tokens=32)
     assert meta["val_first_turn_greedy"]["stopped"] == 1.0
     assert meta["val_first_turn_greedy"]["tool_calls"] >= 0.9
