@@ -94,6 +94,9 @@ class VllmGenerationEngine:
             # reset_prefix_cache walks every block of it after each refit.
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(config, max_model_len or positions or 2048,
                                                              kv_cache_seqs, dtype)
+            # A prompt prefilled in chunks has its first chunks' samples discarded and its
+            # seeded generator rewound, which a CPU torch.Generator cannot do (it raises).
+            kwargs["enable_chunked_prefill"] = False
         else:
             kwargs["gpu_memory_utilization"] = 0.3
         self._adapter_config = adapter_config
