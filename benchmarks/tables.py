@@ -15,7 +15,7 @@ from pathlib import Path
 
 from benchmarks.harness import RESULTS
 from benchmarks.tables_learning import long_run, seeds, tool_seeds, vs_trl, vs_trl_scale
-from benchmarks.tables_systems import batching, inflight, lora_trainer, multiturn, overlap, refit, soak, step_profile, trainer_efficiency
+from benchmarks.tables_systems import agents, batching, inflight, lora_trainer, multiturn, overlap, refit, soak, step_profile, trainer_efficiency
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "results.md"
 
@@ -34,6 +34,7 @@ SECTIONS = (
     ("overlap_scale1", overlap, "the same at G = T = 1 s (`overlap.py --ratios 1 --scale 1.0 --steps 4 --repeats 2`)"),
     ("inflight", inflight, "in-flight refits against draining (`inflight.py`)"),
     ("multiturn", multiturn, "multi-turn rollouts with a tool, async against sync (`multiturn.py`)"),
+    ("agents", agents, "agents through the gateway against the in-process environment (`agents.py`)"),
     ("refit", refit, "a refit, object store against collective, full against LoRA (`refit.py`)"),
     ("lora_trainer", lora_trainer, "trainer memory and step time, full against LoRA (`lora_trainer.py`)"),
     ("batching", batching, "padding and train-step time: rows, a token budget, packing (`batching.py`)"),

@@ -199,3 +199,29 @@ def soak(r: dict) -> str:
     rows = [[k.replace("_", " "), v] for k, v in t.items()]
     return head + md(["", "count"], rows, text_cols=1) + "\n\nTargets:\n\n" + targets(r["targets"])
 
+
+
+def agents(r: dict) -> str:
+    f = r["figures"]
+    through = md(["model", "repeat", "env tokens/s", "gateway tokens/s", "gateway / env", "turns (env, gateway)"],
+                 [[t["model"], i, f"{x['env']['tokens_per_s']:.0f}", f"{x['gateway']['tokens_per_s']:.0f}",
+                   f"{x['ratio']:.2f}", f"{x['env']['mean_turns']:.2f}, {x['gateway']['mean_turns']:.2f}"]
+                  for t in f["throughput"] for i, x in enumerate(t["repeats"])])
+    overhead = md(["sessions at once", "requests", "p50 ms", "p99 ms"],
+                  [[o["sessions"], o["requests"], f"{o['p50_ms']:.2f}", f"{o['p99_ms']:.2f}"] for o in f["overhead"]],
+                  text_cols=1)
+    sessions = md(["sessions", "errors", "wall s", "requests/s"],
+                  [[c["sessions"], c["errors"], f"{c['wall_s']:.2f}", f"{c['requests_per_s']:.0f}"]
+                   for c in f["concurrency"]], text_cols=1)
+    learning = "" if not isinstance(f["learning"], list) else (
+        "\n\n`examples/tiny_agent_grpo.yaml`, per seed: greedy validation after the warm-up -> at the end, "
+        "training reward of the first -> last 10 steps:\n\n"
+        + md(["seed", "validation", "reward", "reward failures"],
+             [[x["seed"], f"{x['val_start']:.3g} -> {x['val_end']:.3g}",
+               f"{x['reward_first10']:.2f} -> {x['reward_last10']:.2f}", x["env_failures"]] for x in f["learning"]],
+             text_cols=1))
+    return (f"{machine(r)}\n\nThe calculator task, generated tokens/s of 4 batches x 16 prompts x 4 samples, the "
+            "in-process environment against an agent through the gateway on one engine:\n\n" + through
+            + "\n\nPer-request overhead (simulated engine, one token per request, the client's wall time):\n\n"
+            + overhead + "\n\nConcurrent sessions on one generator (simulated engine, two requests each):\n\n"
+            + sessions + learning + "\n\nTargets:\n\n" + targets(r["targets"]))
