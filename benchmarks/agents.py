@@ -34,7 +34,7 @@ models/tiny_agent/config.json` does; greedy validation before RL and at the
 end, and the training reward of the first and last ten steps. Target: the
 final greedy validation beats the warm-up's on every seed.
 
-    .venv/bin/python -m benchmarks.agents            # full: about 15 minutes on 2 cores
+    .venv/bin/python -m benchmarks.agents            # full: about 5 minutes on 2 cores
     .venv/bin/python -m benchmarks.agents --quick    # CI smoke: seconds; not a measurement
 """
 from __future__ import annotations

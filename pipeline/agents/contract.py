@@ -13,9 +13,10 @@ plain function on a thread of its own (agent.threads of them at most).
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Callable
+
+from pipeline.core.specs import SpecError, resolve_spec
 
 
 class AgentError(ValueError):
@@ -24,16 +25,10 @@ class AgentError(ValueError):
 
 def load_agent_function(spec: str) -> Callable:
     """Resolve "package.module:function" and check it takes (client, prompt); raises AgentError."""
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise AgentError(f"{spec!r}: expected 'module:function', e.g. 'pipeline.agents.calculator:solve'")
-    module_name, attr = spec.split(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - a module's import can raise anything
-        raise AgentError(f"{spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
-    function = getattr(module, attr, None)
-    if function is None:
-        raise AgentError(f"{spec!r}: module {module_name!r} has no attribute {attr!r}")
+        attr, function = resolve_spec(spec, "module:function", "pipeline.envs.calculator_agent:solve")
+    except SpecError as exc:
+        raise AgentError(f"{spec!r}: {exc}") from exc.__cause__
     if inspect.isclass(function) or not callable(function):
         raise AgentError(f"{spec!r}: {attr!r} is a {type(function).__name__}, not a function")
     try:

@@ -31,6 +31,7 @@ from jinja2 import TemplateError
 from pipeline.agents.history import History, Segment
 from pipeline.agents.requests import ChatRequest, GatewayError
 from pipeline.agents.responses import chat_response, cut_at_stop
+from pipeline.core.specs import version_runs
 from pipeline.core.types import Completion, GenerationEngine, Prompt, turn_seed
 
 
@@ -82,7 +83,7 @@ class AgentSessions:
         """A request from the gateway: decoded now, or after the session's running one."""
         session = self._live.get(self._ids.get(session_id, ""))
         if session is None:
-            reply.set_exception(GatewayError(404, f"session {session_id!r}: no such session, or its sample is "
+            _refuse(reply, GatewayError(404, f"session {session_id!r}: no such session, or its sample is "
                                                   "over", None, "session_not_found"))
         elif session.running is not None:
             session.waiting.append((request, reply))
@@ -108,8 +109,8 @@ class AgentSessions:
         session.truncated = session.truncated or bool(completion.truncated)
         finish = "tool_calls" if tool_calls else "length" if completion.truncated else "stop"
         self._emit("agent_request_end", batch=_batch(session.key), sample=session.key, request=session.requests,
-                   tokens=len(ids), token_versions=_runs(completion.versions), finish=finish)
-        reply.set_result(chat_response(f"chatcmpl-{session.id}-{session.requests}", self.model_name, message, finish,
+                   tokens=len(ids), token_versions=version_runs(completion.versions), finish=finish)
+        _answer(reply, chat_response(f"chatcmpl-{session.id}-{session.requests}", self.model_name, message, finish,
                                        len(segment.context()) - len(ids), completion,
                                        self.engine.decode if request.logprobs else None))
         self._next(session)
@@ -159,7 +160,7 @@ class AgentSessions:
             added = None if current is None else self.history.continuation(current, messages, request.tools)
             segment = self.history.start(messages, request.tools) if added is None else current
         except (ValueError, TemplateError) as exc:
-            reply.set_exception(GatewayError(400, f"messages: the model's chat template cannot render them: {exc}",
+            _refuse(reply, GatewayError(400, f"messages: the model's chat template cannot render them: {exc}",
                                              "messages", "invalid_messages"))
             return self._next(session)
         if added is None:
@@ -171,7 +172,7 @@ class AgentSessions:
             session.truncated = True
             self._emit("agent_request_refused", batch=_batch(session.key), sample=session.key,
                        reason="context_length_exceeded", context=len(context))
-            reply.set_exception(GatewayError(400, f"this conversation is {len(context)} tokens; the model's "
+            _refuse(reply, GatewayError(400, f"this conversation is {len(context)} tokens; the model's "
                                                   f"context is {self.engine.max_model_len}", "messages",
                                              "context_length_exceeded"))
             return self._next(session)
@@ -240,23 +241,24 @@ class AgentSessions:
             replies.insert(0, reply)
         session.running, session.waiting = None, deque()
         for reply in replies:
-            reply.set_exception(GatewayError(404, f"session {session.id!r} is over: {why}", None,
+            _refuse(reply, GatewayError(404, f"session {session.id!r} is over: {why}", None,
                                              "session_not_found"))
         self._cancel(session.handle)
 
 
+def _answer(reply: Future, response: dict) -> None:
+    # A client that went away (a timeout, a cancelled agent) cancelled its handler's future.
+    if not reply.cancelled():
+        reply.set_result(response)
+
+
+def _refuse(reply: Future, error: GatewayError) -> None:
+    if not reply.cancelled():
+        reply.set_exception(error)
+
+
 def _batch(key: str) -> str:
     return key.rpartition("/")[0]
-
-
-def _runs(versions) -> list[list[int]]:
-    runs: list[list[int]] = []
-    for v in versions:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    return runs
 
 
 def _loggable(info: Any) -> Any:

@@ -22,11 +22,11 @@ right action in its current state. The supervised warm-up
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from typing import Any, Protocol
 
+from pipeline.core.specs import SpecError, resolve_spec
 from pipeline.core.types import Prompt
 
 
@@ -45,17 +45,10 @@ class Environment(Protocol):
 def load_env_class(spec: str, args: dict[str, Any] | None = None) -> type:
     """Resolve "package.module:Class" and check that `Class(**args)` builds an
     environment; raises EnvError naming the spec."""
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise EnvError(f"env.class {spec!r}: expected 'module:Class', e.g. 'pipeline.envs.calculator:CalculatorEnv'")
-    module_name, attr = spec.split(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - a module's import can raise anything
-        raise EnvError(f"env.class {spec!r}: cannot import module {module_name!r}: "
-                       f"{type(exc).__name__}: {exc}") from exc
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise EnvError(f"env.class {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        attr, cls = resolve_spec(spec, "module:Class", "pipeline.envs.calculator:CalculatorEnv")
+    except SpecError as exc:
+        raise EnvError(f"env.class {spec!r}: {exc}") from exc.__cause__
     if not inspect.isclass(cls):
         raise EnvError(f"env.class {spec!r}: {attr!r} is a {type(cls).__name__}, not a class")
     for method in ("reset", "step"):

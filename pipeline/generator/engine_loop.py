@@ -160,9 +160,11 @@ class EngineLoop:
             self.died = f"{type(exc).__name__}: {exc}"
             while True:
                 try:
-                    self._commands.get(block=False).reply.set_exception(RuntimeError(self.died))
+                    reply = self._commands.get(block=False).reply
                 except queue.Empty:
                     break
+                if not reply.cancelled():  # an agent's request whose client went away
+                    reply.set_exception(RuntimeError(self.died))
             for reply in self._idle_waiters:
                 reply.set_exception(RuntimeError(self.died))
 
@@ -202,7 +204,8 @@ class EngineLoop:
         try:
             answer = getattr(self, f"_on_{command.kind}")(command)
         except Exception as exc:  # the engine's or the user's: the node that asked raises it
-            command.reply.set_exception(exc)
+            if not command.reply.cancelled():  # an agent's request whose client went away
+                command.reply.set_exception(exc)
             return
         if answer is not _LATER:
             command.reply.set_result(answer)

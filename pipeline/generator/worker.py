@@ -28,6 +28,7 @@ from pipeline.weights import sync
 from pipeline.generator.engines import generation_engine, reward_function, val_prompts
 from pipeline.rewards.specs import load_reward
 from pipeline.core.samples import shard_count, val_samples
+from pipeline.core.specs import version_runs
 from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, sample_seeds
 from pipeline.config import Config
 from pipeline.core import spans
@@ -308,15 +309,6 @@ def _segments(completions: list[Completion]) -> dict:
 
 
 def _runs(table: pa.Table) -> list[list[list[int]]]:
-    """Each row's token versions as runs, [[version, tokens], ...]: what rollout_end
-    logs for the checker (one run per sample under refit_mode drain)."""
-    out = []
-    for versions in table.column("token_versions").to_pylist():
-        runs: list[list[int]] = []
-        for v in versions:
-            if runs and runs[-1][0] == v:
-                runs[-1][1] += 1
-            else:
-                runs.append([v, 1])
-        out.append(runs)
-    return out
+    """Each row's token versions as runs: what rollout_end logs for the checker
+    (one run per sample under refit_mode drain)."""
+    return [version_runs(versions) for versions in table.column("token_versions").to_pylist()]

@@ -37,6 +37,7 @@ from pipeline.tools.check_order import (
     by_worker_step,
     end_t,
     of,
+    ordered_with_validations,
     pair,
     t_,
 )
@@ -131,13 +132,7 @@ def agent_events_inside_their_rollouts(events: list[dict], pairs: list[list], ju
                     wall_message=f"{what} falls outside its rollout ({t_(rs['t'])} to {t_(end_t(re_))})")
         if not drain:
             continue  # inflight: validation decodes beside the rollouts in flight, by design
-        for vs, ve in (validations[i] for i in index.against(e, e, e.get("worker"))):
-            judge.order(1, (vs, e, ve), lambda: judge.before(e, vs) or (ve is not None and judge.before(ve, e)),
-                        wall_ok=not vs["t"] <= e["t"] <= end_t(ve),
-                        message=(f"{what} and the validation of step {vs.get('step')} are not ordered: it came "
-                                 "neither before the validation began nor after it ended"),
-                        wall_message=(f"{what} came during the validation of step {vs.get('step')} "
-                                      f"({t_(vs['t'])} to {t_(end_t(ve))})"))
+        ordered_with_validations(e, what, validations, index, judge)
 
 
 def _refits(events: list[dict], judge: Judge) -> list[tuple[dict, dict | None]]:

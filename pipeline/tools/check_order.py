@@ -372,10 +372,16 @@ def env_steps_inside_their_rollouts(events: list[dict], pairs: list[list], judge
             judge.fail(2, f"{what} is turn {e['turn']}, beyond env.max_turns {max_turns}", (e,))
         if not drain:
             continue  # inflight: validation decodes beside the rollouts in flight, by design
-        for vs, ve in (validations[i] for i in index.against(e, e, e.get("worker"))):
-            judge.order(1, (vs, e, ve), lambda: judge.before(e, vs) or (ve is not None and judge.before(ve, e)),
-                        wall_ok=not vs["t"] <= e["t"] <= end_t(ve),
-                        message=(f"{what} and the validation of step {vs.get('step')} are not ordered: the step "
-                                 "came neither before the validation began nor after it ended"),
-                        wall_message=(f"{what} ran during the validation of step {vs.get('step')} "
-                                      f"({t_(vs['t'])} to {t_(end_t(ve))})"))
+        ordered_with_validations(e, what, validations, index, judge)
+
+
+def ordered_with_validations(e: dict, what: str, validations: list, index: Candidates, judge: Judge) -> None:
+    """Invariant 1 for a part of a rollout (an env step, an agent's request):
+    before each validation on its worker began, or after it ended."""
+    for vs, ve in (validations[i] for i in index.against(e, e, e.get("worker"))):
+        judge.order(1, (vs, e, ve), lambda: judge.before(e, vs) or (ve is not None and judge.before(ve, e)),
+                    wall_ok=not vs["t"] <= e["t"] <= end_t(ve),
+                    message=(f"{what} and the validation of step {vs.get('step')} are not ordered: it came "
+                             "neither before the validation began nor after it ended"),
+                    wall_message=(f"{what} came during the validation of step {vs.get('step')} "
+                                  f"({t_(vs['t'])} to {t_(end_t(ve))})"))

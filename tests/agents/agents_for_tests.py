@@ -108,3 +108,15 @@ async def sometimes_rewrites(client, prompt):
         messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
     await client.chat.completions.create(model="any", messages=messages)
     return None
+
+
+def gives_up_once(client, prompt):
+    """Its first request times out on the client's side; the second is answered."""
+    import openai
+    try:
+        client.with_options(timeout=0.2).chat.completions.create(
+            model="any", messages=[{"role": "user", "content": prompt.text}])
+    except openai.APITimeoutError:
+        pass
+    client.chat.completions.create(model="any", messages=[{"role": "user", "content": "again"}])
+    return 1.0

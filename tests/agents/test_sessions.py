@@ -117,3 +117,11 @@ def test_the_key_is_drawn_per_gateway_and_written_nowhere(tmp_path):
     assert keys[0] != keys[1] and len(keys[0]) >= 32
     for path in (p for p in tmp_path.rglob("*") if p.is_file()):
         assert not any(key in path.read_text(errors="replace") for key in keys), path
+
+
+def test_a_client_that_gives_up_on_a_request_leaves_the_loop_and_its_session_serving(tmp_path):
+    engine = sim_engine(generate_s=2.0)  # a turn takes 2 s; the client waits 0.2
+    with AgentLoop(tmp_path, f"{AGENTS}:gives_up_once", "algorithm=reinforce_pp", "schedule.group_size=1",
+                   engine=engine) as rig:
+        (c,) = rig.roll(prompts(1))
+    assert not c.error and c.reward == 1.0 and c.turns == 2
