@@ -18,6 +18,18 @@ def _raise(signum: int) -> None:
     os.kill(os.getpid(), signum)
 
 
+@pytest.fixture(autouse=True)
+def _sigint_as_a_terminal_sends_it():
+    """The suite may run as a background job, which starts with SIGINT ignored
+    (and StopOnSignal leaves an ignored SIGINT alone): these tests start from
+    Python's own handler."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_the_first_signal_asks_and_the_second_stops_at_once_under_the_first_ones_name():
     said = []
     before = signal.getsignal(signal.SIGTERM)
