@@ -33,9 +33,10 @@ from pipeline.agents.requests import ChatRequest, GatewayError, parse_chat_reque
 class Gateway:
     """`submit(session_id, request) -> Future` of the answer (EngineLoop.chat)."""
 
-    def __init__(self, host: str, model_name: str):
+    def __init__(self, host: str, model_name: str, deadline_s: float):
+        """`deadline_s`: the longest a request waits for its answer (its agent's own limit)."""
         self.key = secrets.token_urlsafe(32)
-        self.model_name = model_name
+        self.model_name, self.deadline_s = model_name, deadline_s
         self._submit: Callable[[str, ChatRequest], Future] | None = None
         self._socket = socket.create_server((host, 0), backlog=2048)
         port = self._socket.getsockname()[1]
@@ -79,9 +80,13 @@ class Gateway:
         self._authorize(request)
         chat = parse_chat_request(await request.body())
         try:
-            answer = await asyncio.wrap_future(self._submit(request.path_params["session"], chat))
+            answer = await asyncio.wait_for(asyncio.wrap_future(self._submit(request.path_params["session"], chat)),
+                                            self.deadline_s)
         except GatewayError:
             raise
+        except TimeoutError:
+            raise GatewayError(504, f"no answer within {self.deadline_s:g} s (agent.timeout_s)", None,
+                               "timeout") from None
         except Exception as exc:  # the engine's or the template's: the agent is told, the loop goes on
             raise GatewayError(500, f"{type(exc).__name__}: {exc}", None, "server_error") from exc
         return JSONResponse(answer)

@@ -26,7 +26,7 @@ class AgentServing:
                  host: str | None = None):
         self.cfg, self.engine, self.scored = cfg, engine, scored
         self.model_name = Path(cfg.model.path).name if cfg.model.path else "sim"
-        self.gateway = Gateway(host or ray.util.get_node_ip_address(), self.model_name)
+        self.gateway = Gateway(host or ray.util.get_node_ip_address(), self.model_name, cfg.agent.timeout_s)
         actors = None
         if cfg.agent.actors:
             from pipeline.agents.actors import AgentActors

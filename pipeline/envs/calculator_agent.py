@@ -14,11 +14,8 @@ A transcript, rendered by the tiny model's tool template (pipeline/inputs/tiny.p
 
 Seven in ten of the written transcripts (`guesses`) answer at once with a
 guess instead, as CalculatorEnv.warmup_action does with half, so that using
-the tool is left for RL to learn: after the warm-up the greedy first turn
-guesses on every val prompt while one sampled turn in ten calls the tool
-(with half, greedy already called the tool on 30 of 32 and its greedy
-validation, 0.56, was what copying the operands allowed, which RL barely
-moved in 40 steps). Token counts in the tiny vocabulary, </s> included:
+the tool is left for RL to learn: the warmed-up model's greedy first turn
+guesses, while its sampled turns sometimes call the tool. Token counts in the tiny vocabulary, </s> included:
 a call is 29 to 31 tokens (operands 0..99), an answer 2 to 4, the first
 request (tools, prompt, assistant header) 103 to 106, a whole transcript
 at most 168 of the model's 512 positions. A call is over the run's default

@@ -31,7 +31,7 @@ def test_bad_agent_settings_are_refused_naming_the_key(overrides, needle):
 
 
 def test_a_gateway_whose_server_died_says_so_when_checked():
-    gateway = Gateway("127.0.0.1", "m")
+    gateway = Gateway("127.0.0.1", "m", 60)
 
     def crash(sockets):
         raise OSError("port gone")

@@ -113,7 +113,7 @@ def test_the_agent_recipe_calls_the_tool_through_the_parser_and_trains(tmp_path,
     events = load_events(tmp_path / "calc")
     assert check_events(events) == []
     finishes = [e["finish"] for e in events if e["ev"] == "agent_request_end"]
-    assert finishes.count("tool_calls") >= 8  # sampled calls that the parser read (32 of 160 measured)
+    assert finishes.count("tool_calls") >= 8  # sampled calls that the parser read
     samples = [json.loads(line) for line in (tmp_path / "calc" / "samples.jsonl").read_text().splitlines()]
     roles = [[t["role"] for t in c["turns"]] for s in samples for c in s["completions"]]
     assert any(r[:4] == ["user", "model", "tool", "model"] for r in roles), roles[:4]

@@ -102,7 +102,7 @@ for _ in range(5):
     torch.distributed.all_reduce(torch.zeros(2))
 trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
 print(len(trace.get("entries", [])))
-torch.distributed.destroy_process_group()  # its threads joined before exit: left to exit, one aborted once
+torch.distributed.destroy_process_group()  # its threads joined before the interpreter exits
 """
 
 
