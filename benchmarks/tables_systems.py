@@ -203,9 +203,9 @@ def soak(r: dict) -> str:
 
 def agents(r: dict) -> str:
     f = r["figures"]
-    through = md(["model", "repeat", "env tokens/s", "gateway tokens/s", "gateway / env", "turns (env, gateway)"],
+    through = md(["model", "repeat", "env tokens/s", "gateway tokens/s", "gateway / env", "context tokens (env, gateway)"],
                  [[t["model"], i, f"{x['env']['tokens_per_s']:.0f}", f"{x['gateway']['tokens_per_s']:.0f}",
-                   f"{x['ratio']:.2f}", f"{x['env']['mean_turns']:.2f}, {x['gateway']['mean_turns']:.2f}"]
+                   f"{x['ratio']:.2f}", f"{x['env']['context_tokens']}, {x['gateway']['context_tokens']}"]
                   for t in f["throughput"] for i, x in enumerate(t["repeats"])])
     overhead = md(["sessions at once", "requests", "p50 ms", "p99 ms"],
                   [[o["sessions"], o["requests"], f"{o['p50_ms']:.2f}", f"{o['p99_ms']:.2f}"] for o in f["overhead"]],
@@ -221,7 +221,8 @@ def agents(r: dict) -> str:
                f"{x['reward_first10']:.2f} -> {x['reward_last10']:.2f}", x["env_failures"]] for x in f["learning"]],
              text_cols=1))
     return (f"{machine(r)}\n\nThe calculator task, generated tokens/s of 4 batches x 16 prompts x 4 samples, the "
-            "in-process environment against an agent through the gateway on one engine:\n\n" + through
+            "in-process environment against an agent through the gateway on one engine, both decoding the same "
+            "tokens (the environment writes the chat template's markup):\n\n" + through
             + "\n\nPer-request overhead (simulated engine, one token per request, the client's wall time):\n\n"
             + overhead + "\n\nConcurrent sessions on one generator (simulated engine, two requests each):\n\n"
             + sessions + learning + "\n\nTargets:\n\n" + targets(r["targets"]))
