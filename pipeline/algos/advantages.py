@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from pipeline.algos.groups import flat_group_indices
+from pipeline.algos.kl import kl_estimate
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA
 
 # The policy update reads only the advantages: PPO's column, on its own.
@@ -110,15 +111,19 @@ def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "g
     return pa.Table.from_arrays([tokens], schema=CRITIC_FREE_ADVANTAGE_SCHEMA)
 
 
-def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_coef: float,
-                         eps: float = 1e-6) -> tuple[pa.Table, float]:
+def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_coef: float, estimator: str = "k1",
+                         eps: float = 1e-6) -> tuple[pa.Table, dict[str, float]]:
     """REINFORCE++ with the KL in the reward (verl's reinforce_plus_plus with
-    use_kl_in_reward): each model token t of a row earns
-        r_t = -kl_coef x (logprob_t - ref_logprob_t)   (+ the row's reward on its last token)
-    with the rollout's logprobs (the behaviour policy) and the reference's;
+    use_kl_in_reward, its apply_kl_penalty): each model token t of a row earns
+        r_t = -kl_coef x kl_t   (+ the row's reward on its last token)
+    kl_t the `estimator`'s estimate (pipeline/algos/kl.py; verl's kl_penalty)
+    from the rollout's logprob (the behaviour policy) and the reference's;
     its advantage is the return-to-go sum_{s >= t} r_s (no discount), whitened
     over every model token of the batch (loss_mask 1; the others get 0).
-    Returns the CRITIC_FREE_ADVANTAGE_SCHEMA table and the batch's mean KL per model token."""
+    Returns the CRITIC_FREE_ADVANTAGE_SCHEMA table and the batch's KL:
+    reward_kl, the mean per model token, and reward_kl_sample_mean, the mean
+    over rows of each row's token mean (verl's current_kl, which its adaptive
+    controller reads)."""
     rows = table.select(["logprobs", "loss_mask", "reward"]).to_pylist()
     if len(ref_logprobs) != len(rows):
         raise ValueError(f"{len(ref_logprobs)} reference rows for a table of {len(rows)}")
@@ -128,7 +133,7 @@ def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_co
         mask = np.asarray(row["loss_mask"] or [1] * len(lp), np.float64)
         if len(ref) != len(lp) or len(mask) != len(lp):
             raise ValueError(f"row {i}: {len(lp)} logprobs, {len(ref)} reference logprobs, {len(mask)} mask values")
-        kl = (lp - np.asarray(ref, np.float64)) * mask
+        kl = kl_estimate(torch.from_numpy(lp), torch.from_numpy(np.asarray(ref, np.float64)), estimator).numpy() * mask
         r = -kl_coef * kl
         if len(r):
             r[-1] += row["reward"]
@@ -143,7 +148,10 @@ def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_co
         scaled = [(g - mean) / (std + eps) * m for g, m in zip(returns, masks)]
     tokens = pa.array([a.astype(np.float32).tolist() for a in scaled], pa.list_(pa.float32()))
     kl_all = np.concatenate(kls) if kls else np.zeros(0)
-    return pa.Table.from_arrays([tokens], schema=CRITIC_FREE_ADVANTAGE_SCHEMA), float(kl_all.mean()) if kl_all.size else 0.0
+    sample_means = [k.mean() for k in kls if k.size]
+    return pa.Table.from_arrays([tokens], schema=CRITIC_FREE_ADVANTAGE_SCHEMA), {
+        "reward_kl": float(kl_all.mean()) if kl_all.size else 0.0,
+        "reward_kl_sample_mean": float(np.mean(sample_means)) if sample_means else 0.0}
 
 
 def _check_groups(rows: list[dict], group_size: int) -> None:

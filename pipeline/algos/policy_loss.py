@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from pipeline.algos.kl import kl_estimate
+
 # mode -> the ratio's log (token: each token's own; sequence: GSPO's).
 LOG_RATIOS: dict[str, Callable] = {}
 # mode -> (pg, below, above, dual): the policy-gradient term and which tokens were clipped.
@@ -61,8 +63,9 @@ class PolicyLoss:
                         is_level "sequence" the geometric mean over the sequence;
                         is_mode "truncate" caps it at is_clip, "mask" drops the
                         tokens (sequences) above it
-                loss  = w * pg + kl_coef * (exp(ref - lp) - (ref - lp) - 1)
-                        - entropy_coef * entropy
+                loss  = w * pg + kl_coef * kl - entropy_coef * entropy
+    kl is each token's kl_estimator estimate (k1, k2 or k3, bounded by kl_clamp;
+    pipeline/algos/kl.py, verl's kl_penalty as its actor's use_kl_loss reads it).
     The IS weight corrects for sampling from the engine's (possibly stale)
     weights rather than from `old`. It scales the policy term only: the KL term
     is an expectation under the current policy.
@@ -127,8 +130,9 @@ class PolicyLoss:
         per_token = is_weight * pg
 
         if o.kl_coef > 0.0 and ref_logprobs is not None:
-            d = torch.where(valid, ref_logprobs.detach().float() - lp, zero)
-            kl = torch.exp(d) - d - 1.0
+            # Padding gets lp = ref = 0, hence a KL of 0 under every estimator (and no exp() of garbage).
+            ref = torch.where(valid, ref_logprobs.detach().float(), zero)
+            kl = kl_estimate(torch.where(valid, lp, zero), ref, o.kl_estimator, o.kl_clamp)
             per_token = per_token + o.kl_coef * kl
         else:
             kl = torch.zeros_like(lp)

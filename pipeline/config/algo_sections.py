@@ -12,7 +12,13 @@ from pipeline.config.keys import _key
 class PolicyLossConfig:
     """The clipped policy loss, for GRPO and PPO alike."""
     clip_eps: float = _key(0.2, "clip range of the probability ratio", gt=0, le=1)
-    kl_coef: float = _key(0.0, "weight of the KL to the initial policy; 0 = none", ge=0)
+    kl_coef: float = _key(0.0, "weight of the KL to the initial policy; 0 = none (verl: kl_loss_coef; TRL: beta)",
+                          ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = _key(
+        "k3", "the loss's per-token KL estimate (pipeline/algos/kl.py): k1 = lp - ref, k2 = (lp - ref)^2 / 2 "
+        "(verl: mse), k3 = exp(ref - lp) - (ref - lp) - 1 (verl: low_var_kl, TRL's)")
+    kl_clamp: float = _key(0.0, "bound each token's KL estimate to [-kl_clamp, kl_clamp]; 10 with k3 = verl's "
+                           "low_var_kl; 0 = none", ge=0)
     is_clip: float = _key(2.0, "cap of the token-level importance weight for stale samples", gt=0)
     decoupled: bool = _key(True, "decoupled PPO (AReaL): clip the ratio to the policy before this step's update "
                            "and weight by its ratio to the behaviour policy; false: clip the ratio to the "
@@ -58,9 +64,19 @@ class DynamicSamplingConfig:
 @dataclass(frozen=True)
 class ReinforcePPConfig:
     """REINFORCE++ (algorithm reinforce_pp): the KL to the initial policy in the token rewards."""
-    kl_coef: float = _key(0.0, "each model token's reward less kl_coef x (its rollout logprob - the initial "
-                          "policy's), returns-to-go whitened over the batch's tokens (verl: use_kl_in_reward, "
+    kl_coef: float = _key(0.0, "each model token's reward less kl_coef x its KL to the initial policy (the "
+                          "rollout's logprob against the reference's), returns-to-go whitened over the batch's tokens (verl: use_kl_in_reward, "
                           "kl_ctrl.kl_coef); 0 = outcome rewards normalised over the batch's samples", ge=0)
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = _key(
+        "k1", "the reward's per-token KL estimate (pipeline/algos/kl.py; verl: algorithm.kl_penalty kl, mse, "
+        "low_var_kl, abs)")
+    kl_ctrl: Literal["fixed", "adaptive"] = _key(
+        "fixed", "fixed: kl_coef throughout; adaptive: kl_coef is the start, moved after each batch towards "
+        "kl_target (verl: kl_ctrl.type; metric reward_kl_coef, kept across a resume)")
+    kl_target: float = _key(0.1, "adaptive: the KL per token (mean over samples) the coefficient steers to "
+                            "(verl: kl_ctrl.target_kl)", gt=0)
+    kl_horizon: float = _key(10000.0, "adaptive: samples over which the coefficient moves by at most e^0.2 "
+                             "(verl: kl_ctrl.horizon)", gt=0)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import string
 
+from pipeline.config.algo_sections import PolicyLossConfig, ReinforcePPConfig
 from pipeline.config.sections import Config, ConfigError, InjectConfig, RewardModelConfig
 
 # What a judge's template may fill in (pipeline/reward_model/judge.py).
@@ -80,6 +81,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         if cfg.training.lora.rank and cfg.training.zero_stage == 3 and cfg.training.ranks > 1:
             raise fail("reinforce_pp.kl_coef", "with LoRA the reference is the base model inside the ZeRO-3 "
                        "engine, which every rank would have to score in lockstep; use one rank or ZeRO 0-2")
+    _check_kl(cfg, fail)
     if cfg.dynamic_sampling.max_rounds and cfg.algorithm == "ppo":
         raise fail("dynamic_sampling.max_rounds", "leaves out groups whose rewards are all equal, which the "
                    "critic-free estimators cannot learn from; ppo's critic gives them advantages, so it needs "
@@ -130,6 +132,26 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         raise fail("run.name", f"{name!r} must be a non-empty name without '/' or '\\', "
                    "other than '.' and '..'")
     return cfg
+
+
+def _check_kl(cfg: Config, fail) -> None:
+    """A KL's estimator or controller keys need its coefficient."""
+    loss, loss_default = cfg.policy_loss, PolicyLossConfig()
+    if not loss.kl_coef:
+        for key in ("kl_estimator", "kl_clamp"):
+            if getattr(loss, key) != getattr(loss_default, key):
+                raise fail(f"policy_loss.{key}", "shapes the KL in the loss, which is off (policy_loss.kl_coef 0); "
+                           "set kl_coef > 0")
+    rpp, rpp_default = cfg.reinforce_pp, ReinforcePPConfig()
+    if not rpp.kl_coef:
+        for key in ("kl_estimator", "kl_ctrl", "kl_target", "kl_horizon"):
+            if getattr(rpp, key) != getattr(rpp_default, key):
+                raise fail(f"reinforce_pp.{key}", "shapes the KL in the reward, which is off (reinforce_pp.kl_coef "
+                           "0); set kl_coef > 0 (with kl_ctrl adaptive: the coefficient it starts from)")
+    elif rpp.kl_ctrl == "fixed":
+        for key in ("kl_target", "kl_horizon"):
+            if getattr(rpp, key) != getattr(rpp_default, key):
+                raise fail(f"reinforce_pp.{key}", "steers an adaptive coefficient; set reinforce_pp.kl_ctrl: adaptive")
 
 
 def _check_agent(cfg: Config, fail) -> None:
