@@ -1,7 +1,8 @@
 """Advantages from outcome rewards, one per sample, for the graphs without a
 critic: GRPO's and its variants (`algorithm` in the recipe).
 
-  grpo          (r - group mean) / (group std + eps)
+  grpo          (r - group mean) / (group std + eps), the std over G samples
+                (population) or G - 1 (sample: verl's, TRL's): grpo.std
   dr_grpo       r - group mean: no std division, which favours groups whose
                 rewards barely differ (Dr. GRPO, Liu et al. 2025)
   rloo          r - mean of the *other* samples of the group (leave-one-out);
@@ -35,12 +36,14 @@ GROUP_KEYS = ("batch_id", "prompt_id")
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
 
-def outcome_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6) -> Tensor:
+def outcome_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6,
+                       std: str = "population") -> Tensor:
     """One advantage per reward by `estimator` (the module's table), for
-    consecutive groups of `group_size`. A group whose rewards are all equal
-    gets exact zeros under every group estimator: it carries no signal."""
+    consecutive groups of `group_size`; `std` is grpo's (group_advantages). A
+    group whose rewards are all equal gets exact zeros under every group
+    estimator: it carries no signal."""
     if estimator == "grpo":
-        return group_advantages(rewards, group_size, eps)
+        return group_advantages(rewards, group_size, eps, std)
     _check_shape(rewards, group_size)
     r = rewards.float().view(-1, group_size)
     if estimator == "reinforce_pp":
@@ -71,25 +74,30 @@ def _check_shape(rewards: Tensor, group_size: int) -> None:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
 
 
-def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, std: str = "population") -> Tensor:
     """(r - group mean) / (group std + eps) for consecutive groups of `group_size`.
 
-    std is the population std (unbiased=False): a group is the whole population
-    of samples for its prompt, and a group of 2 then gives exactly +-1.
+    std "population" divides the squared deviations by G: a group is the whole
+    population of samples for its prompt, and a group of 2 then gives exactly
+    +-1. "sample" divides by G - 1 (verl's compute_grpo_outcome_advantage,
+    torch.std; TRL's GRPOTrainer): sqrt(G / (G - 1)) larger.
     A group whose rewards are all equal carries no signal and gets exact zeros;
     computing it would give round-off / (tiny std + eps), which is not always 0.
     """
     _check_shape(rewards, group_size)
     r = rewards.float().view(-1, group_size)
     mean = r.mean(dim=1, keepdim=True)
-    std = r.std(dim=1, unbiased=False, keepdim=True)
-    adv = (r - mean) / (std + eps)
+    if std not in ("population", "sample"):
+        raise ValueError(f"unknown std {std!r}; population or sample")
+    spread = r.std(dim=1, unbiased=std == "sample", keepdim=True)
+    adv = (r - mean) / (spread + eps)
     flat = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True))
     adv = torch.where(flat, torch.zeros_like(adv), adv)
     return adv.view(-1)
 
 
-def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "grpo") -> pa.Table:
+def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "grpo",
+                           std: str = "population") -> pa.Table:
     """Each row's advantage (outcome_advantages of the `reward` column) on
     every one of its response tokens: a CRITIC_FREE_ADVANTAGE_SCHEMA table, row i for
     row i of `table`, whose rows must be consecutive groups of `group_size`
@@ -103,7 +111,8 @@ def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "g
     _check_groups(table.select(list(GROUP_KEYS)).to_pylist(), group_size)
     if not table.num_rows:  # torch warns about the std of no samples
         return CRITIC_FREE_ADVANTAGE_SCHEMA.empty_table()
-    adv = outcome_advantages(torch.from_numpy(rewards.to_numpy().astype(np.float32)), group_size, estimator).numpy()
+    adv = outcome_advantages(torch.from_numpy(rewards.to_numpy().astype(np.float32)), group_size, estimator,
+                             std=std).numpy()
     # Built from offsets, not per-token Python lists: a long response costs one repeat, not a list.
     lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_numpy()
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())

@@ -41,6 +41,14 @@ class PolicyLossConfig:
 
 
 @dataclass(frozen=True)
+class GrpoConfig:
+    """GRPO's advantage (algorithm grpo): (r - group mean) / (group std + eps)."""
+    std: Literal["population", "sample"] = _key(
+        "population", "the group's std: population (squares summed / G) or sample (/ (G - 1): verl's and TRL's, "
+        "sqrt(G / (G - 1)) larger, 15 % at G = 4, the advantages that factor smaller)")
+
+
+@dataclass(frozen=True)
 class OverlongConfig:
     """DAPO's handling of responses near or at generation.max_new_tokens
     (pipeline/algos/overlong.py); single-turn, critic-free algorithms."""

@@ -53,6 +53,8 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         raise fail("schedule.group_size", f"{cfg.schedule.group_size} gives every sample a zero advantage "
                    f"({cfg.algorithm} compares the samples of one prompt); it must be >= 2 with algorithm "
                    f"{cfg.algorithm!r}")
+    if cfg.grpo.std != "population" and cfg.algorithm != "grpo":
+        raise fail("grpo.std", f"divides GRPO's advantages; algorithm {cfg.algorithm!r} does not read it")
     loss = cfg.policy_loss
     if loss.dual_clip and loss.dual_clip <= 1:
         raise fail("policy_loss.dual_clip", f"{loss.dual_clip} must be > 1 (the cap is dual_clip x |A|, above the "

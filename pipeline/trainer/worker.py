@@ -173,7 +173,8 @@ class TrainerWorker(Actor):
             self.kl_ctrl.update(kl["reward_kl_sample_mean"], table.num_rows)
             return adv, {**kl, "reward_kl_coef": coef}
         with spans.span("train.advantages"):
-            return critic_free_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm), {}
+            return critic_free_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm,
+                                          self.cfg.grpo.std), {}
 
     def save(self, path: str) -> None:
         """Every rank: rank 0 writes the HF checkpoint, the others join its gather."""

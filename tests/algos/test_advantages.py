@@ -209,3 +209,18 @@ def test_kl_in_the_reward_by_estimator(estimator, per_token):
     assert got[0] + got[1] == pytest.approx(want.tolist(), abs=1e-5)
     assert kl["reward_kl"] == pytest.approx(sum(k) / 3, abs=1e-6)
     assert kl["reward_kl_sample_mean"] == pytest.approx((sum(k) / 2 + 0.0) / 2, abs=1e-6)
+
+
+def test_grpo_sample_std_is_verls_and_trls():
+    # Group [0, 1, 1, 1]: mean 0.75, squared deviations 0.5625 + 3 x 0.0625 = 0.75.
+    # population std sqrt(0.75 / 4) = 0.4330127, sample std sqrt(0.75 / 3) = 0.5.
+    # A second group is flat: zeros under both.
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    pop = math.sqrt(0.75 / 4)
+    want_pop = [-0.75 / (pop + 1e-6)] + [0.25 / (pop + 1e-6)] * 3 + [0.0] * 4
+    want_sample = [-0.75 / (0.5 + 1e-6)] + [0.25 / (0.5 + 1e-6)] * 3 + [0.0] * 4
+    assert outcome_advantages(rewards, 4).tolist() == pytest.approx(want_pop, abs=1e-6)
+    assert outcome_advantages(rewards, 4, std="sample").tolist() == pytest.approx(want_sample, abs=1e-6)
+    table = make_table(groups=2, group_size=4, rewards=rewards.tolist())
+    got = [row[0] for row in critic_free_advantages(table, 4, "grpo", std="sample").column("advantages").to_pylist()]
+    assert got == pytest.approx(want_sample, abs=1e-6)

@@ -34,3 +34,9 @@ def test_a_bad_combination_is_refused_naming_the_key(recipe, overrides, needle):
 ])
 def test_the_combinations_a_verl_recipe_uses_load(recipe, overrides):
     load_config(recipe, overrides)
+
+
+def test_grpo_std_is_grpos_only():
+    assert load_config("examples/sim_grpo.yaml", ["grpo.std=sample"]).grpo.std == "sample"
+    with pytest.raises(ConfigError, match="grpo.std: divides GRPO's advantages; algorithm 'rloo' does not read it"):
+        load_config("examples/sim_grpo.yaml", ["grpo.std=sample", "algorithm=rloo"])
