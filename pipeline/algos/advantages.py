@@ -2,7 +2,7 @@
 critic: GRPO's and its variants (`algorithm` in the recipe).
 
   grpo          (r - group mean) / (group std + eps), the std over G samples
-                (population) or G - 1 (sample: verl's, TRL's): grpo.std
+                (population) or G - 1 (sample: verl's, TRL's): grpo_std
   dr_grpo       r - group mean: no std division, which favours groups whose
                 rewards barely differ (Dr. GRPO, Liu et al. 2025)
   rloo          r - mean of the *other* samples of the group (leave-one-out);

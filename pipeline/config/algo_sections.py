@@ -23,29 +23,39 @@ class PolicyLossConfig:
     decoupled: bool = _key(True, "decoupled PPO (AReaL): clip the ratio to the policy before this step's update "
                            "and weight by its ratio to the behaviour policy; false: clip the ratio to the "
                            "behaviour policy itself (classic PPO)")
-    mode: Literal["clip", "gspo", "cispo"] = _key(
+    mode: Literal["clip", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov"] = _key(
         "clip", "clip: PPO's token ratio; gspo: the sequence's length-normalised ratio, clipped per sequence; "
-        "cispo: a clipped, stop-gradient IS weight on every token's log-prob")
+        "cispo: a clipped, stop-gradient IS weight on every token's log-prob; sapo: a soft sigmoid gate for the "
+        "clip; gmpo: the geometric mean of the token ratios, clipped in log space; clip_cov / kl_cov: PPO's clip "
+        "(kl_cov: none) with the highest-covariance tokens detached / KL-penalised (verl's policy_loss.loss_mode)")
+    sapo_tau_pos: float = _key(1.0, "sapo: the gate's temperature where A > 0 (verl: actor.tau_pos)", gt=0)
+    sapo_tau_neg: float = _key(1.05, "sapo: the gate's temperature where A <= 0 (verl: actor.tau_neg)", gt=0)
+    clip_cov_ratio: float = _key(0.0002, "clip_cov: share of a micro-batch's tokens detached", gt=0, le=1)
+    clip_cov_lb: float = _key(1.0, "clip_cov: a detached token's covariance lies above this")
+    clip_cov_ub: float = _key(5.0, "clip_cov: ... and below this")
+    kl_cov_ratio: float = _key(0.0002, "kl_cov: share of a micro-batch's tokens KL-penalised", gt=0, le=1)
+    kl_cov_coef: float = _key(0.1, "kl_cov: the penalty's weight on |lp - old| (verl: policy_loss.ppo_kl_coef)",
+                              ge=0)
     clip_eps_high: float = _key(0.0, "upper clip range (DAPO's clip-higher: ratio up to 1 + this); 0 = clip_eps",
                                 ge=0)
     dual_clip: float = _key(0.0, "dual-clip bound c > 1: a negative advantage's loss is capped at c x |A|; 0 = off",
                             ge=0)
     is_level: Literal["token", "sequence"] = _key(
-        "token", "staleness IS weight per token, or per sequence (geometric mean of its token ratios)")
+        "token", "staleness IS weight per token, or per sequence (is_sequence_form)")
+    is_sequence_form: Literal["geometric_mean", "product"] = _key(
+        "geometric_mean", "a sequence's IS weight (is_level sequence, is_reject_*): the geometric mean of its token "
+        "weights, or their product (verl: rollout_is sequence)")
+    is_reject_low: float = _key(0.0, "a sequence whose IS weight is below this leaves the loss (metric "
+                                "is_rejected_frac; verl: rollout_rs); 0 = no lower bound", ge=0, le=1)
+    is_reject_high: float = _key(0.0, "a sequence whose IS weight is above this leaves the loss; 0 = no upper "
+                                 "bound", ge=0)
     is_mode: Literal["truncate", "mask"] = _key(
         "truncate", "an IS weight above is_clip is capped at it (truncate) or its tokens leave the loss (mask)")
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = _key(
-        "token-mean", "how token losses become the batch's (verl's loss_agg_mode); seq-mean-token-sum-norm divides "
-        "by sequences x the longest response (Dr. GRPO)")
+    aggregation: Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                         "seq-mean-token-sum-norm"] = _key(
+        "token-mean", "how token losses become the batch's (verl's loss_agg_mode); token-sum: their sum; "
+        "seq-mean-token-sum-norm divides by sequences x the longest response (Dr. GRPO)")
     entropy_coef: float = _key(0.0, "weight of the entropy bonus (subtracted from the loss); 0 = none", ge=0)
-
-
-@dataclass(frozen=True)
-class GrpoConfig:
-    """GRPO's advantage (algorithm grpo): (r - group mean) / (group std + eps)."""
-    std: Literal["population", "sample"] = _key(
-        "population", "the group's std: population (squares summed / G) or sample (/ (G - 1): verl's and TRL's, "
-        "sqrt(G / (G - 1)) larger, 15 % at G = 4, the advantages that factor smaller)")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pipeline.config.algo_sections import (
-    DynamicSamplingConfig, GrpoConfig, OverlongConfig, PolicyLossConfig, PpoConfig, ReinforcePPConfig,
+    DynamicSamplingConfig, OverlongConfig, PolicyLossConfig, PpoConfig, ReinforcePPConfig,
 )
 from pipeline.config.keys import _key
 
@@ -303,7 +303,9 @@ class Config:
     algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = _key(
         "grpo", "the advantage estimator (pipeline/algos/advantages.py): grpo, dr_grpo (no std division), rloo "
         "(leave-one-out), reinforce_pp (batch-normalised), or ppo (GAE with a critic)")
-    grpo: GrpoConfig = GrpoConfig()
+    grpo_std: Literal["population", "sample"] = _key(
+        "population", "algorithm grpo's group std: population (squares summed / G) or sample (/ (G - 1): verl's "
+        "and TRL's, sqrt(G / (G - 1)) larger, 15 % at G = 4, the advantages that factor smaller)")
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     overlong: OverlongConfig = OverlongConfig()
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()

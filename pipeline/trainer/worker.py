@@ -174,7 +174,7 @@ class TrainerWorker(Actor):
             return adv, {**kl, "reward_kl_coef": coef}
         with spans.span("train.advantages"):
             return critic_free_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm,
-                                          self.cfg.grpo.std), {}
+                                          self.cfg.grpo_std), {}
 
     def save(self, path: str) -> None:
         """Every rank: rank 0 writes the HF checkpoint, the others join its gather."""
