@@ -1,7 +1,8 @@
 """Advantages from outcome rewards, one per sample, for the graphs without a
 critic: GRPO's and its variants (`algorithm` in the recipe).
 
-  grpo          (r - group mean) / (group std + eps)
+  grpo          (r - group mean) / (group std + eps), the std over G samples
+                (population) or G - 1 (sample: verl's, TRL's): grpo_std
   dr_grpo       r - group mean: no std division, which favours groups whose
                 rewards barely differ (Dr. GRPO, Liu et al. 2025)
   rloo          r - mean of the *other* samples of the group (leave-one-out);
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from pipeline.algos.groups import flat_group_indices
+from pipeline.algos.kl import kl_estimate
 from pipeline.algos.ppo import ADVANTAGE_SCHEMA
 
 # The policy update reads only the advantages: PPO's column, on its own.
@@ -34,12 +36,14 @@ GROUP_KEYS = ("batch_id", "prompt_id")
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
 
-def outcome_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6) -> Tensor:
+def outcome_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6,
+                       std: str = "population") -> Tensor:
     """One advantage per reward by `estimator` (the module's table), for
-    consecutive groups of `group_size`. A group whose rewards are all equal
-    gets exact zeros under every group estimator: it carries no signal."""
+    consecutive groups of `group_size`; `std` is grpo's (group_advantages). A
+    group whose rewards are all equal gets exact zeros under every group
+    estimator: it carries no signal."""
     if estimator == "grpo":
-        return group_advantages(rewards, group_size, eps)
+        return group_advantages(rewards, group_size, eps, std)
     _check_shape(rewards, group_size)
     r = rewards.float().view(-1, group_size)
     if estimator == "reinforce_pp":
@@ -70,25 +74,30 @@ def _check_shape(rewards: Tensor, group_size: int) -> None:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
 
 
-def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, std: str = "population") -> Tensor:
     """(r - group mean) / (group std + eps) for consecutive groups of `group_size`.
 
-    std is the population std (unbiased=False): a group is the whole population
-    of samples for its prompt, and a group of 2 then gives exactly +-1.
+    std "population" divides the squared deviations by G: a group is the whole
+    population of samples for its prompt, and a group of 2 then gives exactly
+    +-1. "sample" divides by G - 1 (verl's compute_grpo_outcome_advantage,
+    torch.std; TRL's GRPOTrainer): sqrt(G / (G - 1)) larger.
     A group whose rewards are all equal carries no signal and gets exact zeros;
     computing it would give round-off / (tiny std + eps), which is not always 0.
     """
     _check_shape(rewards, group_size)
     r = rewards.float().view(-1, group_size)
     mean = r.mean(dim=1, keepdim=True)
-    std = r.std(dim=1, unbiased=False, keepdim=True)
-    adv = (r - mean) / (std + eps)
+    if std not in ("population", "sample"):
+        raise ValueError(f"unknown std {std!r}; population or sample")
+    spread = r.std(dim=1, unbiased=std == "sample", keepdim=True)
+    adv = (r - mean) / (spread + eps)
     flat = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True))
     adv = torch.where(flat, torch.zeros_like(adv), adv)
     return adv.view(-1)
 
 
-def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "grpo") -> pa.Table:
+def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "grpo",
+                           std: str = "population") -> pa.Table:
     """Each row's advantage (outcome_advantages of the `reward` column) on
     every one of its response tokens: a CRITIC_FREE_ADVANTAGE_SCHEMA table, row i for
     row i of `table`, whose rows must be consecutive groups of `group_size`
@@ -102,7 +111,8 @@ def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "g
     _check_groups(table.select(list(GROUP_KEYS)).to_pylist(), group_size)
     if not table.num_rows:  # torch warns about the std of no samples
         return CRITIC_FREE_ADVANTAGE_SCHEMA.empty_table()
-    adv = outcome_advantages(torch.from_numpy(rewards.to_numpy().astype(np.float32)), group_size, estimator).numpy()
+    adv = outcome_advantages(torch.from_numpy(rewards.to_numpy().astype(np.float32)), group_size, estimator,
+                             std=std).numpy()
     # Built from offsets, not per-token Python lists: a long response costs one repeat, not a list.
     lengths = pc.fill_null(pc.list_value_length(table.column("response_ids")), 0).to_numpy()
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
@@ -110,15 +120,19 @@ def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "g
     return pa.Table.from_arrays([tokens], schema=CRITIC_FREE_ADVANTAGE_SCHEMA)
 
 
-def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_coef: float,
-                         eps: float = 1e-6) -> tuple[pa.Table, float]:
+def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_coef: float, estimator: str = "k1",
+                         eps: float = 1e-6) -> tuple[pa.Table, dict[str, float]]:
     """REINFORCE++ with the KL in the reward (verl's reinforce_plus_plus with
-    use_kl_in_reward): each model token t of a row earns
-        r_t = -kl_coef x (logprob_t - ref_logprob_t)   (+ the row's reward on its last token)
-    with the rollout's logprobs (the behaviour policy) and the reference's;
+    use_kl_in_reward, its apply_kl_penalty): each model token t of a row earns
+        r_t = -kl_coef x kl_t   (+ the row's reward on its last token)
+    kl_t the `estimator`'s estimate (pipeline/algos/kl.py; verl's kl_penalty)
+    from the rollout's logprob (the behaviour policy) and the reference's;
     its advantage is the return-to-go sum_{s >= t} r_s (no discount), whitened
     over every model token of the batch (loss_mask 1; the others get 0).
-    Returns the CRITIC_FREE_ADVANTAGE_SCHEMA table and the batch's mean KL per model token."""
+    Returns the CRITIC_FREE_ADVANTAGE_SCHEMA table and the batch's KL:
+    reward_kl, the mean per model token, and reward_kl_sample_mean, the mean
+    over rows of each row's token mean (verl's current_kl, which its adaptive
+    controller reads)."""
     rows = table.select(["logprobs", "loss_mask", "reward"]).to_pylist()
     if len(ref_logprobs) != len(rows):
         raise ValueError(f"{len(ref_logprobs)} reference rows for a table of {len(rows)}")
@@ -128,7 +142,7 @@ def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_co
         mask = np.asarray(row["loss_mask"] or [1] * len(lp), np.float64)
         if len(ref) != len(lp) or len(mask) != len(lp):
             raise ValueError(f"row {i}: {len(lp)} logprobs, {len(ref)} reference logprobs, {len(mask)} mask values")
-        kl = (lp - np.asarray(ref, np.float64)) * mask
+        kl = kl_estimate(torch.from_numpy(lp), torch.from_numpy(np.asarray(ref, np.float64)), estimator).numpy() * mask
         r = -kl_coef * kl
         if len(r):
             r[-1] += row["reward"]
@@ -143,7 +157,10 @@ def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_co
         scaled = [(g - mean) / (std + eps) * m for g, m in zip(returns, masks)]
     tokens = pa.array([a.astype(np.float32).tolist() for a in scaled], pa.list_(pa.float32()))
     kl_all = np.concatenate(kls) if kls else np.zeros(0)
-    return pa.Table.from_arrays([tokens], schema=CRITIC_FREE_ADVANTAGE_SCHEMA), float(kl_all.mean()) if kl_all.size else 0.0
+    sample_means = [k.mean() for k in kls if k.size]
+    return pa.Table.from_arrays([tokens], schema=CRITIC_FREE_ADVANTAGE_SCHEMA), {
+        "reward_kl": float(kl_all.mean()) if kl_all.size else 0.0,
+        "reward_kl_sample_mean": float(np.mean(sample_means)) if sample_means else 0.0}
 
 
 def _check_groups(rows: list[dict], group_size: int) -> None:

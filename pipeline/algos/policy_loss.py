@@ -18,14 +18,19 @@ gradients (a masked multiply after exp() would give inf * 0 = NaN).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from pipeline.algos.kl import kl_estimate
+from pipeline.algos.loss_modes import clip_cov_objective, gmpo_objective, kl_cov_objective, sapo_objective
+
 # mode -> the ratio's log (token: each token's own; sequence: GSPO's).
 LOG_RATIOS: dict[str, Callable] = {}
-# mode -> (pg, below, above, dual): the policy-gradient term and which tokens were clipped.
+# mode -> (pg, below, above, extra): the policy-gradient term, which tokens were clipped,
+# and {metric: token mask} of the mode's own shares (dual_clip_frac, clip_cov_frac, ...).
 OBJECTIVES: dict[str, Callable] = {}
 # is_mode -> (is_weight, is_masked) from the raw staleness weight.
 IS_WEIGHTS: dict[str, Callable] = {}
@@ -57,18 +62,24 @@ class PolicyLoss:
                 per-token form whose gradient flows through each token's lp).
     mode "cispo": pg = -A * sg(clip(ratio, 1 - eps, 1 + eps_high)) * lp: every
                 token keeps a gradient, only its weight is clipped (MiniMax-M1).
+    modes "sapo", "gmpo", "clip_cov", "kl_cov": verl's, pipeline/algos/loss_modes.py.
     Then        w     = exp(old - gen), no gradient: per token, or with
-                        is_level "sequence" the geometric mean over the sequence;
-                        is_mode "truncate" caps it at is_clip, "mask" drops the
-                        tokens (sequences) above it
-                loss  = w * pg + kl_coef * (exp(ref - lp) - (ref - lp) - 1)
-                        - entropy_coef * entropy
+                        is_level "sequence" the sequence's, the geometric mean
+                        of its token weights or (is_sequence_form "product")
+                        their product; is_mode "truncate" caps it at is_clip,
+                        "mask" drops the tokens (sequences) above it
+                loss  = w * pg + kl_coef * kl - entropy_coef * entropy
+    kl is each token's kl_estimator estimate (k1, k2 or k3, bounded by kl_clamp;
+    pipeline/algos/kl.py, verl's kl_penalty as its actor's use_kl_loss reads it).
     The IS weight corrects for sampling from the engine's (possibly stale)
     weights rather than from `old`. It scales the policy term only: the KL term
-    is an expectation under the current policy.
+    is an expectation under the current policy. A sequence whose weight (in
+    is_sequence_form, before truncation) leaves [is_reject_low, is_reject_high]
+    is rejected: its tokens' loss is 0, every term of it (verl's rollout_rs).
 
     Aggregation (verl's names): token-mean: sum over valid tokens / their
-    count (every token weighs the same); seq-mean-token-mean: each sequence's
+    count (every token weighs the same); token-sum: the sum, undivided;
+    seq-mean-token-mean: each sequence's
     token mean, averaged over sequences; seq-mean-token-sum: each sequence's
     sum, averaged over sequences; seq-mean-token-sum-norm: the sum over tokens
     / (sequences x horizon).
@@ -101,8 +112,10 @@ class PolicyLoss:
         Metrics (means over valid tokens): clip_frac = share of tokens whose
         clipped term is the active one (their gradient is cut), split into
         clip_frac_low (ratio below the band) and clip_frac_high (above it);
-        dual_clip_frac; is_weight (after truncation or masking), is_masked_frac
-        (is_mode mask); kl; ratio; entropy (when given).
+        dual_clip_frac, clip_cov_frac, kl_cov_frac (the modes'); is_weight
+        (after truncation or masking), is_masked_frac (is_mode mask);
+        is_rejected_frac (share of sequences, with is_reject_*); kl; ratio;
+        entropy (when given).
         """
         o = self.options
         valid = mask.bool()
@@ -116,24 +129,33 @@ class PolicyLoss:
         adv = adv.expand_as(lp)
         seq_tokens = valid.sum(dim=-1, keepdim=True)
 
-        ratio = torch.exp(self.log_ratio(torch.where(valid, lp - old, zero), valid, seq_tokens, zero))
+        log_ratio = self.log_ratio(torch.where(valid, lp - old, zero), valid, seq_tokens, zero)
+        ratio = torch.exp(log_ratio)
         clipped_ratio = torch.clamp(ratio, 1.0 - self.low, 1.0 + self.high)
-        pg, below, above, dual = self.objective(self, adv, ratio, clipped_ratio, lp, valid, zero)
+        pg, below, above, extra = self.objective(self, adv, log_ratio, ratio, clipped_ratio, lp, valid, seq_tokens,
+                                                 zero)
 
         log_w = torch.where(valid, old - gen, zero)
+        seq_log_w = log_w.sum(dim=-1, keepdim=True)
+        if o.is_sequence_form == "geometric_mean":
+            seq_log_w = seq_log_w / seq_tokens.clamp(min=1)
         if o.is_level == "sequence":
-            log_w = torch.where(valid, log_w.sum(dim=-1, keepdim=True) / seq_tokens.clamp(min=1), zero)
+            log_w = torch.where(valid, seq_log_w, zero)
         is_weight, is_masked = self.is_weight(torch.exp(log_w), o.is_clip, valid, zero)
         per_token = is_weight * pg
 
         if o.kl_coef > 0.0 and ref_logprobs is not None:
-            d = torch.where(valid, ref_logprobs.detach().float() - lp, zero)
-            kl = torch.exp(d) - d - 1.0
+            # Padding gets lp = ref = 0, hence a KL of 0 under every estimator (and no exp() of garbage).
+            ref = torch.where(valid, ref_logprobs.detach().float(), zero)
+            kl = kl_estimate(torch.where(valid, lp, zero), ref, o.kl_estimator, o.kl_clamp)
             per_token = per_token + o.kl_coef * kl
         else:
             kl = torch.zeros_like(lp)
         if entropy is not None and o.entropy_coef > 0.0:
             per_token = per_token - o.entropy_coef * torch.where(valid, entropy.float(), zero)
+
+        rejected = self._rejected(seq_log_w) & (seq_tokens > 0)
+        per_token = torch.where(rejected, zero, per_token)
 
         n_valid = valid.sum()
         loss = self.aggregate(torch.where(valid, per_token, zero), n_valid, seq_tokens, num_tokens, num_seqs,
@@ -154,16 +176,27 @@ class PolicyLoss:
                 "ratio": mean(ratio),
                 "tokens": float(n_valid),
             }
-            if o.dual_clip:
-                metrics["dual_clip_frac"] = mean(dual)
+            metrics.update({name: mean(marks) for name, marks in extra.items()})
             if o.is_mode == "mask":
                 metrics["is_masked_frac"] = mean(is_masked)
+            if o.is_reject_low or o.is_reject_high:
+                metrics["is_rejected_frac"] = float(rejected.sum() / (seq_tokens > 0).sum().clamp(min=1))
             if entropy is not None:
                 metrics["entropy"] = mean(entropy)
         return loss, metrics
 
+    def _rejected(self, seq_log_w: Tensor) -> Tensor:
+        """[B, 1]: the sequences whose IS weight leaves [is_reject_low, is_reject_high] (a bound of 0 is none)."""
+        o = self.options
+        out = torch.zeros_like(seq_log_w, dtype=torch.bool)
+        if o.is_reject_low:
+            out |= seq_log_w < math.log(o.is_reject_low)
+        if o.is_reject_high:
+            out |= seq_log_w > math.log(o.is_reject_high)
+        return out
 
-@_registered(LOG_RATIOS, "clip", "cispo")
+
+@_registered(LOG_RATIOS, "clip", "cispo", "gmpo", "clip_cov", "kl_cov")
 def _token_log_ratio(log_ratio: Tensor, valid: Tensor, seq_tokens: Tensor, zero: Tensor) -> Tensor:
     return log_ratio
 
@@ -175,9 +208,15 @@ def _sequence_log_ratio(log_ratio: Tensor, valid: Tensor, seq_tokens: Tensor, ze
     return torch.where(valid, seq_log_ratio.detach() + log_ratio - log_ratio.detach(), zero)
 
 
+@_registered(LOG_RATIOS, "sapo")
+def _bounded_log_ratio(log_ratio: Tensor, valid: Tensor, seq_tokens: Tensor, zero: Tensor) -> Tensor:
+    # verl's bound: the gate's gradient is ratio x s(1 - s), 0 x inf past exp(88).
+    return log_ratio.clamp(-20.0, 20.0)
+
+
 @_registered(OBJECTIVES, "clip", "gspo")
-def _clipped_objective(loss: PolicyLoss, adv: Tensor, ratio: Tensor, clipped_ratio: Tensor, lp: Tensor,
-                       valid: Tensor, zero: Tensor):
+def _clipped_objective(loss: PolicyLoss, adv: Tensor, log_ratio: Tensor, ratio: Tensor, clipped_ratio: Tensor,
+                       lp: Tensor, valid: Tensor, seq_tokens: Tensor, zero: Tensor):
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * clipped_ratio
     pg = torch.maximum(pg_unclipped, pg_clipped)
@@ -185,17 +224,20 @@ def _clipped_objective(loss: PolicyLoss, adv: Tensor, ratio: Tensor, clipped_rat
     below, above = cut & (ratio < 1.0), cut & (ratio > 1.0)
     dual_clip = loss.options.dual_clip
     if not dual_clip:
-        return pg, below, above, torch.zeros_like(valid)
+        return pg, below, above, {}
     cap = -adv * dual_clip
     dual = (adv < 0) & (pg > cap)
-    return torch.where(dual, cap, pg), below, above, dual
+    return torch.where(dual, cap, pg), below, above, {"dual_clip_frac": dual}
 
 
 @_registered(OBJECTIVES, "cispo")
-def _cispo_objective(loss: PolicyLoss, adv: Tensor, ratio: Tensor, clipped_ratio: Tensor, lp: Tensor,
-                     valid: Tensor, zero: Tensor):
+def _cispo_objective(loss: PolicyLoss, adv: Tensor, log_ratio: Tensor, ratio: Tensor, clipped_ratio: Tensor,
+                     lp: Tensor, valid: Tensor, seq_tokens: Tensor, zero: Tensor):
     pg = -adv * clipped_ratio.detach() * torch.where(valid, lp, zero)
-    return pg, ratio < 1.0 - loss.low, ratio > 1.0 + loss.high, torch.zeros_like(valid)
+    return pg, ratio < 1.0 - loss.low, ratio > 1.0 + loss.high, {}
+
+
+OBJECTIVES.update(sapo=sapo_objective, gmpo=gmpo_objective, clip_cov=clip_cov_objective, kl_cov=kl_cov_objective)
 
 
 @_registered(IS_WEIGHTS, "truncate")
@@ -216,6 +258,11 @@ def _sequences(seq_tokens: Tensor, num_seqs: float | None):
 @_registered(AGGREGATIONS, "token-mean")
 def _token_mean(masked: Tensor, n_valid: Tensor, seq_tokens: Tensor, num_tokens, num_seqs, horizon) -> Tensor:
     return masked.sum() / (float(num_tokens) if num_tokens is not None else n_valid.clamp(min=1))
+
+
+@_registered(AGGREGATIONS, "token-sum")
+def _token_sum(masked: Tensor, n_valid: Tensor, seq_tokens: Tensor, num_tokens, num_seqs, horizon) -> Tensor:
+    return masked.sum()
 
 
 @_registered(AGGREGATIONS, "seq-mean-token-mean")

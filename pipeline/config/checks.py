@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import string
 
+from pipeline.config.algo_sections import PolicyLossConfig, ReinforcePPConfig
 from pipeline.config.sections import Config, ConfigError, InjectConfig, RewardModelConfig
 
 # What a judge's template may fill in (pipeline/reward_model/judge.py).
@@ -52,13 +53,9 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         raise fail("schedule.group_size", f"{cfg.schedule.group_size} gives every sample a zero advantage "
                    f"({cfg.algorithm} compares the samples of one prompt); it must be >= 2 with algorithm "
                    f"{cfg.algorithm!r}")
-    loss = cfg.policy_loss
-    if loss.dual_clip and loss.dual_clip <= 1:
-        raise fail("policy_loss.dual_clip", f"{loss.dual_clip} must be > 1 (the cap is dual_clip x |A|, above the "
-                   "clipped term), or 0 for none")
-    if loss.dual_clip and loss.mode == "cispo":
-        raise fail("policy_loss.dual_clip", "cispo clips the IS weight, not the loss; dual_clip needs mode clip "
-                   "or gspo")
+    if cfg.grpo_std != "population" and cfg.algorithm != "grpo":
+        raise fail("grpo_std", f"divides GRPO's advantages; algorithm {cfg.algorithm!r} does not read it")
+    _check_policy_loss(cfg.policy_loss, fail)
     o = cfg.overlong
     if o.buffer or o.mask_truncated:
         key = "overlong.buffer" if o.buffer else "overlong.mask_truncated"
@@ -80,6 +77,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         if cfg.training.lora.rank and cfg.training.zero_stage == 3 and cfg.training.ranks > 1:
             raise fail("reinforce_pp.kl_coef", "with LoRA the reference is the base model inside the ZeRO-3 "
                        "engine, which every rank would have to score in lockstep; use one rank or ZeRO 0-2")
+    _check_kl(cfg, fail)
     if cfg.dynamic_sampling.max_rounds and cfg.algorithm == "ppo":
         raise fail("dynamic_sampling.max_rounds", "leaves out groups whose rewards are all equal, which the "
                    "critic-free estimators cannot learn from; ppo's critic gives them advantages, so it needs "
@@ -130,6 +128,68 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         raise fail("run.name", f"{name!r} must be a non-empty name without '/' or '\\', "
                    "other than '.' and '..'")
     return cfg
+
+
+# policy_loss keys read by one mode only.
+MODE_KEYS = {"sapo": ("sapo_tau_pos", "sapo_tau_neg"), "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+             "kl_cov": ("kl_cov_ratio", "kl_cov_coef")}
+
+
+def _check_policy_loss(loss: PolicyLossConfig, fail) -> None:
+    default = PolicyLossConfig()
+    for mode, keys in MODE_KEYS.items():
+        changed = next((k for k in keys if getattr(loss, k) != getattr(default, k)), None)
+        if changed and loss.mode != mode:
+            raise fail(f"policy_loss.{changed}", f"is mode {mode}'s setting; policy_loss.mode is {loss.mode!r}")
+    if loss.dual_clip and loss.dual_clip <= 1:
+        raise fail("policy_loss.dual_clip", f"{loss.dual_clip} must be > 1 (the cap is dual_clip x |A|, above the "
+                   "clipped term), or 0 for none")
+    if loss.dual_clip and loss.mode == "cispo":
+        raise fail("policy_loss.dual_clip", "cispo clips the IS weight, not the loss; dual_clip needs mode clip "
+                   "or gspo")
+    if loss.dual_clip and loss.mode not in ("clip", "gspo"):
+        raise fail("policy_loss.dual_clip", f"mode {loss.mode} has no dual-clip (verl applies clip_ratio_c in its "
+                   "vanilla loss only); it needs mode clip or gspo")
+    if loss.clip_eps_high and loss.mode in ("sapo", "kl_cov"):
+        raise fail("policy_loss.clip_eps_high", f"mode {loss.mode} has no clip band; leave it 0")
+    if loss.clip_cov_lb >= loss.clip_cov_ub:
+        raise fail("policy_loss.clip_cov_lb", f"{loss.clip_cov_lb} must be below clip_cov_ub ({loss.clip_cov_ub})")
+    if loss.mode == "gmpo" and loss.aggregation != "seq-mean-token-mean":
+        raise fail("policy_loss.aggregation", f"{loss.aggregation!r}: gmpo's loss is one term per sequence, "
+                   "averaged over sequences (verl ignores loss_agg_mode for it); set seq-mean-token-mean")
+    if loss.mode == "gmpo" and loss.is_level != "sequence":
+        raise fail("policy_loss.is_level", "'token': gmpo weighs each sequence by one IS weight (verl: the "
+                   "geometric mean of its token weights); set is_level: sequence")
+    rejects = loss.is_reject_low or loss.is_reject_high
+    if loss.is_sequence_form != default.is_sequence_form and loss.is_level != "sequence" and not rejects:
+        raise fail("policy_loss.is_sequence_form", "forms a sequence's IS weight, which only is_level sequence "
+                   "and is_reject_low / is_reject_high read")
+    if loss.is_reject_high and loss.is_reject_high <= max(loss.is_reject_low, 1.0):
+        raise fail("policy_loss.is_reject_high", f"{loss.is_reject_high} must be above 1 and is_reject_low: an "
+                   "on-policy sample (weight 1) must pass")
+    if loss.is_reject_low == 1.0:
+        raise fail("policy_loss.is_reject_low", "1 rejects every sample a little older than the policy; it must "
+                   "be below 1 (or 0 for none)")
+
+
+def _check_kl(cfg: Config, fail) -> None:
+    """A KL's estimator or controller keys need its coefficient."""
+    loss, loss_default = cfg.policy_loss, PolicyLossConfig()
+    if not loss.kl_coef:
+        for key in ("kl_estimator", "kl_clamp"):
+            if getattr(loss, key) != getattr(loss_default, key):
+                raise fail(f"policy_loss.{key}", "shapes the KL in the loss, which is off (policy_loss.kl_coef 0); "
+                           "set kl_coef > 0")
+    rpp, rpp_default = cfg.reinforce_pp, ReinforcePPConfig()
+    if not rpp.kl_coef:
+        for key in ("kl_estimator", "kl_ctrl", "kl_target", "kl_horizon"):
+            if getattr(rpp, key) != getattr(rpp_default, key):
+                raise fail(f"reinforce_pp.{key}", "shapes the KL in the reward, which is off (reinforce_pp.kl_coef "
+                           "0); set kl_coef > 0 (with kl_ctrl adaptive: the coefficient it starts from)")
+    elif rpp.kl_ctrl == "fixed":
+        for key in ("kl_target", "kl_horizon"):
+            if getattr(rpp, key) != getattr(rpp_default, key):
+                raise fail(f"reinforce_pp.{key}", "steers an adaptive coefficient; set reinforce_pp.kl_ctrl: adaptive")
 
 
 def _check_agent(cfg: Config, fail) -> None:

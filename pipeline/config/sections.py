@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from pipeline.config.algo_sections import (
+    DynamicSamplingConfig, OverlongConfig, PolicyLossConfig, PpoConfig, ReinforcePPConfig,
+)
+from pipeline.config.keys import _key
 
 
 class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message names the key."""
-
-
-def _key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
-         le: float | None = None, shown: str | None = None) -> Any:
-    """A config key: its default, bounds and the one line the README's table shows
-    (`shown`: the table's default, for a key whose recipe default load_config infers)."""
-    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le, "help": help, "shown": shown})
 
 
 @dataclass(frozen=True)
@@ -58,53 +56,6 @@ class ValidationConfig:
     reward: str | dict = _key("", "validation's reward, as data.reward (a verifier while training on a reward "
                               "model's score, say); empty: the training reward (data.reward's plus the reward "
                               "model's)")
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """The clipped policy loss, for GRPO and PPO alike."""
-    clip_eps: float = _key(0.2, "clip range of the probability ratio", gt=0, le=1)
-    kl_coef: float = _key(0.0, "weight of the KL to the initial policy; 0 = none", ge=0)
-    is_clip: float = _key(2.0, "cap of the token-level importance weight for stale samples", gt=0)
-    decoupled: bool = _key(True, "decoupled PPO (AReaL): clip the ratio to the policy before this step's update "
-                           "and weight by its ratio to the behaviour policy; false: clip the ratio to the "
-                           "behaviour policy itself (classic PPO)")
-    mode: Literal["clip", "gspo", "cispo"] = _key(
-        "clip", "clip: PPO's token ratio; gspo: the sequence's length-normalised ratio, clipped per sequence; "
-        "cispo: a clipped, stop-gradient IS weight on every token's log-prob")
-    clip_eps_high: float = _key(0.0, "upper clip range (DAPO's clip-higher: ratio up to 1 + this); 0 = clip_eps",
-                                ge=0)
-    dual_clip: float = _key(0.0, "dual-clip bound c > 1: a negative advantage's loss is capped at c x |A|; 0 = off",
-                            ge=0)
-    is_level: Literal["token", "sequence"] = _key(
-        "token", "staleness IS weight per token, or per sequence (geometric mean of its token ratios)")
-    is_mode: Literal["truncate", "mask"] = _key(
-        "truncate", "an IS weight above is_clip is capped at it (truncate) or its tokens leave the loss (mask)")
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = _key(
-        "token-mean", "how token losses become the batch's (verl's loss_agg_mode); seq-mean-token-sum-norm divides "
-        "by sequences x the longest response (Dr. GRPO)")
-    entropy_coef: float = _key(0.0, "weight of the entropy bonus (subtracted from the loss); 0 = none", ge=0)
-
-
-@dataclass(frozen=True)
-class OverlongConfig:
-    """DAPO's handling of responses near or at generation.max_new_tokens
-    (pipeline/algos/overlong.py); single-turn, critic-free algorithms."""
-    buffer: int = _key(0, "soft overlong penalty: the last `buffer` tokens before max_new_tokens cost up to "
-                       "`penalty` of reward, linearly; 0 = off", ge=0)
-    penalty: float = _key(1.0, "the reward a response of max_new_tokens tokens loses", ge=0)
-    mask_truncated: bool = _key(False, "leave responses cut at max_new_tokens out of the loss")
-
-
-@dataclass(frozen=True)
-class DynamicSamplingConfig:
-    """DAPO's dynamic sampling (verl: algorithm.filter_groups): a group whose
-    rewards are all equal has no advantage to learn from; leave it out and
-    launch more prompts for the step until it holds schedule.prompts_per_step
-    informative groups. The step graph states the rounds (dags/step_graph.py)."""
-    max_rounds: int = _key(0, "extra launch rounds per step, each after the step's earlier rollouts are in "
-                           "(verl: max_num_gen_batches - 1); 0 = off: flat groups are trained as they are", ge=0)
-    max_prompts: int = _key(0, "prompts one extra round launches at most; 0 = schedule.prompts_per_step", ge=0)
 
 
 @dataclass(frozen=True)
@@ -171,29 +122,6 @@ class TrainingConfig:
     ranks: int = _key(1, "data-parallel policy ranks, one DeepSpeed engine (and trainer actor) each; "
                       "whole prompt groups are sharded across them", ge=1)
     lora: LoraConfig = LoraConfig()
-
-
-@dataclass(frozen=True)
-class ReinforcePPConfig:
-    """REINFORCE++ (algorithm reinforce_pp): the KL to the initial policy in the token rewards."""
-    kl_coef: float = _key(0.0, "each model token's reward less kl_coef x (its rollout logprob - the initial "
-                          "policy's), returns-to-go whitened over the batch's tokens (verl: use_kl_in_reward, "
-                          "kl_ctrl.kl_coef); 0 = outcome rewards normalised over the batch's samples", ge=0)
-
-
-@dataclass(frozen=True)
-class PpoConfig:
-    """PPO's critic and advantages; the policy loss is policy_loss's, as for GRPO."""
-    gamma: float = _key(1.0, "discount", ge=0, le=1)
-    lam: float = _key(0.95, "GAE lambda; 1 = Monte-Carlo returns", ge=0, le=1)
-    value_clip: float = _key(0.2, "clip range of the value loss", gt=0)
-    critic_warmup: int = _key(0, "first steps that train only the critic", ge=0)
-    critic_model: str = _key("", "critic backbone directory; empty = model.path")
-    critic_lr: float = _key(1e-4, "critic learning rate (AdamW)", gt=0)
-    critic_epochs: int = _key(1, "value-loss updates per batch, each over the whole batch (verl: critic "
-                              "ppo_epochs)", ge=1)
-    whiten_advantages: bool = _key(True, "scale advantages to unit variance per batch")
-    critic_ranks: int = _key(1, "data-parallel critic ranks, one DeepSpeed engine each", ge=1)
 
 
 @dataclass(frozen=True)
@@ -375,6 +303,9 @@ class Config:
     algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = _key(
         "grpo", "the advantage estimator (pipeline/algos/advantages.py): grpo, dr_grpo (no std division), rloo "
         "(leave-one-out), reinforce_pp (batch-normalised), or ppo (GAE with a critic)")
+    grpo_std: Literal["population", "sample"] = _key(
+        "population", "algorithm grpo's group std: population (squares summed / G) or sample (/ (G - 1): verl's "
+        "and TRL's, sqrt(G / (G - 1)) larger, 15 % at G = 4, the advantages that factor smaller)")
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     overlong: OverlongConfig = OverlongConfig()
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()

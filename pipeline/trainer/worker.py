@@ -14,6 +14,7 @@ import pyarrow as pa
 from dags.tokens import Advantages, Batch, Clock, Gate, Stored, TrainOut, WeightsSent
 from pipeline.core.events import EventLog
 from pipeline.core.node import Actor, node, on_step_thread, one_thread, whereabouts
+from pipeline.algos.kl_control import KLController
 from pipeline.trainer.skipped_steps import SkippedSteps
 from pipeline.weights import sync
 from pipeline.trainer.engines import training_engine
@@ -45,8 +46,11 @@ class TrainerWorker(Actor):
         # The engine's own: training.packing falls back to padding where its model does not keep rows apart.
         self.batching = getattr(self.engine, "batching", Batching(cfg.training.micro_batch_size,
                                                                    cfg.training.max_tokens_per_micro_batch))
+        r = cfg.reinforce_pp
+        self.kl_ctrl = KLController(r.kl_coef, r.kl_target if r.kl_ctrl == "adaptive" else 0.0, r.kl_horizon)
         if restore_dir is not None:
             self.engine.load_state(restore_dir)
+            self.kl_ctrl.restore(restore_dir)
         self.version = start_version
         self.skipped = SkippedSteps(self.log, "policy", cfg.fault.max_nonfinite_steps)
         self.weights = sync.publisher(cfg, self.engine, self.log, self.rank, start_version)
@@ -151,30 +155,37 @@ class TrainerWorker(Actor):
 
     def _advantages(self, table: pa.Table, advantages: Advantages | None) -> tuple[pa.Table, dict[str, float]]:
         """The critic's table (PPO); REINFORCE++'s with the KL in the token rewards
-        (reinforce_pp.kl_coef; metric reward_kl); else the algorithm's outcome
+        (reinforce_pp.kl_coef; metrics reward_kl, reward_kl_sample_mean and
+        reward_kl_coef, the coefficient this batch paid); else the algorithm's outcome
         advantages of the table's rewards."""
         if advantages is not None:
             return advantages.table_ref.fetch(self.cfg.run.deadline_s), {}
         # Here, not at the top: the driver imports this module and need not import torch.
         from pipeline.algos.advantages import critic_free_advantages, kl_reward_advantages
-        kl_coef = self.cfg.reinforce_pp.kl_coef
-        if kl_coef:
-            # Every rank scores the whole batch: the whitening is over all of its tokens.
+        if self.cfg.reinforce_pp.kl_coef:
+            # Every rank scores the whole batch: the whitening is over all of its tokens, and
+            # every rank's controller sees the same KL, so all hold the same coefficient.
             with spans.span("train.reference"):
                 ref = self.engine.reference_logprobs(table)
+            coef = self.kl_ctrl.value
             with spans.span("train.advantages"):
-                adv, kl = kl_reward_advantages(table, ref, kl_coef)
-            return adv, {"reward_kl": kl}
+                adv, kl = kl_reward_advantages(table, ref, coef, self.cfg.reinforce_pp.kl_estimator)
+            self.kl_ctrl.update(kl["reward_kl_sample_mean"], table.num_rows)
+            return adv, {**kl, "reward_kl_coef": coef}
         with spans.span("train.advantages"):
-            return critic_free_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm), {}
+            return critic_free_advantages(table, self.cfg.schedule.group_size, self.cfg.algorithm,
+                                          self.cfg.grpo_std), {}
 
     def save(self, path: str) -> None:
         """Every rank: rank 0 writes the HF checkpoint, the others join its gather."""
         self.engine.save(path)
 
     def save_state(self, path: str) -> None:
-        """Every rank: each writes its own optimizer partition into the same directory."""
+        """Every rank: each writes its own optimizer partition into the same directory;
+        rank 0 the KL controller's coefficient beside them."""
         self.engine.save_state(path)
+        if self.rank == 0 and self.cfg.reinforce_pp.kl_coef:
+            self.kl_ctrl.save(path)
 
 
 def _batch_metrics(batch: Batch, table: pa.Table) -> dict[str, float]:

@@ -7,6 +7,8 @@ code under test.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -172,7 +174,7 @@ def test_kl_in_the_reward_by_hand():
     want = (g - g.mean()) / (g.std() + 1e-6)
     got = adv.column("advantages").to_pylist()
     assert got[0] == pytest.approx(want[:2].tolist(), abs=1e-6) and got[1] == pytest.approx([want[2]], abs=1e-6)
-    assert kl == pytest.approx(0.5 / 3)
+    assert kl == {"reward_kl": pytest.approx(0.5 / 3), "reward_kl_sample_mean": pytest.approx((0.25 + 0.0) / 2)}
 
 
 def test_kl_in_the_reward_skips_observation_tokens_and_a_flat_batch_gets_zeros():
@@ -183,9 +185,42 @@ def test_kl_in_the_reward_skips_observation_tokens_and_a_flat_batch_gets_zeros()
     lp = table.column("logprobs").to_pylist()
     adv, kl = kl_reward_advantages(table, [[x - 9.0 if j == 1 else x for j, x in enumerate(row)] for row in lp], 1.0)
     got = adv.column("advantages").to_pylist()
-    assert got[0][1] == 0.0 and kl == 0.0   # the observation's "KL" of 9 counts nowhere
+    assert got[0][1] == 0.0 and kl["reward_kl"] == 0.0   # the observation's "KL" of 9 counts nowhere
     assert got[0][0] == got[0][2] > 0 > got[1][0]
     same, _ = kl_reward_advantages(make_table(groups=1, rewards=[1.0, 1.0]), [[-4.0] * 2, [-4.0] * 3], 0.1)
     assert all(a == 0.0 for row in same.column("advantages").to_pylist() for a in row)
     with pytest.raises(ValueError, match="row 0: 2 logprobs, 1 reference logprobs"):
         kl_reward_advantages(make_table(groups=1), [[-4.0], [-4.0] * 3], 0.1)
+
+
+@pytest.mark.parametrize("estimator, per_token", [
+    ("k1", lambda d: d), ("k2", lambda d: 0.5 * d * d), ("k3", lambda d: math.exp(-d) + d - 1.0),
+    ("abs", lambda d: abs(d))])
+def test_kl_in_the_reward_by_estimator(estimator, per_token):
+    """Row A: lp - ref = -0.5, +0.25 (k1 may be negative, the others not); row B: 0. kl_coef 0.5."""
+    table = make_table(groups=1, responses=[[5, 6], [7]], rewards=[1.0, 0.0])
+    table = table.set_column(table.schema.get_field_index("logprobs"), "logprobs",
+                             pa.array([[-1.5, -1.75], [-1.0]], pa.list_(pa.float32())))
+    adv, kl = kl_reward_advantages(table, [[-1.0, -2.0], [-1.0]], kl_coef=0.5, estimator=estimator)
+    k = [per_token(-0.5), per_token(0.25)]
+    g = np.array([-0.5 * k[0] - 0.5 * k[1] + 1.0, -0.5 * k[1] + 1.0, 0.0])
+    want = (g - g.mean()) / (g.std() + 1e-6)
+    got = adv.column("advantages").to_pylist()
+    assert got[0] + got[1] == pytest.approx(want.tolist(), abs=1e-5)
+    assert kl["reward_kl"] == pytest.approx(sum(k) / 3, abs=1e-6)
+    assert kl["reward_kl_sample_mean"] == pytest.approx((sum(k) / 2 + 0.0) / 2, abs=1e-6)
+
+
+def test_grpo_sample_std_is_verls_and_trls():
+    # Group [0, 1, 1, 1]: mean 0.75, squared deviations 0.5625 + 3 x 0.0625 = 0.75.
+    # population std sqrt(0.75 / 4) = 0.4330127, sample std sqrt(0.75 / 3) = 0.5.
+    # A second group is flat: zeros under both.
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    pop = math.sqrt(0.75 / 4)
+    want_pop = [-0.75 / (pop + 1e-6)] + [0.25 / (pop + 1e-6)] * 3 + [0.0] * 4
+    want_sample = [-0.75 / (0.5 + 1e-6)] + [0.25 / (0.5 + 1e-6)] * 3 + [0.0] * 4
+    assert outcome_advantages(rewards, 4).tolist() == pytest.approx(want_pop, abs=1e-6)
+    assert outcome_advantages(rewards, 4, std="sample").tolist() == pytest.approx(want_sample, abs=1e-6)
+    table = make_table(groups=2, group_size=4, rewards=rewards.tolist())
+    got = [row[0] for row in critic_free_advantages(table, 4, "grpo", std="sample").column("advantages").to_pylist()]
+    assert got == pytest.approx(want_sample, abs=1e-6)
