@@ -5,7 +5,10 @@
 
 and, for each rollout batch that collect started, once it is finished:
 
-    rollout -> [score] -> put          (the delivery graph; sample takes what put buffered)
+    rollout -> [score] -> [teach] -> put   (the delivery graph; sample takes what put buffered)
+
+score: the reward model's (reward_model.kind); teach: the distillation
+teacher's logprobs of every response token (distill.teacher).
 
 The train sub-graph fans out to the policy's data-parallel ranks (train[r],
 each on its shard of the batch) and joins them in train_done, which passes one
@@ -42,6 +45,7 @@ class Workers:
     critics: tuple = ()      # PPO only: critic_values, critic_train, one per rank; rank 0 also advantages
     placement: Any = None    # pipeline.run.placement.Placement, or None: plain fractional CPUs
     reward_model: Any = None  # the delivery graph's score (reward_model.kind); begin_run's, per run
+    teacher: Any = None       # the delivery graph's teach (distill.teacher); begin_run's, per run
 
     def first(self, num_generators: int) -> "Workers":
         return replace(self, generators=self.generators[:num_generators])
@@ -139,14 +143,19 @@ def build_finish_graph(workers: Workers) -> StepGraph:
         return graph_of(ordering_subgraph(workers, inputs[0], inputs[1]))
 
 
-def build_delivery_graph(controller: Any, reward_model: Any = None) -> StepGraph:
+def build_delivery_graph(controller: Any, reward_model: Any = None, teacher: Any = None) -> StepGraph:
     """A finished rollout batch's way into the buffer, run once per batch by the
-    generator that rolled it out: the reward model scores it (when the run has
-    one) and only its scored Rollout reaches the controller's put, so no sample
-    can take a batch the model has not scored."""
+    generator that rolled it out: the reward model scores it and the teacher
+    puts its logprobs in (each when the run has one), and only what they
+    return reaches the controller's put, so no sample can take a batch they
+    have not seen."""
     with InputNode() as rollout:
-        scored = [("score", reward_model.score.bind(rollout))] if reward_model is not None else []
-        return graph_of([*scored, ("put", controller.put.bind(scored[0][1] if scored else rollout))])
+        named, batch = [], rollout
+        for name, actor in (("score", reward_model), ("teach", teacher)):
+            if actor is not None:
+                batch = getattr(actor, name).bind(batch)
+                named.append((name, batch))
+        return graph_of([*named, ("put", controller.put.bind(batch))])
 
 
 def build_relaunch_graph(workers: Workers, generator: int) -> StepGraph:

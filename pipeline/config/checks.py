@@ -5,7 +5,7 @@ import re
 import string
 
 from pipeline.config.algo_sections import PolicyLossConfig, ReinforcePPConfig
-from pipeline.config.sections import Config, ConfigError, InjectConfig, RewardModelConfig
+from pipeline.config.sections import Config, ConfigError, DistillConfig, InjectConfig, RewardModelConfig
 
 # What a judge's template may fill in (pipeline/reward_model/judge.py).
 JUDGE_FIELDS = ("prompt", "completion", "answer")
@@ -23,8 +23,8 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
     env = cfg.env
     if cfg.backend == "real":
         needed = [("model.path", cfg.model.path), ("data.train", cfg.data.train)]
-        # An environment, an agent or a reward model scores the samples.
-        if not env.class_ and not cfg.agent.function and not cfg.reward_model.kind:
+        # An environment, an agent or a reward model scores the samples; pure distillation needs no score.
+        if not env.class_ and not cfg.agent.function and not cfg.reward_model.kind and not _pure_distillation(cfg):
             needed.append(("data.reward", cfg.data.reward))
         for key, value in needed:
             if not value:
@@ -49,7 +49,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
     if g.tensor_parallel_size > 1 and cfg.resources.generator.num_gpus == 0:
         raise fail("generation.tensor_parallel_size", f"{g.tensor_parallel_size} needs GPUs "
                    "(resources.generator.num_gpus > 0): on CPU each vLLM engine runs in its generator's process")
-    if cfg.algorithm in ("grpo", "dr_grpo", "rloo") and cfg.schedule.group_size < 2:
+    if cfg.algorithm in ("grpo", "dr_grpo", "rloo") and cfg.schedule.group_size < 2 and not _pure_distillation(cfg):
         raise fail("schedule.group_size", f"{cfg.schedule.group_size} gives every sample a zero advantage "
                    f"({cfg.algorithm} compares the samples of one prompt); it must be >= 2 with algorithm "
                    f"{cfg.algorithm!r}")
@@ -111,6 +111,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
                 raise fail(key, f"{value!r} needs an environment; set env.class (module:Class)")
     _check_agent(cfg, fail)
     _check_reward_model(cfg, fail)
+    _check_distill(cfg, fail)
     if v.reward and (cfg.backend != "real" or env.class_):
         raise fail("validation.reward", "scores single-turn validations on the real stack; " + (
             "an environment scores its own (env.class is set)" if env.class_ else "backend is 'sim'"))
@@ -248,3 +249,29 @@ def _check_reward_model(cfg: Config, fail) -> None:
             re.compile(pattern)
         except re.error as exc:
             raise fail(f"reward_model.{key}", f"{pattern!r} is not a regular expression: {exc}") from None
+
+
+def _pure_distillation(cfg: Config) -> bool:
+    """The teacher's advantage alone: no task reward is trained on."""
+    return bool(cfg.distill.teacher) and not cfg.distill.task_reward
+
+
+def _check_distill(cfg: Config, fail) -> None:
+    d, default = cfg.distill, DistillConfig()
+    if not d.teacher:
+        changed = next((k for k in vars(d) if getattr(d, k) != getattr(default, k)), None)
+        if changed:
+            raise fail(f"distill.{changed}", "is set, but distill.teacher is empty (no distillation); set "
+                       "distill.teacher to the teacher model's directory")
+        if cfg.inject.fault == "teach_exit":
+            raise fail("inject.fault", "teach_exit ends the teacher's process; set distill.teacher")
+        return
+    if not d.task_reward and d.coef == 0:
+        raise fail("distill.coef", "0 with distill.task_reward false leaves no advantage to learn from; set "
+                   "coef > 0 (1: pure distillation) or task_reward: true")
+    if not d.task_reward and cfg.algorithm == "ppo":
+        raise fail("distill.task_reward", "false leaves ppo's critic no reward to learn values of; use a "
+                   "critic-free algorithm (grpo) for pure distillation")
+    if not d.task_reward and cfg.dynamic_sampling.max_rounds:
+        raise fail("dynamic_sampling.max_rounds", "leaves out groups whose task rewards are all equal, but "
+                   "distill.task_reward is false: the teacher's advantage needs no reward spread; set it to 0")

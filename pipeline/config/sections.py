@@ -13,6 +13,7 @@ from typing import Literal
 from pipeline.config.algo_sections import (
     DynamicSamplingConfig, OverlongConfig, PolicyLossConfig, PpoConfig, ReinforcePPConfig,
 )
+from pipeline.config.distill_section import DistillConfig
 from pipeline.config.keys import _key
 
 
@@ -179,6 +180,7 @@ class ResourcesConfig:
     critic: RoleResources = RoleResources()
     controller: RoleResources = RoleResources()
     reward_model: RoleResources = RoleResources()
+    teacher: RoleResources = RoleResources()
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,8 @@ class SimConfig:
     train_s: float = _key(0.05, "one train step's time", ge=0)
     refit_s: float = _key(0.01, "one weight load's time", ge=0)
     validate_s: float = _key(0.02, "one validation's time", ge=0)
-    score_s: float = _key(0.01, "reward_model.kind set: the simulated reward model's time per batch", ge=0)
+    score_s: float = _key(0.01, "the simulated reward model's (reward_model.kind) and teacher's (distill.teacher) "
+                          "time per batch", ge=0)
     jitter: float = _key(0.0, "relative spread of every latency", ge=0, le=1)
     num_val_prompts: int = _key(8, "validation prompts", ge=1)
     flat_share: float = _key(1.0, "share of prompts whose samples all score the same; the others' rewards "
@@ -276,15 +279,14 @@ class InjectConfig:
     it out. *_exit ends the worker's process as a crash or an OOM kill would;
     *_hang waits until the run's deadlines catch it."""
     fault: Literal["", "train_raise", "train_hang", "train_exit", "generate_raise", "generate_hang",
-                   "generate_exit", "reward_raise", "train_nonfinite", "score_exit"] = _key(
+                   "generate_exit", "reward_raise", "train_nonfinite", "score_exit", "teach_exit"] = _key(
         "", "inject this fault after `after` good calls (train_nonfinite: every later step's loss is NaN, "
         "on every rank)")
-    after: int = _key(0, "good calls before the fault (reward_raise: every N-th sample raises; "
-                       "score_exit: the reward model's process exits on its N+1-th batch)", ge=0)
+    after: int = _key(0, "good calls before the fault (reward_raise: every N-th sample raises; score_exit, "
+                       "teach_exit: the reward model's or teacher's process exits on its N+1-th batch)", ge=0)
     worker: int = _key(0, "generator index that generate_* faults hit, trainer rank that train_* faults hit", ge=0)
-    incarnations: int = _key(1, "a replaced generator (or a restarted reward model) faults again only while its "
-                               "restart count is below this",
-                             ge=1)
+    incarnations: int = _key(1, "a replaced generator (or a restarted reward model or teacher) faults again only "
+                               "while its restart count is below this", ge=1)
 
 
 # Config fields whose recipe key is a Python keyword.
@@ -300,6 +302,7 @@ class Config:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
+    distill: DistillConfig = DistillConfig()
     algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = _key(
         "grpo", "the advantage estimator (pipeline/algos/advantages.py): grpo, dr_grpo (no std division), rloo "
         "(leave-one-out), reinforce_pp (batch-normalised), or ppo (GAE with a critic)")

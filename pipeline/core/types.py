@@ -92,6 +92,9 @@ TRAJECTORY_SCHEMA = pa.schema([
     # A multi-turn sample's turns (TRANSCRIPT_TURN), for reading its samples (metrics.samples):
     # `text` holds only the model's turns. Null for a single-turn sample.
     ("transcript", pa.list_(TRANSCRIPT_TURN)),
+    # The distillation teacher's logprob of each response token (distill.teacher;
+    # pipeline/distill/), put by the teacher before the buffer takes the batch. Null: no teacher.
+    ("teacher_logprobs", pa.list_(pa.float32())),
 ])
 
 

@@ -7,6 +7,7 @@ replacement of a worker that died.
     trainer, critic                    alone; trainer0, trainer1, ... with several ranks
     gen0, gen1, ...                    generators; gen0_r1 is gen0's first replacement
     reward_model, reward_model_r1      the reward model; _r1 after Ray's first restart
+    teacher, teacher_r1                the distillation teacher; _r1 after Ray's first restart
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ TRAINER = "trainer"
 CRITIC = "critic"
 GENERATOR = "gen"
 REWARD_MODEL = "reward_model"
+TEACHER = "teacher"
 
 
 def rank_name(role: str, rank: int, ranks: int) -> str:
@@ -41,6 +43,10 @@ def reward_model_name(incarnation: int = 0) -> str:
     return REWARD_MODEL + (f"_r{incarnation}" if incarnation else "")
 
 
+def teacher_name(incarnation: int = 0) -> str:
+    return TEACHER + (f"_r{incarnation}" if incarnation else "")
+
+
 def actor_names(workers: Workers, incarnations: dict[int, int] | None = None) -> dict[str, Any]:
     """The actors by the names their event logs use;
     `incarnations`: generator index -> how many times it was replaced."""
@@ -49,7 +55,8 @@ def actor_names(workers: Workers, incarnations: dict[int, int] | None = None) ->
             **{rank_name(TRAINER, r, len(workers.trainers)): t for r, t in enumerate(workers.trainers)},
             **{generator_name(i, incarnations.get(i, 0)): g for i, g in enumerate(workers.generators)},
             **{rank_name(CRITIC, r, len(workers.critics)): c for r, c in enumerate(workers.critics)},
-            **({reward_model_name(): workers.reward_model} if workers.reward_model is not None else {})}
+            **({reward_model_name(): workers.reward_model} if workers.reward_model is not None else {}),
+            **({teacher_name(): workers.teacher} if workers.teacher is not None else {})}
 
 
 def generator_index(name: str, generators: int, incarnations: dict[int, int]) -> int | None:

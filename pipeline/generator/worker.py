@@ -51,11 +51,12 @@ class GeneratorWorker(Actor):
         self.weights = None
 
     def begin_run(self, cfg: Config, run_dir: str, t0: float, controller, incarnation: int = 0,
-                  start_weights: Stored | None = None, after: Clock = (), reward_model=None) -> Clock:
+                  start_weights: Stored | None = None, after: Clock = (), reward_model=None, teacher=None) -> Clock:
         """`start_weights`: the stored (version, state) when starting mid-run (a
         restart, a resume); the load is logged as this worker's refit to that version.
         `after`: the caller's clock (it holds the trainer's, from current_weights).
-        `reward_model`: the run's reward model actor, which scores each batch before the buffer takes it."""
+        `reward_model`: the run's reward model actor, which scores each batch before the buffer takes it;
+        `teacher`: the distillation teacher's, which then puts its logprobs in."""
         spans.take()
         self.cfg = cfg
         self.log = EventLog(run_dir, generator_name(self.index, incarnation), t0)
@@ -65,7 +66,7 @@ class GeneratorWorker(Actor):
         self.reward_fn = reward_function(cfg)
         self.val_reward_fn = load_reward(cfg.validation.reward) if cfg.validation.reward else None
         self.reward_model = reward_model
-        self.delivery = build_delivery_graph(controller, reward_model)
+        self.delivery = build_delivery_graph(controller, reward_model, teacher)
         self.scored_here = reward_model is None
         self.val_prompts = val_prompts(cfg)[self.index::cfg.generation.num_generators]
         self.controller = controller
@@ -289,6 +290,7 @@ class GeneratorWorker(Actor):
                 "token_rewards": [_token_rewards(c, r) for (_, c), r in zip(rows, rewards)],
                 "truncated": [c.truncated for _, c in rows],
                 "transcript": [list(c.transcript) or None for _, c in rows],
+                "teacher_logprobs": [None] * n,  # the teacher's, on the way to the buffer (pipeline/distill/)
             }, schema=TRAJECTORY_SCHEMA)
 
 

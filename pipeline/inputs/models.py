@@ -145,6 +145,27 @@ def check_model_loads(path: str | Path, *, tokenizer_dir: str | Path | None = No
     return p
 
 
+def check_same_tokenizer(student: str | Path, teacher: str | Path) -> None:
+    """The teacher's tokenizer is the student's: the same vocabulary (token
+    to id) and special tokens. Distillation compares the two models' logprobs
+    of one token id at a time, so any other tokenizer would compare
+    different strings."""
+    from transformers import AutoTokenizer
+    ours, theirs = (AutoTokenizer.from_pretrained(str(p)) for p in (student, teacher))
+    vocab, other = ours.get_vocab(), theirs.get_vocab()
+    if vocab != other:
+        moved = sorted(t for t in vocab.keys() & other.keys() if vocab[t] != other[t])
+        detail = (f"{len(vocab)} and {len(other)} tokens" if len(vocab) != len(other) else
+                  f"token {moved[0]!r} is {vocab[moved[0]]} and {other[moved[0]]}" if moved else
+                  f"token {sorted(vocab.keys() - other.keys())[0]!r} is only the student's")
+    elif ours.special_tokens_map != theirs.special_tokens_map:
+        detail = f"special tokens {ours.special_tokens_map} and {theirs.special_tokens_map}"
+    else:
+        return
+    raise ModelError(f"the teacher's tokenizer ({str(teacher)!r}) is not the student's (model.path {str(student)!r}): "
+                     f"{detail}; distillation compares the logprobs of each token id, so both need one tokenizer")
+
+
 # What VllmGenerationEngine gives vLLM as max_model_len unless told otherwise:
 # it sizes the KV cache, and vLLM refuses a prompt that does not fit it.
 DEFAULT_MAX_MODEL_LEN = 512

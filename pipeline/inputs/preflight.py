@@ -26,7 +26,7 @@ def preflight(cfg: Config) -> Future | None:
         return None
     from pipeline.inputs.datasets import DataError, check_prompts, data_columns, run_prompts
     from pipeline.inputs.models import (
-        ModelError, check_model_files, check_model_loads, check_reward_model, context_length)
+        ModelError, check_model_files, check_model_loads, check_reward_model, check_same_tokenizer, context_length)
     from pipeline.rewards.specs import RewardError, check_routes, load_reward
 
     def check(key: str, fn: Callable, *args, **kwargs):
@@ -41,6 +41,8 @@ def preflight(cfg: Config) -> Future | None:
         models.append(("ppo.critic_model", cfg.ppo.critic_model, cfg.model.path))
     if cfg.reward_model.kind:
         models.append(("reward_model.path", cfg.reward_model.path, None))
+    if cfg.distill.teacher:
+        models.append(("distill.teacher", cfg.distill.teacher, None))
     for key, path, tokenizer_dir in models:
         check(key, check_model_files, path, own_tokenizer=tokenizer_dir is None)
     if cfg.reward_model.kind:
@@ -70,6 +72,8 @@ def preflight(cfg: Config) -> Future | None:
     def loads() -> dict:
         for key, path, tokenizer_dir in models:
             check(key, check_model_loads, path, tokenizer_dir=tokenizer_dir)
+        if cfg.distill.teacher:
+            check("distill.teacher", check_same_tokenizer, cfg.model.path, cfg.distill.teacher)
         kinds = ["train", "val"] if cfg.data.val else ["train"]
         return {kind: check(f"data.{kind}", run_prompts, cfg, kind) for kind in kinds}
     pool = ThreadPoolExecutor(1, thread_name_prefix="preflight")

@@ -14,7 +14,8 @@ import torch
 
 from pipeline.core.types import Prompt
 from pipeline.inputs.models import ModelError, check_model_dir, check_reward_model
-from pipeline.reward_model.common import conversation, state_digest
+from pipeline.core.weights_digest import state_digest
+from pipeline.reward_model.common import conversation
 
 
 class ClassifierScorer:

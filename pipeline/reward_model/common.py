@@ -1,8 +1,7 @@
 """What the reward models (the classifier and the judge) share: each row's
-prompt, the text they read, and the digest of their weights."""
+prompt and the text they read."""
 from __future__ import annotations
 
-import hashlib
 import json
 
 from pipeline.core.types import Prompt
@@ -30,14 +29,3 @@ def question(prompt: Prompt) -> str:
         if users:
             return users[-1]
     return prompt.text
-
-
-def state_digest(state: dict) -> str:
-    """A hash of a model's weights (name and bytes of each): a reward model logs
-    it at load and at the run's end, and the checker requires them equal."""
-    import torch
-    h = hashlib.blake2b(digest_size=12)
-    for name, tensor in sorted(state.items()):
-        h.update(name.encode())
-        h.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()

@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 
 from pipeline.core.types import Prompt
-from pipeline.reward_model.common import question, state_digest
+from pipeline.core.weights_digest import state_digest
+from pipeline.reward_model.common import question
 
 
 def parse_score(answer: str, pattern: re.Pattern) -> float | None:

@@ -32,7 +32,7 @@ from dags.tokens import StepPlan
 from pipeline.config import Config
 from pipeline.core.events import EventLog, merge_events
 from pipeline.core.memory import one_heap_arena
-from pipeline.core.worker_names import DRIVER, REWARD_MODEL, generator_name
+from pipeline.core.worker_names import DRIVER, REWARD_MODEL, TEACHER, generator_name
 from pipeline.core.precision import cpu_bf16_flags, describe_cpu
 from pipeline.inputs.preflight import preflight
 from pipeline.run import checkpoint
@@ -183,6 +183,7 @@ class Run:
         self.log.emit("run_start", max_age=cfg.schedule.max_age, steps=cfg.run.steps, start_step=self.start_step,
                       dag_mode=mode, refit_mode=cfg.generation.refit_mode, algorithm=cfg.algorithm,
                       top_up_rounds=cfg.dynamic_sampling.max_rounds, reward_model=cfg.reward_model.kind or None,
+                      teacher=cfg.distill.teacher or None,
                       env_max_turns=cfg.env.max_turns if cfg.env.class_ else None,
                       resume_changes=self.summary["resume_changes"])
         self.execution = Execution(cfg, self.workers, mode, self.run_dir, self.t0, self.log, step_runner, self.say)
@@ -240,9 +241,10 @@ class Run:
     def finish(self) -> None:
         workers, log, cfg = self.execution.workers, self.log, self.cfg
         self.summary["accounting"] = ray.get(workers.controller.finish.remote(log.now()), timeout=cfg.run.deadline_s)
-        if workers.reward_model is not None:
-            # After the last batch it scored: its weights' digest again, for invariant 9.
-            log.merge(ray.get(workers.reward_model.finish.remote(log.now()), timeout=cfg.run.startup_deadline_s))
+        for scorer in (workers.reward_model, workers.teacher):
+            if scorer is not None:
+                # After the last batch it scored: its weights' digest again, for invariants 9 and 10.
+                log.merge(ray.get(scorer.finish.remote(log.now()), timeout=cfg.run.startup_deadline_s))
         self.summary["generator_restarts"] = dict(sorted((generator_name(i), n)
                                                          for i, n in self.execution.incarnations.items()))
 
@@ -321,6 +323,7 @@ def _write_summary(run_dir: Path, summary: dict, totals: RunTotals, cfg: Config)
         "training_dtype": _trained_dtype(run_dir),
         # Ray restarts a dead reward model in place; each incarnation logged on its own.
         "reward_model_restarts": max(len(list((run_dir / "events").glob(f"{REWARD_MODEL}*.jsonl"))) - 1, 0),
+        "teacher_restarts": max(len(list((run_dir / "events").glob(f"{TEACHER}*.jsonl"))) - 1, 0),
     })
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 

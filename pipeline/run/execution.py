@@ -15,7 +15,7 @@ from dags.step_graph import (TRAIN_SUBGRAPHS, StepGraph, Workers, build_finish_g
 from dags.tokens import StepPlan, TrainOut
 from pipeline.config import Config
 from pipeline.core.events import EventLog
-from pipeline.core.worker_names import REWARD_MODEL, actor_names, generator_index, generator_name
+from pipeline.core.worker_names import REWARD_MODEL, TEACHER, actor_names, generator_index, generator_name
 from pipeline.run.pool import replace_generator
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, step_label
 
@@ -107,7 +107,7 @@ class Execution:
         if index is not None and mode != "compiled" and self.cfg.generation.weight_sync != "collective":
             return
         why = (f"Ray restarted it up to fault.max_restarts ({self.cfg.fault.max_restarts}) times"
-               if died.worker.startswith(REWARD_MODEL) else
+               if died.worker.startswith((REWARD_MODEL, TEACHER)) else
                "the run cannot go on without it" if index is None
                else "generator restarts need run.dag_mode classic" if mode == "compiled"
                else "generator restarts need generation.weight_sync object_store (a collective "

@@ -32,7 +32,7 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True)
 class Bundle:
-    role: str        # controller, trainer, critic, generator, reward_model
+    role: str        # controller, trainer, critic, generator, reward_model, teacher
     index: int       # rank or generator index within the role
     tp_rank: int     # a generator's tensor-parallel rank; 0 for the other roles
     resources: dict  # what the bundle reserves, as Ray's placement_group takes it
@@ -47,7 +47,8 @@ def _counts(cfg: Config) -> dict[str, int]:
     return {"controller": 1, "trainer": cfg.training.ranks,
             "critic": cfg.critic_actors,
             "generator": cfg.generation.num_generators,
-            "reward_model": 1 if cfg.reward_model.kind else 0}
+            "reward_model": 1 if cfg.reward_model.kind else 0,
+            "teacher": 1 if cfg.distill.teacher else 0}
 
 
 def bundles(cfg: Config) -> list[Bundle]:

@@ -26,6 +26,7 @@ from pipeline.core.events import EventLog
 from pipeline.core.memory import ONE_ARENA_ENV
 from pipeline.core.node import rank_actor
 from pipeline.core.worker_names import actor_names, generator_name
+from pipeline.distill.worker import start_teacher
 from pipeline.reward_model.worker import start_reward_model
 from pipeline.run.runner import GraphRunner, PipelineError, WorkerDied, task_error
 
@@ -83,13 +84,14 @@ def end_run(workers: Workers, deadline_s: float) -> None:
     try:
         ray.get(closing, timeout=deadline_s)
     finally:
-        stop_reward_model(workers)
+        stop_per_run_actors(workers)
 
 
-def stop_reward_model(workers: Workers) -> None:
-    """What begin_run started for one run alone: the reward model."""
-    if workers.reward_model is not None:
-        ray.kill(workers.reward_model, no_restart=True)
+def stop_per_run_actors(workers: Workers) -> None:
+    """What begin_run started for one run alone: the reward model and the teacher."""
+    for actor in (workers.reward_model, workers.teacher):
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
 
 
 def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_step: int,
@@ -107,6 +109,8 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
         # Per run: its model is the recipe's. It loads beside the other workers; generators only hold its handle.
         rm = start_reward_model(cfg, str(run_dir), t0, _options(used.placement, "reward_model"))
         used = replace(used, reward_model=rm)
+    if cfg.distill.teacher:
+        used = replace(used, teacher=start_teacher(cfg, str(run_dir), t0, _options(used.placement, "teacher")))
     try:
         setup = [used.controller.begin_run.remote(cfg, str(run_dir), t0, start_step, restore("controller"),
                                                   train_prompts),
@@ -114,10 +118,11 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
                    for t, meet in zip(used.trainers, _meeting(used.trainers, cfg))),
                  *(c.begin_run.remote(cfg, str(run_dir), t0, restore("critic_state"), meet)
                    for c, meet in zip(used.critics, _meeting(used.critics, cfg))),
-                 *([used.reward_model.ready.remote()] if used.reward_model is not None else [])]
+                 *(a.ready.remote() for a in (used.reward_model, used.teacher) if a is not None)]
         if ckpt is None:
             # A fresh run's generators start from the model directory, as the trainer does: all start at once.
-            setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, None, log.now(), used.reward_model)
+            setup += [g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, None, log.now(), used.reward_model,
+                                         used.teacher)
                       for g in used.generators]
             log.merge(*_wait(setup, cfg))
         else:
@@ -125,12 +130,12 @@ def begin_run(workers: Workers, cfg: Config, run_dir: Path, t0: float, start_ste
             [(_, weights, clock)] = _wait([used.trainers[0].current_weights.remote()], cfg)
             log.merge(clock)
             log.merge(*_wait([g.begin_run.remote(cfg, str(run_dir), t0, used.controller, 0, weights, log.now(),
-                                                 used.reward_model)
+                                                 used.reward_model, used.teacher)
                               for g in used.generators], cfg))
         if cfg.generation.weight_sync == "collective":
             _form_weight_sync(used, cfg)
     except BaseException:
-        stop_reward_model(used)
+        stop_per_run_actors(used)
         raise
     return used
 
@@ -185,7 +190,7 @@ def replace_generator(workers: Workers, index: int, died: WorkerDied, incarnatio
     version, weights, clock = ray.get(workers.trainers[0].current_weights.remote(), timeout=cfg.run.deadline_s)
     log.merge(clock)
     log.merge(*_wait([actor.begin_run.remote(cfg, str(run_dir), t0, workers.controller, incarnation, weights,
-                                             log.now(), workers.reward_model)], cfg))
+                                             log.now(), workers.reward_model, workers.teacher)], cfg))
     incarnations[index] = incarnation
     workers = workers.replace_generator(index, actor)
     relaunch = GraphRunner(build_relaunch_graph(workers, index), "classic", cfg.run.deadline_s,

@@ -16,9 +16,9 @@ from pipeline.run.reaper import GRACE_S, MARK, start_watcher
 
 
 def graph_actor_count(cfg: Config) -> int:
-    """The run's actors: those of the step graph, and the reward model of the delivery graph."""
+    """The run's actors: those of the step graph, and the reward model and teacher of the delivery graph."""
     return (1 + cfg.training.ranks + cfg.generation.num_generators + cfg.critic_actors
-            + (1 if cfg.reward_model.kind else 0))
+            + (1 if cfg.reward_model.kind else 0) + (1 if cfg.distill.teacher else 0))
 
 
 def resolve_dag_mode(cfg: Config, cores: float) -> str:

@@ -307,3 +307,28 @@ class SimRewardModel:
 
     def close(self) -> None:
         pass
+
+
+class SimTeacher:
+    """The distillation teacher of backend sim: a fixed logprob per token id,
+    sim.score_s per batch. inject.fault teach_exit ends the process on batch
+    inject.after + 1 (while its restart count is below inject.incarnations)."""
+
+    def __init__(self, cfg: SimConfig, *, inject: InjectConfig = InjectConfig(), faulty: bool = False):
+        self.latency = _Latency(cfg, seed=997)
+        self.score_s = cfg.score_s
+        self.inject, self.faulty = inject, faulty
+        self.calls = 0
+
+    def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        if self.faulty:
+            _maybe_fault(self.inject, "teach", self.calls)
+        self.calls += 1
+        self.latency.spend(self.score_s)
+        return [[-0.05 - (t % 17) / 10 for t in r] for r in responses]
+
+    def digest(self) -> str:
+        return "sim"
+
+    def close(self) -> None:
+        pass

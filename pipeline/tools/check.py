@@ -1,4 +1,4 @@
-"""Check a run's event log against invariants 1-5 and 7-9 of DESIGN.md.
+"""Check a run's event log against invariants 1-5 and 7-10 of DESIGN.md.
 
 The log is the only evidence that the step graph's ordering held at run time,
 so this checker knows the event schema and nothing of the driver: a bug in the
@@ -26,7 +26,7 @@ from pipeline.core.worker_names import DRIVER, TRAINER, first_rank_names
 from pipeline.tools.check_agents import check_agents
 from pipeline.tools.check_bounds import weight_copies_bounded
 from pipeline.tools.check_sampling import flat_groups_never_trained
-from pipeline.tools.check_scoring import batches_scored_before_training
+from pipeline.tools.check_scoring import batches_scored_before_training, batches_taught_before_sampling
 from pipeline.tools.check_order import (
     Judge,
     Violation,
@@ -291,7 +291,7 @@ def _rises_by_one(ends: list[dict], who: str) -> Iterator[Violation]:
 
 
 def check_report(events: Iterable[dict]) -> Report:
-    """The verdict on invariants 1-5 and 7-9, the wall clock's notes, and how much of
+    """The verdict on invariants 1-5 and 7-10, the wall clock's notes, and how much of
     the ordering had to be judged by wall clock."""
     events = sorted(events, key=lambda e: e["t"])
     run_start = next(iter(of(events, "run_start")), None)
@@ -315,13 +315,14 @@ def check_report(events: Iterable[dict]) -> Report:
     violations = [*judge.violations, *batch_ages_within_max_age(events, run_start),
                   *each_batch_trained_once_or_dropped(events, finished), *versions_rise_by_one(events, finished),
                   *flat_groups_never_trained(events, run_start),
-                  *batches_scored_before_training(events, run_start)]
+                  *batches_scored_before_training(events, run_start),
+                  *batches_taught_before_sampling(events, run_start)]
     return Report(tuple(sorted(violations, key=lambda v: v.invariant)), tuple(judge.notes), judge.fallbacks,
                   sum(1 for e in events if not has_clock(e)))
 
 
 def check_events(events: Iterable[dict]) -> list[Violation]:
-    """The verdict: every violation of invariants 1-5 and 7-9 (wall-clock notes left out)."""
+    """The verdict: every violation of invariants 1-5 and 7-10 (wall-clock notes left out)."""
     return list(check_report(events).violations)
 
 
@@ -353,5 +354,5 @@ def main(run_dir: str) -> int:
     if not any(e.get("ev") == "run_end" and e.get("error") is None for e in events):
         print("note: the run did not finish cleanly (no run_end, or it ended on an error), so launched "
               "batches never trained or dropped are not counted as lost")
-    print(f"{len(report.violations)} violations (invariants 1-5, 7-9) in {len(events)} events")
+    print(f"{len(report.violations)} violations (invariants 1-5, 7-10) in {len(events)} events")
     return 1 if report.violations else 0

@@ -154,6 +154,18 @@ class TrainerWorker(Actor):
         return {**self.engine.train_step(table, advantages, shard), "shard_rows": float(shard.stop - shard.start)}
 
     def _advantages(self, table: pa.Table, advantages: Advantages | None) -> tuple[pa.Table, dict[str, float]]:
+        """The task's advantages, with distill.teacher the teacher's reverse KL
+        mixed in per token (pipeline/algos/distill.py; metric distill/kl)."""
+        task, measured = self._task_advantages(table, advantages)
+        d = self.cfg.distill
+        if not d.teacher:
+            return task, measured
+        from pipeline.algos.distill import mix_distillation  # numpy only, but not the driver's business
+        with spans.span("train.distill"):
+            mixed, kl = mix_distillation(table, task, d.coef, d.kl_clip, d.task_reward)
+        return mixed, {**measured, "distill/kl": kl}
+
+    def _task_advantages(self, table: pa.Table, advantages: Advantages | None) -> tuple[pa.Table, dict[str, float]]:
         """The critic's table (PPO); REINFORCE++'s with the KL in the token rewards
         (reinforce_pp.kl_coef; metrics reward_kl, reward_kl_sample_mean and
         reward_kl_coef, the coefficient this batch paid); else the algorithm's outcome

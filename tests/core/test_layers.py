@@ -23,7 +23,7 @@ LAYERS = [
     ["pipeline.inputs"],
     ["pipeline.sim"],
     ["pipeline.weights"],
-    ["pipeline.controller", "pipeline.generator", "pipeline.trainer", "pipeline.reward_model"],
+    ["pipeline.controller", "pipeline.generator", "pipeline.trainer", "pipeline.reward_model", "pipeline.distill"],
     ["pipeline.run"],
     ["pipeline.tools"],
     ["pipeline.__main__"],

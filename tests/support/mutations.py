@@ -5,7 +5,9 @@ drain a generator does before it loads new weights, or the engine's labelling
 of each token with the weights that sampled it; or the one resource bound the
 log proves, the weight copies in the object store (a trainer that keeps them all); or dynamic
 sampling's filter (a sample that trains flat groups); or the reward model's
-edge (a generator that puts its batches unscored); or, in runs with agents,
+edge (a generator that puts its batches unscored); or the teacher's (a
+generator that puts its batches untaught, its own logprobs in the teacher's
+column, so the trainer has what it reads); or, in runs with agents,
 the sessions' bounds (a sample delivered while its agent goes on, a session
 kept across batches) and the engine's labels (a version not yet loaded). They are built here, in
 the tests, from the public pieces of dags/step_graph.py; production code
@@ -53,20 +55,23 @@ class MutantGenerator(GeneratorWorker):
     late_label = False
     early_delivery = False
     skip_scoring = False
+    skip_teaching = False
     label_ahead = False
     stale_sessions = False
 
     def configure(self, skip_drain: bool = False, trainer=None, late_label: bool = False,
-                  early_delivery: bool = False, skip_scoring: bool = False, label_ahead: bool = False,
-                  stale_sessions: bool = False) -> None:
+                  early_delivery: bool = False, skip_scoring: bool = False, skip_teaching: bool = False,
+                  label_ahead: bool = False, stale_sessions: bool = False) -> None:
         self.skip_drain, self.trainer, self.late_label = skip_drain, trainer, late_label
-        self.early_delivery, self.skip_scoring = early_delivery, skip_scoring
+        self.early_delivery, self.skip_scoring, self.skip_teaching = early_delivery, skip_scoring, skip_teaching
         self.label_ahead, self.stale_sessions = label_ahead, stale_sessions
 
     def begin_run(self, *args, **kwargs):
         clock = super().begin_run(*args, **kwargs)
         if self.skip_scoring:  # deliver_unscored: the delivery graph without its score node
             self.delivery = build_delivery_graph(self.controller)
+        if self.skip_teaching:  # deliver_untaught: the delivery graph without its teach node
+            self.delivery = build_delivery_graph(self.controller, self.reward_model)
         if self.late_label:
             label_a_step_late(self.engine)
         if self.label_ahead:
@@ -77,6 +82,13 @@ class MutantGenerator(GeneratorWorker):
         if self.stale_sessions:
             keep_sessions_across_batches(self._loop.episodes, self.cfg.schedule.group_size)
         return clock
+
+    def _table(self, *args):
+        table = super()._table(*args)
+        if not self.skip_teaching:
+            return table
+        column = table.schema.get_field_index("teacher_logprobs")
+        return table.set_column(column, table.schema.field(column), table.column("logprobs"))
 
     def _drain(self, step: int) -> None:
         if not self.skip_drain:  # refit_without_drain: load new weights under running rollouts
@@ -352,6 +364,9 @@ MUTATIONS: dict[str, Mutation] = {
     # A run with a reward model whose generators put their batches without it.
     "deliver_unscored": Mutation(build_step_graph, expect=9, configure={"skip_scoring": True},
                                  overrides=("reward_model.kind=classifier",)),
+    # A run with a distillation teacher whose generators put their batches without it.
+    "deliver_untaught": Mutation(build_step_graph, expect=10, configure={"skip_teaching": True},
+                                 overrides=("distill.teacher=sim",)),
     # Runs with agents (the agents profile of tests/tools/test_mutations.py) only.
     "deliver_before_the_agent": Mutation(build_step_graph, expect=2, configure={"early_delivery": True}),
     "label_ahead": Mutation(build_step_graph, expect=2, configure={"label_ahead": True}),
@@ -371,6 +386,6 @@ AGENTS_ONLY = ("deliver_before_the_agent", "label_ahead", "session_kept_across_b
 # late harms only tokens in flight at a load: under drain none are, and the
 # validation after the refit takes the late step before any rollout can.
 ONE_MODE_ONLY = {"refit_without_drain": "drain", "late_version_label": "inflight", "hoard_weights": "drain",
-                 "train_flat_groups": "drain", "deliver_unscored": "drain"}
+                 "train_flat_groups": "drain", "deliver_unscored": "drain", "deliver_untaught": "drain"}
 
 UNMUTATED = Mutation(build_step_graph, expect=0)

@@ -11,7 +11,7 @@ import ray
 
 from dags.step_graph import Workers
 from pipeline.run.driver import Run
-from pipeline.run.pool import stop_reward_model
+from pipeline.run.pool import stop_per_run_actors
 from pipeline.run.runner import GraphRunner
 
 
@@ -54,4 +54,4 @@ def _end_failed_run(workers: Workers, deadline_s: float) -> None:
             ray.get(ref, timeout=0)
         except ray.exceptions.RayError:
             pass  # dead, stuck, or failed before its begin_run opened anything: nothing of it runs on
-    stop_reward_model(workers)
+    stop_per_run_actors(workers)

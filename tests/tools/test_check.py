@@ -355,7 +355,7 @@ def test_main_clean_run(tmp_path, capsys):
     write_jsonl(tmp_path / "events.jsonl", events)
     assert main(str(tmp_path)) == 0
     assert capsys.readouterr().out.splitlines() == [
-        f"0 violations (invariants 1-5, 7-9) in {len(events)} events"]
+        f"0 violations (invariants 1-5, 7-10) in {len(events)} events"]
 
 
 def test_main_reports_violations(tmp_path, capsys):
@@ -366,7 +366,7 @@ def test_main_reports_violations(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("invariant 2: batch b2.0")
     assert out[1].startswith('    {"t":')
-    assert out[-1] == f"1 violations (invariants 1-5, 7-9) in {len(events)} events"
+    assert out[-1] == f"1 violations (invariants 1-5, 7-10) in {len(events)} events"
 
 
 def test_main_notes_unfinished_run(tmp_path, capsys):
@@ -384,7 +384,7 @@ def test_main_prints_wall_clock_notes_and_passes(tmp_path, capsys):
     assert main(str(tmp_path)) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("note (wall clock, invariant ") and "the times are skewed" in out[0]
-    assert out[-1] == f"0 violations (invariants 1-5, 7-9) in {len(events)} events"
+    assert out[-1] == f"0 violations (invariants 1-5, 7-10) in {len(events)} events"
 
 
 def test_main_says_when_it_fell_back_to_the_wall_clock(tmp_path, capsys):
