@@ -9,22 +9,14 @@ import json
 
 import pytest
 
-from pipeline.core.events import load_events
-from pipeline.run.driver import train
-from pipeline.tools.check import check_events
-from tests.run.test_faults import sim_config, trained_batches
+from tests.run.test_faults import trained_batches
+from tests.support.scorer_runs import checked_scorer_run
 
 pytestmark = pytest.mark.sim
 
 
 def run(tmp_path, name: str, **overrides):
-    cfg = sim_config(tmp_path, name, run__steps=5, generation__num_generators=2, distill__teacher="sim",
-                     validation__period=3, sim__generate_s=0.02, sim__train_s=0.01, sim__jitter=0.5, **overrides)
-    summary = train(cfg, quiet=True)
-    events = load_events(tmp_path / name)
-    violations = check_events(events)
-    assert violations == [], "\n".join(v.message for v in violations)
-    return summary, events
+    return checked_scorer_run(tmp_path, name, 5, **{"distill__teacher": "sim", **overrides})
 
 
 def test_every_trained_batch_is_taught_after_its_score_and_the_kl_is_logged(tmp_path, ray_session):

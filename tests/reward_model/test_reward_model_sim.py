@@ -8,23 +8,16 @@ import json
 
 import pytest
 
-from pipeline.core.events import load_events
 from pipeline.run.driver import train
 from pipeline.run.runner import PipelineError
-from pipeline.tools.check import check_events
 from tests.run.test_faults import sim_config, trained_batches
+from tests.support.scorer_runs import checked_scorer_run
 
 pytestmark = pytest.mark.sim
 
 
 def run(tmp_path, name: str, **overrides):
-    cfg = sim_config(tmp_path, name, run__steps=6, generation__num_generators=2, reward_model__kind="classifier",
-                     validation__period=3, sim__generate_s=0.02, sim__train_s=0.01, sim__jitter=0.5, **overrides)
-    summary = train(cfg, quiet=True)
-    events = load_events(tmp_path / name)
-    violations = check_events(events)
-    assert violations == [], "\n".join(v.message for v in violations)
-    return summary, events
+    return checked_scorer_run(tmp_path, name, 6, **{"reward_model__kind": "classifier", **overrides})
 
 
 def test_every_trained_batch_is_scored_and_its_score_is_the_reward(tmp_path, ray_session):
