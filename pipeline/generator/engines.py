@@ -62,12 +62,3 @@ def reward_function(cfg: Config) -> Callable[[Prompt, str], float] | None:
     from pipeline.rewards.specs import load_reward
     return load_reward(cfg.data.reward) if cfg.data.reward else None
 
-
-def val_prompts(cfg: Config) -> list[Prompt]:
-    if cfg.backend == "sim":
-        from pipeline.sim.engines import sim_prompts
-        return sim_prompts(cfg.sim.num_val_prompts, "val")
-    if not cfg.data.val:
-        return []
-    from pipeline.inputs.datasets import run_prompts
-    return list(run_prompts(cfg, "val").prompts)

@@ -271,7 +271,9 @@ class Progress:
     def update(self, metrics: dict) -> None:
         if not self.enabled:
             return
-        val = f" val_reward={metrics['val_reward']:.3f}" if "val_reward" in metrics else ""
+        # Each set's mean@n (validation.sets), or the implicit set's val_reward.
+        val = "".join(f" {k}={v:.3f}" for k, v in metrics.items()
+                      if k == "val_reward" or (k.startswith("val/") and k.count("/") == 2 and "/mean@" in k))
         step = metrics.get("step")
         if isinstance(step, int) and step < 0:  # validation of the initial weights: not a step
             line = f"before training:{val or ' (no validation)'}"

@@ -13,6 +13,7 @@ import pytest
 
 from dags.tokens import Batch, ValOut
 from pipeline.config import load_config
+from pipeline.config.sections import ValSetConfig
 from pipeline.core.samples import format_sample, shard_count, train_samples, unshard, val_samples
 from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, Prompt
 from pipeline.run.metrics import WANDB_SAMPLE_COLUMNS, MetricSinks, step_samples
@@ -64,7 +65,7 @@ def _val(shard: int, shards: int, count: int, step: int = 3) -> tuple[dict, ...]
     mine = [Prompt(f"val{i}", f"question {i}") for i in range(10)][shard::shards]
     completions = [Completion((1,), (2, 3), (0.0, 0.0), f"answer {p.id}", (step + 1,) * 2) for p in mine]
     shown = shard_count(count, shard, shards)
-    return val_samples(step, step + 1, mine[:shown], completions, [(0.5, "")] * len(mine))
+    return val_samples(step, step + 1, ValSetConfig(name=""), mine[:shown], completions, [(0.5, "")] * len(mine))
 
 
 @pytest.mark.parametrize("count,shards", [(4, 3), (2, 3), (5, 2), (1, 1), (0, 2)])
