@@ -73,11 +73,11 @@ def check_inputs(cfg: Config) -> None:
     from pipeline.inputs.models import check_model_files
     from pipeline.inputs.preflight import check_val_sets
     from pipeline.rewards.specs import check_routes, load_reward
-    check_model_files(cfg.model.path, own_tokenizer=True)
     check_val_sets(cfg)
     if not cfg.validation.sets:
         checked = check_prompts(cfg.data.val, kind="val", columns=data_columns(cfg))
         check_routes(load_reward(cfg.validation.reward or cfg.data.reward), cfg.data.val, checked.sources)
+    check_model_files(cfg.model.path, own_tokenizer=True)
 
 
 def decode(engine, sets: list[EvalSet], progress: bool) -> list[list]:
