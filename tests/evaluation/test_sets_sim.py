@@ -56,3 +56,12 @@ def test_each_set_validates_on_its_steps_with_the_gates_weights(tmp_path, sim_po
             passed = float(version / (version + 10) >= 0.1)
             assert r["val/sampled/pass@1"] == pytest.approx(passed) and r["val/sampled/pass@3"] == pytest.approx(passed)
         assert "val_reward" not in r
+
+    # The checker proves the weights: a validation labelled with other weights than its worker loaded is caught.
+    wrong = [dict(e, version=e["version"] - 1) if e is starts[-1] else e for e in events]
+    assert any(v.invariant == 2 and "is labelled version" in v.message for v in check_events(wrong))
+    # ... and so is one whose sets changed between its start and its end.
+    end = next(e for e in events if e["ev"] == "validation_end" and (e["worker"], e["step"]) ==
+               (starts[-1]["worker"], starts[-1]["step"]))
+    changed = [dict(e, sets=["greedy"]) if e is end else e for e in events]
+    assert any(v.invariant == 2 and "ended with" in v.message for v in check_events(changed))
