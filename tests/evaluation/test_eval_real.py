@@ -24,11 +24,13 @@ def sets(data) -> str:
             "temperature: 1.0, k: [1, 2, 4], vote_on: text, correct_at: 0.01}]")
 
 
-def test_eval_cli_matches_the_runs_last_validation(tmp_path, ray_session, tiny_model):
+# With LoRA, eval loads the checkpoint's adapter directory over the base model it names.
+@pytest.mark.parametrize("recipe", ["tiny_grpo", "tiny_grpo_lora"])
+def test_eval_cli_matches_the_runs_last_validation(tmp_path, ray_session, tiny_model, recipe):
     data = tmp_path / "val.jsonl"
     data.write_text("".join(open("data/tiny_val.jsonl").readlines()[::4]))   # 16 prompts, both answers
-    cfg = load_config("examples/tiny_grpo.yaml", [
-        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=eval", "run.steps=2",
+    cfg = load_config(f"examples/{recipe}.yaml", [
+        f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=eval", "run.steps=1",
         "run.dag_mode=classic", "validation.period=0", "validation.at_end=true", sets(data), "run.seed=3"])
     summary = train(cfg, quiet=True)
     run_dir = tmp_path / "eval"
@@ -44,7 +46,7 @@ def test_eval_cli_matches_the_runs_last_validation(tmp_path, ray_session, tiny_m
     recipe.write_text(yaml.safe_dump(cfg.to_dict()))
     out = tmp_path / "eval.json"
     done = subprocess.run([sys.executable, "-m", "pipeline", "eval", "--config", str(recipe), "--model",
-                           str(run_dir / "checkpoints" / "step_2"), "--out", str(out), "--quiet"],
+                           str(run_dir / "checkpoints" / "step_1"), "--out", str(out), "--quiet"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     offline = json.loads(out.read_text())["metrics"]
