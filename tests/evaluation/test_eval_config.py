@@ -79,3 +79,20 @@ def test_unknown_set_reward_names_the_set_and_key(tmp_path):
     cfg = _real(tmp_path, f"[{{name: v, data: '{data}', reward: 'pipeline.rewards.rules:no_such'}}]")
     with pytest.raises(RewardError, match=r"^validation.sets\[v\].reward: .*no_such"):
         check_val_sets(cfg)
+
+
+def test_a_samples_seed_is_the_same_whichever_generator_decodes_it():
+    from pipeline.evaluation.sets import load_sets
+    cfg = load_config(None, [TWO_SETS, "sim.num_val_prompts=5", "run.seed=7"])
+
+    def seeds(shards: int) -> dict:
+        return {(s.spec.name, p.id): seeds for shard in range(shards) for s in load_sets(cfg, shard, shards)
+                for p, seeds in zip(s.prompts, s.seeds)}
+    whole = seeds(1)
+    assert seeds(2) == seeds(3) == whole and len(whole) == 10
+    assert all(seed == (None,) for (name, _), seed in whole.items() if name == "greedy")
+    sampled = [seed for (name, _), seed in whole.items() if name == "sampled"]
+    assert all(len(set(s)) == 4 for s in sampled) and len({x for s in sampled for x in s}) == 20
+    # Another run seed draws other samples.
+    other = load_sets(load_config(None, [TWO_SETS, "sim.num_val_prompts=5", "run.seed=8"]))[1].seeds
+    assert not set(other[0]) & set(sampled[0])
