@@ -86,6 +86,15 @@ def test_step_samples_are_the_batchs_then_the_validations_in_set_order():
     assert step_samples({"validate[0]": ValOut("gen0", 5, 6, False)}) == []
 
 
+def test_step_samples_of_several_sets_go_set_by_set():
+    """Three prompts of set a and of set b, sharded over two generators: a's
+    three first, then b's, though the shards hold unequal shares."""
+    def shard(g: int) -> tuple[dict, ...]:
+        return tuple({"kind": "val", "set": name, "prompt_id": f"{name}{i}"} for name in "ab" for i in range(g, 3, 2))
+    out = {f"validate[{g}]": ValOut(f"gen{g}", 5, 6, True, samples=shard(g)) for g in range(2)}
+    assert [s["prompt_id"] for s in step_samples(out)] == ["a0", "a1", "a2", "b0", "b1", "b2"]
+
+
 def test_a_sample_reads_as_its_prompt_then_each_completion_turns_indented():
     sample = train_samples(5, _table(), TEXTS, {"t5.g0": 4, "t5.g1": 3}, 2, 2)[1]
     assert format_sample(sample) == (
