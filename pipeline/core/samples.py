@@ -97,7 +97,8 @@ def unshard(per_shard: Sequence[Sequence[dict]]) -> list[dict]:
 def format_sample(sample: dict) -> str:
     """A record as text to read: a header line, the prompt, then each completion
     with its reward, versions and tokens, its text or its turns indented below."""
-    head = f"step {sample['step']} {sample['kind']}  prompt {sample['prompt_id']}"
+    head = f"step {sample['step']} {sample['kind']}" + (f" {sample['set']}" if "set" in sample else "") + \
+        f"  prompt {sample['prompt_id']}"
     if "batch" in sample:
         head += f"  batch {sample['batch']}"
     head += f"  version {sample['version']}"

@@ -95,6 +95,14 @@ def test_step_samples_of_several_sets_go_set_by_set():
     assert [s["prompt_id"] for s in step_samples(out)] == ["a0", "a1", "a2", "b0", "b1", "b2"]
 
 
+def test_a_named_sets_sample_says_its_set():
+    prompt = Prompt("p0", "question")
+    done = [Completion((1,), (2,), (0.0,), f"answer {i}", (4,)) for i in range(2)]
+    sample, = val_samples(3, 4, ValSetConfig(name="gsm", n=2, temperature=1.0), [prompt], done, [(1.0, ""), (0.0, "")])
+    assert sample["set"] == "gsm" and [c["text"] for c in sample["completions"]] == ["answer 0", "answer 1"]
+    assert format_sample(sample).startswith("step 3 val gsm  prompt p0  version 4\n")
+
+
 def test_a_sample_reads_as_its_prompt_then_each_completion_turns_indented():
     sample = train_samples(5, _table(), TEXTS, {"t5.g0": 4, "t5.g1": 3}, 2, 2)[1]
     assert format_sample(sample) == (
