@@ -37,7 +37,7 @@ class Stored:
 @dataclass(frozen=True)
 class StepPlan:
     step: int
-    validate: bool
+    validate: tuple[str, ...]   # the validation sets due (pipeline/evaluation/sets.py); () = none
     clock: Clock = ()
 
 
@@ -104,7 +104,7 @@ class WeightsSent:
 class Gate:
     step: int
     version: int
-    validate: bool
+    validate: tuple[str, ...]
     clock: Clock = ()
 
 
@@ -113,7 +113,7 @@ class Refitted:
     worker: str
     step: int
     version: int
-    validate: bool
+    validate: tuple[str, ...]
     refit_s: float = 0.0
     clock: Clock = ()
 

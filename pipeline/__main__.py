@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline {train,check-events,samples,viz,timeline,build-tiny,warmup,export,config-table} ...`."""
+"""Command line: `python -m pipeline {train,check-events,samples,viz,timeline,build-tiny,warmup,export,eval,config-table} ...`."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +63,12 @@ def _export(args: argparse.Namespace) -> int:
     return export_main(args.source, args.out)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from pipeline.tools.evaluate import eval_main
+    names = [n.strip() for n in args.sets.split(",") if n.strip()] if args.sets else []
+    return eval_main(args.config, args.overrides, args.model, args.out, names, not args.quiet)
+
+
 def _config_table(args: argparse.Namespace) -> int:
     from pipeline.tools.config_table import reference_table
     print(reference_table(), end="")
@@ -119,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="runs/<name> (its latest checkpoint), a checkpoint step_<n>, or its policy/")
     p.add_argument("--out", required=True, help="directory for the HF model")
     p.set_defaults(func=_export)
+    p = sub.add_parser("eval", help="a recipe's validation sets on a checkpoint or HF model directory, without a "
+                       "trainer (docs/evaluation.md)")
+    p.add_argument("--config", required=True, help="the recipe whose validation.sets (or data.val) to evaluate")
+    p.add_argument("--model", required=True, help="runs/<name> (its latest checkpoint), runs/<name>/checkpoints/"
+                   "step_<k>, an HF model directory or a peft adapter directory")
+    p.add_argument("--out", required=True, help="the JSON file the metrics go to")
+    p.add_argument("--sets", default="", metavar="NAMES", help="comma-separated set names (default: all)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the recipe, e.g. run.seed=1")
+    p.set_defaults(func=_eval)
     p = sub.add_parser("config-table", help="print every config key with its default as a Markdown table")
     p.set_defaults(func=_config_table)
     return parser

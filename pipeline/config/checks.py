@@ -7,6 +7,8 @@ import string
 from pipeline.config.algo_sections import PolicyLossConfig, ReinforcePPConfig
 from pipeline.config.sections import Config, ConfigError, DistillConfig, InjectConfig, RewardModelConfig
 
+# A validation set's name, as it goes into its metrics' names (val/<name>/...).
+SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # What a judge's template may fill in (pipeline/reward_model/judge.py).
 JUDGE_FIELDS = ("prompt", "completion", "answer")
 
@@ -31,7 +33,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
                 raise fail(key, "not set; it is required when backend is 'real'" + (
                     " (backend is not set: model.path makes it real; set backend: sim for simulated workers)"
                     if inferred else ""))
-        if validates and not cfg.data.val:
+        if validates and not cfg.data.val and not v.sets:
             raise fail("data.val", "not set, but validation is scheduled (validation.period / at_start / "
                        "at_end); give validation data or turn validation off")
         if cfg.generation.temperature == 0:
@@ -115,6 +117,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
     if v.reward and (cfg.backend != "real" or env.class_):
         raise fail("validation.reward", "scores single-turn validations on the real stack; " + (
             "an environment scores its own (env.class is set)" if env.class_ else "backend is 'sim'"))
+    _check_sets(cfg, fail)
     lora = cfg.training.lora
     if lora.rank and cfg.backend != "real":
         raise fail("training.lora.rank", f"{lora.rank} puts peft adapters on a model; it needs backend 'real'")
@@ -191,6 +194,38 @@ def _check_kl(cfg: Config, fail) -> None:
         for key in ("kl_target", "kl_horizon"):
             if getattr(rpp, key) != getattr(rpp_default, key):
                 raise fail(f"reinforce_pp.{key}", "steers an adaptive coefficient; set reinforce_pp.kl_ctrl: adaptive")
+
+
+def _check_sets(cfg: Config, fail) -> None:
+    """validation.sets: names unique and usable in a metric's name, k within n,
+    sampling where n asks for several samples."""
+    seen: set[str] = set()
+    for i, s in enumerate(cfg.validation.sets):
+        if not SET_NAME.fullmatch(s.name):
+            raise fail(f"validation.sets[{i}].name", f"{s.name!r} must be a non-empty name of letters, digits, "
+                       "'_', '.' or '-' (it goes into the metrics' names: val/<name>/...)")
+        if s.name in seen:
+            raise fail(f"validation.sets[{s.name}].name", f"{s.name!r} names two sets; give each its own name")
+        seen.add(s.name)
+        key = f"validation.sets[{s.name}]"
+        if cfg.backend == "real" and not s.data:
+            raise fail(f"{key}.data", "not set; each set needs its prompts' file when backend is 'real'")
+        if s.n > 1 and s.temperature == 0:
+            raise fail(f"{key}.n", f"{s.n} greedy samples (temperature 0) are one sample {s.n} times; set "
+                       "temperature > 0 or n: 1")
+        over = [k for k in s.k if k > s.n]
+        if over:
+            raise fail(f"{key}.k", f"{over[0]} is more than the set's n ({s.n}): pass@k and maj@k choose k of "
+                       "a prompt's n samples; raise n or lower k")
+        if s.vote_on and not s.k:
+            raise fail(f"{key}.vote_on", f"{s.vote_on!r} is set, but k is empty: maj@k is reported for each k")
+        if s.reward and (cfg.backend != "real" or cfg.env.class_):
+            raise fail(f"{key}.reward", "scores single-turn validations on the real stack; " + (
+                "an environment scores its own (env.class is set)" if cfg.env.class_ else "backend is 'sim'"))
+        episodes = cfg.env.class_ or cfg.agent.function
+        if episodes and s.temperature and s.temperature != cfg.generation.temperature:
+            raise fail(f"{key}.temperature", f"{s.temperature:g}: multi-turn samples decode at "
+                       f"generation.temperature ({cfg.generation.temperature:g}); set that, or 0 for greedy")
 
 
 def _check_agent(cfg: Config, fail) -> None:

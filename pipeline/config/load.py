@@ -103,6 +103,15 @@ def _coerce(key: str, value: Any, typ: Any, meta: dict) -> Any:
                                                                         for v in items):
             raise ConfigError(f"{key}: expected a non-empty list of names, got {value!r}")
         return tuple(v.strip() for v in items)
+    elif typ == tuple[int, ...]:
+        items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+        try:
+            ints = tuple(int(v) for v in items if isinstance(v, (int, str)) and not isinstance(v, bool))
+        except (TypeError, ValueError):
+            ints = ()
+        if not isinstance(items, (list, tuple)) or len(ints) != len(items) or any(v < 1 for v in ints):
+            raise ConfigError(f"{key}: expected a list of positive integers, got {value!r}")
+        return ints
     elif typ == str | dict:  # a reward spec, or a map of them by data_source (pipeline/rewards/specs.py)
         if isinstance(value, dict) and value and all(isinstance(k, str) and isinstance(v, str) and v.strip()
                                                      for k, v in value.items()):
@@ -149,6 +158,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             typ = hints[key]
             if dataclasses.is_dataclass(typ):
                 kwargs[key] = _build(typ, value, dotted)
+            elif _item_section(typ) is not None:
+                kwargs[key] = _build_list(_item_section(typ), value, dotted)
             else:
                 kwargs[key] = _coerce(dotted, value, typ, dict(fields[key].metadata))
         except ConfigError as err:
@@ -156,6 +167,23 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
                 err.key = dotted
             raise
     return cls(**kwargs)
+
+
+def _item_section(typ: Any) -> type | None:
+    """The section a list key holds (validation.sets: ValSetConfig), or None."""
+    args = typing.get_args(typ)
+    if typing.get_origin(typ) is tuple and len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
+def _build_list(cls: type, data: Any, prefix: str) -> tuple:
+    """A list of `cls` sections; an item's errors name it as prefix[i]."""
+    if not isinstance(data, list):
+        err = ConfigError(f"{prefix}: expected a list of mappings, got {data!r}")
+        err.key = prefix
+        raise err
+    return tuple(_build(cls, item, f"{prefix}[{i}]") for i, item in enumerate(data))
 
 
 def _apply_override(tree: dict, override: str) -> None:
@@ -245,7 +273,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         def touches(override: str) -> bool:
             # An override sets this key, a key under it, or a section that holds it.
             k = override.split("=", 1)[0]
-            return bool(key) and (k == key or k.startswith(key + ".") or key.startswith(k + "."))
+            return bool(key) and (k == key or k.startswith(key + ".") or key.startswith((k + ".", k + "[")))
 
         # The last override that touched the key decides its value, so blame it, not the file.
         culprit = next((o for o in reversed(overrides) if touches(o)), None)

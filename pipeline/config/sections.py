@@ -50,6 +50,24 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True)
+class ValSetConfig:
+    """One named evaluation set of validation.sets (docs/evaluation.md): its
+    prompts, reward and decoding, and the metrics reported on it."""
+    name: str = _key("", "the set's name in its metrics (val/<name>/...): letters, digits, _ . -")
+    data: str = _key("", "its prompts, JSONL or Parquet, read as data.val is (data.prompt_key, answer_key, "
+                     "system_prompt, filter_overlong); required with backend real")
+    reward: str | dict = _key("", "its reward, as data.reward; empty: validation.reward, else the training reward")
+    n: int = _key(1, "samples per prompt (mean@n averages them)", ge=1)
+    temperature: float = _key(0.0, "sampling temperature; 0 = greedy, which needs n 1", ge=0)
+    k: tuple[int, ...] = _key((), "pass@k (unbiased estimator) and, with vote_on, maj@k for each k; each <= n")
+    period: int = _key(0, "validate this set after every period-th step; 0 = validation.period", ge=0)
+    vote_on: Literal["", "last_number", "boxed", "text"] = _key(
+        "", "the answer maj@k votes on: the completion's last number (GSM8K), its last \\boxed{} (MATH), or its "
+        "whole stripped text; empty: no maj@k")
+    correct_at: float = _key(1.0, "a sample is correct (pass@k, maj@k) when its reward is at least this")
+
+
+@dataclass(frozen=True)
 class ValidationConfig:
     period: int = _key(0, "validate after every period-th step; 0 = never", ge=0)
     at_start: bool = _key(False, "validate the initial weights")
@@ -57,6 +75,8 @@ class ValidationConfig:
     reward: str | dict = _key("", "validation's reward, as data.reward (a verifier while training on a reward "
                               "model's score, say); empty: the training reward (data.reward's plus the reward "
                               "model's)")
+    sets: tuple[ValSetConfig, ...] = _key((), "named evaluation sets, each with its data, reward, n, temperature "
+                                          "and k (keys below); empty: data.val, greedy, as val_reward")
 
 
 @dataclass(frozen=True)
@@ -332,7 +352,8 @@ class Config:
         def keys(tree: dict) -> dict:
             # Lists, not tuples: the dict is written as YAML and JSON and compared with what they read back.
             return {YAML_NAMES.get(k, k): keys(v) if isinstance(v, dict) and k not in ("args", "reward")
-                    else list(v) if isinstance(v, tuple) else v for k, v in tree.items()}
+                    else [keys(x) if isinstance(x, dict) else x for x in v] if isinstance(v, tuple) else v
+                    for k, v in tree.items()}
         return keys(dataclasses.asdict(self))
 
     @property

@@ -37,6 +37,7 @@ from dags.tokens import (
     ValOut,
     WeightsSent,
 )
+from pipeline.evaluation.scores import add_sums, val_metrics
 from pipeline.algos.groups import choose_groups, flat_group_indices
 from pipeline.core.events import EventLog
 from pipeline.core.node import Actor, node, whereabouts
@@ -193,12 +194,8 @@ class Controller(Actor):
             self._relaunch_at_start = []
         # After a resume the prologue launches only the targets its checkpoint did not hold.
         launches += self._new_launches(step, version)
-        scores = [dict(v.scores) for v in vals if v.validated]
-        val = ()
-        if scores:
-            count = sum(s["count"] for s in scores)
-            val = (("val_reward", sum(s["reward_sum"] for s in scores) / max(count, 1)), ("val_count", count))
-        return Resume(step, version, tuple(launches), val)
+        val = val_metrics(add_sums(dict(v.scores) for v in vals if v.validated))
+        return Resume(step, version, tuple(launches), tuple(val.items()))
 
     def _new_launches(self, step: int, version: int) -> list[Launch]:
         max_age = self.cfg.schedule.max_age

@@ -1,6 +1,6 @@
 """Samples to read (metrics.samples): each step, the first N prompt groups of
 the batch it trained on, every completion of each with its reward and weight
-versions; each validation, its first N prompts with their greedy completions.
+versions; each validation, its first N prompts of each set with their completions.
 
 They are built where the text is, and ride on tokens the driver already gets:
 the controller's `sample` puts the step's on its Batch, a generator's
@@ -8,7 +8,7 @@ the controller's `sample` puts the step's on its Batch, a generator's
 (pipeline/run/metrics.py MetricSinks.write_samples). One record per prompt:
 
     {"step", "kind": "train", "prompt_id", "prompt", "batch", "version", "age", "completions"}
-    {"step", "kind": "val",   "prompt_id", "prompt", "version", "completions"}
+    {"step", "kind": "val", ["set",] "prompt_id", "prompt", "version", "completions"}
 
 `version` is the weights the batch was launched with (train) or validated
 (val); `age` is step - version, as the trainer's age_mean counts it. Each
@@ -67,15 +67,20 @@ def train_samples(step: int, table: pa.Table, prompt_texts: Mapping[str, str], b
     return tuple(samples)
 
 
-def val_samples(step: int, version: int, prompts: Sequence[Prompt], completions: Sequence[Completion],
+def val_samples(step: int, version: int, spec, prompts: Sequence[Prompt], completions: Sequence[Completion],
                 scored: Sequence[tuple[float, str]]) -> tuple[dict, ...]:
-    """One record per validation prompt given, its greedy completion scored."""
+    """One record per validation prompt given, its spec.n completions scored
+    (`spec`: its ValSetConfig; completions and scores prompt by prompt); a
+    named set's records say which set."""
+    n = spec.n
     return tuple({
-        "step": step, "kind": "val", "prompt_id": prompt.id, "prompt": prompt.text, "version": version,
+        "step": step, "kind": "val", **({"set": spec.name} if spec.name else {}), "prompt_id": prompt.id,
+        "prompt": prompt.text, "version": version,
         "completions": [completion_record(
             c.text, reward, c.versions or (version,),
-            sum(c.loss_mask) if c.loss_mask else len(c.response_ids), error, c.truncated, c.transcript)]}
-        for prompt, c, (reward, error) in zip(prompts, completions, scored))
+            sum(c.loss_mask) if c.loss_mask else len(c.response_ids), error, c.truncated, c.transcript)
+            for c, (reward, error) in zip(completions[i * n:(i + 1) * n], scored[i * n:(i + 1) * n])]}
+        for i, prompt in enumerate(prompts))
 
 
 def shard_count(count: int, shard: int, shards: int) -> int:
@@ -92,7 +97,8 @@ def unshard(per_shard: Sequence[Sequence[dict]]) -> list[dict]:
 def format_sample(sample: dict) -> str:
     """A record as text to read: a header line, the prompt, then each completion
     with its reward, versions and tokens, its text or its turns indented below."""
-    head = f"step {sample['step']} {sample['kind']}  prompt {sample['prompt_id']}"
+    head = f"step {sample['step']} {sample['kind']}" + (f" {sample['set']}" if "set" in sample else "") + \
+        f"  prompt {sample['prompt_id']}"
     if "batch" in sample:
         head += f"  batch {sample['batch']}"
     head += f"  version {sample['version']}"

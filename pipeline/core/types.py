@@ -127,8 +127,9 @@ class GenerationEngine(Protocol):
     (pipeline/generator/engine_loop.py): requests are added whenever, each step
     decodes every running one, weights change only between steps."""
 
-    def add(self, key: str, prompt: Prompt, seed: int | None) -> None:
-        """Queue a request under `key`: sampled with `seed`, greedy when it is None."""
+    def add(self, key: str, prompt: Prompt, seed: int | None, *, temperature: float | None = None) -> None:
+        """Queue a request under `key`: sampled with `seed` at `temperature` (None: the
+        engine's), greedy when `seed` is None."""
 
     def step(self) -> list[tuple[str, Completion]]:
         """One engine step; the requests it finished, by key."""

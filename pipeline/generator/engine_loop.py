@@ -8,7 +8,7 @@ send commands):
     submit     collect's batches: added to the engine, rollout_start logged
     wait_idle  a draining refit: answered once no rollout is in flight
     install    a refit's load, run between two engine steps (its spans go back with the answer)
-    greedy     validation requests, decoded beside whatever else runs
+    validate   validation requests (each its seed and temperature), decoded beside whatever else runs
     env        an environment's answer for a multi-turn sample (posted by the
                environment's thread or worker, pipeline/generator/episodes.py):
                its next turn is added, or the sample is complete
@@ -259,12 +259,13 @@ class EngineLoop:
             self.log.emit("refit_end", step=step, version=version, positions=positions, **self._segments())
             return profile, self.log.now()
 
-    def _on_greedy(self, command: _Command) -> object:
-        """Validation requests, decoded beside the rollouts; the answer carries
-        the validate node's own clock back: the loop's turns order nothing."""
+    def _on_validate(self, command: _Command) -> object:
+        """Validation requests, (prompt, seed, temperature) each, decoded beside
+        the rollouts; the answer carries the validate node's own clock back:
+        the loop's turns order nothing."""
         keys = [f"val/{i}" for i in range(len(command.payload))]
-        for key, prompt in zip(keys, command.payload):
-            self._add(key, prompt, None)
+        for key, (prompt, seed, temperature) in zip(keys, command.payload):
+            self._add(key, prompt, seed, temperature)
         self._validation = (keys, {}, command)
         return _LATER
 
@@ -295,9 +296,11 @@ class EngineLoop:
         self.log.emit(kind, step=None if launch is None else launch.target, version=self.version, batch=batch,
                       **fields)
 
-    def _add(self, key: str, prompt, seed: int | None) -> None:
+    def _add(self, key: str, prompt, seed: int | None, temperature: float | None = None) -> None:
+        """`temperature`: a validation set's (None: generation.temperature); an episode's turns
+        decode at generation.temperature, which config checks hold a sampled set's to."""
         if self.episodes is None:
-            self.engine.add(key, prompt, seed)
+            self.engine.add(key, prompt, seed, temperature=temperature)
         else:
             self.episodes.start(key, prompt, seed)
 

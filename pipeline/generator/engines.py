@@ -24,6 +24,16 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
         faulty = index == cfg.inject.worker and incarnation < cfg.inject.incarnations
         return SimGenerationEngine(cfg.sim, seed=seed, max_new_tokens=cfg.generation.max_new_tokens,
                                    inject=cfg.inject, faulty=faulty)
+    adapter = None
+    if cfg.training.lora.rank:
+        from pipeline.weights.lora import adapter_config
+        adapter = adapter_config(cfg.training.lora, cfg.model.path)
+    return vllm_engine(cfg, seed, adapter)
+
+
+def vllm_engine(cfg: Config, seed: int, adapter: dict | None) -> GenerationEngine:
+    """cfg.model.path on vLLM as generation says, serving a LoRA adapter of
+    `adapter`'s config (pipeline/weights/lora.py adapter_config) when given."""
     with span("import vllm"):
         from pipeline.generator.vllm_engine import VllmGenerationEngine
     g = cfg.generation
@@ -32,10 +42,6 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
     prompts = -(-cfg.schedule.prompts_per_step // g.num_generators)
     batches = cfg.schedule.max_age + 1 + (g.refit_mode == "inflight")
     requests = prompts * cfg.schedule.group_size * batches
-    adapter = None
-    if cfg.training.lora.rank:
-        from pipeline.weights.lora import adapter_config
-        adapter = adapter_config(cfg.training.lora, cfg.model.path)
     with span("vllm.start"):
         # T > 1: vLLM's TP workers go into this generator's bundles (pipeline/run/placement.py, vllm_llm_kwargs below).
         return VllmGenerationEngine(cfg.model.path, seed=seed, max_new_tokens=g.max_new_tokens,
@@ -62,12 +68,3 @@ def reward_function(cfg: Config) -> Callable[[Prompt, str], float] | None:
     from pipeline.rewards.specs import load_reward
     return load_reward(cfg.data.reward) if cfg.data.reward else None
 
-
-def val_prompts(cfg: Config) -> list[Prompt]:
-    if cfg.backend == "sim":
-        from pipeline.sim.engines import sim_prompts
-        return sim_prompts(cfg.sim.num_val_prompts, "val")
-    if not cfg.data.val:
-        return []
-    from pipeline.inputs.datasets import run_prompts
-    return list(run_prompts(cfg, "val").prompts)

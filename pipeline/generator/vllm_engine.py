@@ -171,15 +171,18 @@ class VllmGenerationEngine:
 
     # -- the step API (pipeline/core/types.py): the engine loop drives it --
     def add(self, key: str, prompt: Prompt, seed: int | None, max_tokens: int | None = None,
-            stop: tuple[str, ...] = ()) -> None:
+            stop: tuple[str, ...] = (), temperature: float | None = None) -> None:
         """Queue one request; `seed` None: greedy. `max_tokens` (default
-        generation.max_new_tokens) and `stop`: an agent's request's own."""
-        if seed is not None and self.temperature == 0:
+        generation.max_new_tokens) and `stop`: an agent's request's own;
+        `temperature` (default generation.temperature): a validation set's."""
+        temperature = self.temperature if temperature is None else temperature
+        if seed is not None and temperature == 0:
             raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
         with span("vllm.requests"):
             ids = list(prompt.token_ids) or self.encode(prompt.text)
             self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=ids),
-                                            self._params(seed, max_tokens, stop), lora_request=self._adapter)
+                                            self._params(seed, max_tokens, stop, temperature),
+                                            lora_request=self._adapter)
         self._prompts[key] = prompt
 
     def abort(self, keys: list[str]) -> None:
@@ -359,7 +362,8 @@ class VllmGenerationEngine:
         with self._eager():
             return self.llm.generate(inputs, params, use_tqdm=False)
 
-    def _params(self, seed: int | None, max_tokens: int | None = None, stop: tuple[str, ...] = ()) -> SamplingParams:
+    def _params(self, seed: int | None, max_tokens: int | None = None, stop: tuple[str, ...] = (),
+                temperature: float | None = None) -> SamplingParams:
         # detokenize=False: vLLM's incremental detokenizer decodes every token of
         # every request, and each sampled token's logprob entry, at every engine
         # step (a fifth of a tiny model's call); _completion decodes each
@@ -368,7 +372,8 @@ class VllmGenerationEngine:
                       output_kind=RequestOutputKind.FINAL_ONLY, **({"stop": list(stop)} if stop else {}))
         if seed is None:
             return SamplingParams(temperature=0.0, **common)
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed, **common)
+        return SamplingParams(temperature=self.temperature if temperature is None else temperature,
+                              top_p=self.top_p, seed=seed, **common)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text vLLM's detokenizer would give: special tokens skipped, and a

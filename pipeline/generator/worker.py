@@ -25,8 +25,8 @@ from pipeline.generator.engine_loop import EngineLoop, InFlight
 from pipeline.core.events import EventLog
 from pipeline.core.node import Actor, node, one_thread, whereabouts
 from pipeline.weights import sync
-from pipeline.generator.engines import generation_engine, reward_function, val_prompts
-from pipeline.rewards.specs import load_reward
+from pipeline.evaluation.sets import EvalSet, load_sets
+from pipeline.generator.engines import generation_engine, reward_function
 from pipeline.core.samples import shard_count, val_samples
 from pipeline.core.specs import version_runs
 from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, sample_seeds
@@ -64,11 +64,10 @@ class GeneratorWorker(Actor):
         self.log.emit("worker_start", **whereabouts(), incarnation=incarnation, generator=self.index)
         self.engine = generation_engine(cfg, self.index, incarnation)
         self.reward_fn = reward_function(cfg)
-        self.val_reward_fn = load_reward(cfg.validation.reward) if cfg.validation.reward else None
         self.reward_model = reward_model
         self.delivery = build_delivery_graph(controller, reward_model, teacher)
         self.scored_here = reward_model is None
-        self.val_prompts = val_prompts(cfg)[self.index::cfg.generation.num_generators]
+        self.val_sets = load_sets(cfg, self.index, cfg.generation.num_generators)
         self.controller = controller
         self.version, self._loaded_step = 0, None
         self._puts = []
@@ -161,30 +160,39 @@ class GeneratorWorker(Actor):
 
     @node("validate")
     def validate(self, ready: Refitted | Gate) -> ValOut:
-        if not ready.validate or not self.val_prompts:
+        """The sets the gate names, all in one engine call beside the rollouts in
+        flight (inflight mode): the weights cannot change before this node
+        returns, and no rollout starts before resume."""
+        due = [s for s in self.val_sets if s.spec.name in ready.validate and s.prompts]
+        if not due:
             return ValOut(self.log.worker, ready.step, self.version, False)
         started = time.perf_counter()
-        self.log.emit("validation_start", step=ready.step, version=self.version)
-        # Beside the rollouts in flight (inflight mode): the weights cannot change
-        # before this node returns, and no rollout starts before resume.
-        completions = self._loop.call("greedy", self.val_prompts, self.cfg.run.deadline_s,
+        self.log.emit("validation_start", step=ready.step, version=self.version, sets=[s.spec.name for s in due])
+        requests = [r for s in due for r in s.requests()]
+        completions = self._loop.call("validate", requests, self.cfg.run.deadline_s,
                                       f"the validation of step {ready.step}")
-        reward_fn = self.val_reward_fn or self.reward_fn
-        scored = [score_sample(p, c, reward_fn) for p, c in zip(self.val_prompts, completions)]
-        if self.reward_model is not None and self.val_reward_fn is None:
-            # The weights validated cannot change before this node returns: the model's score goes with them.
-            model = ray.get(self.reward_model.score_texts.remote(self.val_prompts, [c.text for c in completions]),
-                            timeout=self.cfg.run.deadline_s)
-            scored = [combine(r, m, self.cfg.reward_model.weight, "the reward model") for r, m in zip(scored, model)]
-        rewards = [r for r, error in scored if not error]
-        self.log.emit("validation_end", step=ready.step, version=self.version)
-        # This generator's share of the validation set's first metrics.samples prompts.
+        sums, samples, at = {}, [], 0
         shown = shard_count(self.cfg.metrics.samples, self.index, self.cfg.generation.num_generators)
-        return ValOut(self.log.worker, ready.step, self.version, True,
-                      (("reward_sum", float(sum(rewards))), ("count", float(len(rewards))),
-                       ("failed", float(len(scored) - len(rewards)))),
-                      validate_s=time.perf_counter() - started,
-                      samples=val_samples(ready.step, self.version, self.val_prompts[:shown], completions, scored))
+        for s in due:
+            mine, at = completions[at:at + len(s.prompts) * s.spec.n], at + len(s.prompts) * s.spec.n
+            scored = self._score_validation(s, mine)
+            for key, value in s.sums(mine, scored).items():
+                sums[key] = sums.get(key, 0.0) + value
+            samples += val_samples(ready.step, self.version, s.spec, s.prompts[:shown], mine, scored)
+        self.log.emit("validation_end", step=ready.step, version=self.version, sets=[s.spec.name for s in due])
+        return ValOut(self.log.worker, ready.step, self.version, True, tuple(sums.items()),
+                      validate_s=time.perf_counter() - started, samples=tuple(samples))
+
+    def _score_validation(self, val_set: EvalSet, completions: list[Completion]) -> list[tuple[float, str]]:
+        """(reward, error) per sample: the set's reward, else the training reward
+        with the reward model's score, which goes with the weights validated."""
+        prompts = [p for p, _, _ in val_set.requests()]
+        scored = [score_sample(p, c, val_set.reward_fn or self.reward_fn) for p, c in zip(prompts, completions)]
+        if self.reward_model is None or val_set.reward_fn is not None:
+            return scored
+        model = ray.get(self.reward_model.score_texts.remote(prompts, [c.text for c in completions]),
+                        timeout=self.cfg.run.deadline_s)
+        return [combine(r, m, self.cfg.reward_model.weight, "the reward model") for r, m in zip(scored, model)]
 
     @node("collect")
     def collect(self, resume: Resume | Relaunch) -> Ticket:

@@ -213,12 +213,13 @@ def data_columns(cfg) -> Columns:
     return Columns(cfg.data.prompt_key, cfg.data.answer_key)
 
 
-def run_prompts(cfg, kind: str) -> Fitted:
-    """The prompts of data.train or data.val (`kind`) that a real run generates
-    from: over-long ones left out, or refused, per data.filter_overlong. The
-    driver's preflight and the workers call this alike, so they agree."""
+def run_prompts(cfg, kind: str, path: str | None = None) -> Fitted:
+    """The prompts of data.train or data.val (`kind`), or of a validation set's
+    `path` (`kind` its name), that a real run generates from: over-long ones
+    left out, or refused, per data.filter_overlong. The driver's preflight and
+    the workers call this alike, so they agree."""
     from pipeline.inputs.models import TOKENIZER_FILES, context_length
-    path = Path(cfg.data.train if kind == "train" else cfg.data.val)
+    path = Path(path or (cfg.data.train if kind == "train" else cfg.data.val))
     model = Path(cfg.model.path)
     stamps = tuple(_stamp(f) for f in (model / "config.json", *(model / n for n in TOKENIZER_FILES)) if f.is_file())
     columns = data_columns(cfg)

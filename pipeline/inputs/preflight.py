@@ -64,6 +64,8 @@ def preflight(cfg: Config) -> Future | None:
         for path, checked in (datasets[kind] for kind in kinds if kind in datasets):
             check(key, check_routes, fn, path, checked.sources)
 
+    check_val_sets(cfg)
+
     context, new = context_length(cfg.model.path), cfg.generation.max_new_tokens
     if new >= context:
         raise ModelError(f"generation.max_new_tokens: {new} leaves no room for a prompt in the context of "
@@ -75,9 +77,36 @@ def preflight(cfg: Config) -> Future | None:
         if cfg.distill.teacher:
             check("distill.teacher", check_same_tokenizer, cfg.model.path, cfg.distill.teacher)
         kinds = ["train", "val"] if cfg.data.val else ["train"]
-        return {kind: check(f"data.{kind}", run_prompts, cfg, kind) for kind in kinds}
+        fitted = {kind: check(f"data.{kind}", run_prompts, cfg, kind) for kind in kinds}
+        for s in cfg.validation.sets:
+            check(f"validation.sets[{s.name}].data", run_prompts, cfg, s.name, s.data)
+        return fitted
     pool = ThreadPoolExecutor(1, thread_name_prefix="preflight")
     try:
         return pool.submit(loads)
     finally:
         pool.shutdown(wait=False)
+
+
+def check_val_sets(cfg: Config) -> None:
+    """Each of validation.sets: its data file readable as prompts, and its reward
+    (its own, else validation.reward, else data.reward) loadable, with a route
+    for each data_source of its prompts. Errors name the set and the key."""
+    from pipeline.inputs.datasets import DataError, check_prompts, data_columns
+    from pipeline.rewards.specs import RewardError, check_routes, load_reward
+    for s in cfg.validation.sets:
+        key = f"validation.sets[{s.name}]"
+        try:
+            checked = check_prompts(s.data, kind=s.name, columns=data_columns(cfg))
+        except DataError as exc:
+            raise DataError(f"{key}.data: {exc}") from None
+        reward_key, spec = next(((k, v) for k, v in ((f"{key}.reward", s.reward),
+                                                      ("validation.reward", cfg.validation.reward),
+                                                      ("data.reward", cfg.data.reward)) if v), ("", ""))
+        if not spec:
+            continue  # an environment, an agent or the reward model scores it
+        try:
+            check_routes(load_reward(spec), s.data, checked.sources)
+        except RewardError as exc:
+            raise RewardError(f"{reward_key}: {exc}" + ("" if reward_key.startswith(key) else f" (scoring {key})")) \
+                from None

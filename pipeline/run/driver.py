@@ -5,7 +5,7 @@
     open the run directory               or reopen it at its latest complete checkpoint (--resume)
     start the workers
     prologue                             validate v0 if asked; launch the first max_age + 1 batches
-    for step in steps: the step graph    StepPlan(step, validate?); a checkpoint every N steps
+    for step in steps: the step graph    StepPlan(step, sets due); a checkpoint every N steps
     finish                               account for every batch
     clean up                             whatever started, stopped in reverse order, error or not
 
@@ -34,6 +34,7 @@ from pipeline.core.events import EventLog, merge_events
 from pipeline.core.memory import one_heap_arena
 from pipeline.core.worker_names import DRIVER, REWARD_MODEL, TEACHER, generator_name
 from pipeline.core.precision import cpu_bf16_flags, describe_cpu
+from pipeline.evaluation.sets import due_after, due_at_start
 from pipeline.inputs.preflight import preflight
 from pipeline.run import checkpoint
 from pipeline.run.execution import Execution
@@ -190,7 +191,7 @@ class Run:
 
     def prologue(self) -> None:
         cfg = self.cfg
-        out = self.execution.prologue(StepPlan(self.start_step - 1, cfg.validation.at_start and self.start_step == 0))
+        out = self.execution.prologue(StepPlan(self.start_step - 1, due_at_start(cfg, self.start_step)))
         self.startup["to_first_step_s"] = time.time() - self.entered
         self.summary["startup"] = {k: round(v, 3) for k, v in self.startup.items()}
         self.log.emit("startup", **self.summary["startup"])
@@ -207,7 +208,7 @@ class Run:
         cfg = self.cfg
         started = time.time()
         self.probe.start(self.execution.step_runner.actors)
-        out = self.execution.step(StepPlan(step, validation_due(step, cfg)))
+        out = self.execution.step(StepPlan(step, due_after(step, cfg)))
         metrics = {**step_metrics(step, time.time() - started, out), **self.probe.read()}
         self.sinks.write(metrics)
         self.sinks.write_samples(step_samples(out))
@@ -300,12 +301,6 @@ class Run:
         merge_events(self.run_dir)
         write_trace(self.run_dir)
         _write_summary(self.run_dir, self.summary, self.totals, self.cfg)
-
-
-def validation_due(step: int, cfg: Config) -> bool:
-    """NeMo-RL's meaning: after step s when (s + 1) % validation.period == 0, and after the last one if validation.at_end."""
-    v = cfg.validation
-    return (v.period > 0 and (step + 1) % v.period == 0) or (v.at_end and step == cfg.run.steps - 1)
 
 
 def _write_summary(run_dir: Path, summary: dict, totals: RunTotals, cfg: Config) -> None:

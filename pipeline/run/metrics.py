@@ -81,9 +81,12 @@ def step_metrics(step: int, elapsed_s: float, out: dict[str, object]) -> dict[st
 
 def step_samples(out: dict[str, object]) -> list[dict]:
     """The samples the graph's tokens carry (metrics.samples): the step's batch's,
-    then its validation's in the validation set's order."""
+    then its validation's, set by set, each in its set's order."""
     batch = out.get("sample")
-    return [*(batch.samples if batch is not None else ()), *unshard([v.samples for v in _nodes(out, "validate")])]
+    shards = [v.samples for v in _nodes(out, "validate")]
+    sets = dict.fromkeys(s.get("set", "") for shard in shards for s in shard)
+    val = [s for name in sets for s in unshard([[s for s in shard if s.get("set", "") == name] for shard in shards])]
+    return [*(batch.samples if batch is not None else ()), *val]
 
 
 def _scalars(record: dict) -> dict[str, float]:
@@ -271,7 +274,9 @@ class Progress:
     def update(self, metrics: dict) -> None:
         if not self.enabled:
             return
-        val = f" val_reward={metrics['val_reward']:.3f}" if "val_reward" in metrics else ""
+        # Each set's mean@n (validation.sets), or the implicit set's val_reward.
+        val = "".join(f" {k}={v:.3f}" for k, v in metrics.items()
+                      if k == "val_reward" or (k.startswith("val/") and k.count("/") == 2 and "/mean@" in k))
         step = metrics.get("step")
         if isinstance(step, int) and step < 0:  # validation of the initial weights: not a step
             line = f"before training:{val or ' (no validation)'}"

@@ -86,7 +86,7 @@ class SimGenerationEngine:
     eos_text = ""
 
     def add(self, key: str, prompt: Prompt, seed: int | None, max_tokens: int | None = None,
-            stop: tuple[str, ...] = ()) -> None:
+            stop: tuple[str, ...] = (), temperature: float | None = None) -> None:
         if seed is not None and self._stepped:
             self.calls += 1
             self._stepped = False

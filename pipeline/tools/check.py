@@ -27,6 +27,7 @@ from pipeline.tools.check_agents import check_agents
 from pipeline.tools.check_bounds import weight_copies_bounded
 from pipeline.tools.check_sampling import flat_groups_never_trained
 from pipeline.tools.check_scoring import batches_scored_before_training, batches_taught_before_sampling
+from pipeline.tools.check_validation import validations_at_the_loaded_weights
 from pipeline.tools.check_order import (
     Judge,
     Violation,
@@ -309,6 +310,7 @@ def check_report(events: Iterable[dict]) -> Report:
                                     None if run_start is None else run_start.get("env_max_turns"))
     check_agents(events, pairs, judge, drain)
     rollouts_run_the_loaded_version(events, judge)
+    validations_at_the_loaded_weights(events, judge)
     one_version_per_trajectory(events, judge)
     weights_come_from_the_trainer(events, judge, generator_names(events))
     weight_copies_bounded(events, judge)

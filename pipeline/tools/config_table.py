@@ -25,11 +25,18 @@ def reference_table() -> str:
             if dataclasses.is_dataclass(typ):
                 walk(typ, dotted + ".")
                 continue
+            item = typing.get_args(typ)[0] if typing.get_origin(typ) is tuple else None
+            if dataclasses.is_dataclass(item):
+                rows.append(f"| `{dotted}` | `[]` | list of sets | {f.metadata['help']} |")
+                walk(item, dotted + "[].")
+                continue
             meta = f.metadata
             if typing.get_origin(typ) is Literal:
                 allowed = " / ".join(repr(a) for a in typing.get_args(typ))
             elif typ == tuple[str, ...]:
                 allowed = "list of names"
+            elif typ == tuple[int, ...]:
+                allowed = "list of int >= 1"
             elif typ == str | dict:
                 allowed = "str or mapping"
             else:
@@ -39,7 +46,7 @@ def reference_table() -> str:
             value = f.default_factory() if f.default is dataclasses.MISSING else f.default
             default = "true" if value is True else "false" if value is False else repr(value)
             if isinstance(value, tuple):
-                default = "[" + ", ".join(value) + "]"
+                default = "[" + ", ".join(map(str, value)) + "]"
             if meta.get("shown"):
                 default = meta["shown"]
             rows.append(f"| `{dotted}` | `{default}` | {allowed.strip()} | {meta['help']} |")

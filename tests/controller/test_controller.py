@@ -143,11 +143,11 @@ def test_prompt_order_is_a_seeded_shuffle_drawn_afresh_every_epoch(start):
 
 def test_validation_gate_passes_the_trained_version_and_the_plans_choice(start, tmp_path):
     c = start(start_step=3)
-    gate = c.validation_gate(StepPlan(5, True, clock=(("driver", 4),)), TrainOut(5, 6))
-    assert (gate.step, gate.version, gate.validate) == (5, 6, True) and isinstance(gate, Gate)
+    gate = c.validation_gate(StepPlan(5, ("gsm", "math"), clock=(("driver", 4),)), TrainOut(5, 6))
+    assert (gate.step, gate.version, gate.validate) == (5, 6, ("gsm", "math")) and isinstance(gate, Gate)
     assert dict(gate.clock)["driver"] == 4 and dict(gate.clock)["controller/validation_gate"] == 2
-    prologue = c.validation_gate(StepPlan(2, False))
-    assert (prologue.step, prologue.version, prologue.validate) == (2, 3, False)
+    prologue = c.validation_gate(StepPlan(2, ()))
+    assert (prologue.step, prologue.version, prologue.validate) == (2, 3, ())
     assert [(e["step"], e["lane"]) for e in events(tmp_path / "run", "node_end")] == [
         (5, "controller/validation_gate"), (2, "controller/validation_gate")]
 
@@ -161,16 +161,32 @@ def test_resume_refuses_generators_that_disagree_on_the_version(start, tmp_path)
     assert [e["node"] for e in events(tmp_path / "run", "node_error")] == ["resume"]
 
 
+def implicit(reward_sum: float, count: float) -> dict:
+    """A generator's sums of the implicit validation set (pipeline/evaluation/scores.py)."""
+    return {"\t\tprompts": count, "\t\tfailed": 0.0, "\t\tscored": count, "\t\tmean@1": reward_sum}
+
+
 def test_resume_averages_the_validation_scores_over_every_sample(start):
     c = start("generation.num_generators=3")
-    scored = vals(-1, 0, generators=3, gen0={"reward_sum": 3.0, "count": 4.0}, gen1={"reward_sum": 0.0, "count": 2.0},
-                  gen2={"reward_sum": 1.5, "count": 6.0})
+    scored = vals(-1, 0, generators=3, gen0=implicit(3.0, 4.0), gen1=implicit(0.0, 2.0), gen2=implicit(1.5, 6.0))
     assert c.resume(*scored).val_scores == (("val_reward", 4.5 / 12), ("val_count", 12.0))
     # Generators that did not validate this step add nothing, whatever their token holds.
-    skipped = [ValOut("gen0", 0, 1, True, (("reward_sum", 2.0), ("count", 2.0))),
-               ValOut("gen1", 0, 1, False, (("reward_sum", 100.0), ("count", 1.0))), ValOut("gen2", 0, 1, False)]
+    skipped = [ValOut("gen0", 0, 1, True, tuple(implicit(2.0, 2.0).items())),
+               ValOut("gen1", 0, 1, False, tuple(implicit(100.0, 1.0).items())), ValOut("gen2", 0, 1, False)]
     assert c.resume(*skipped).val_scores == (("val_reward", 1.0), ("val_count", 2.0))
     assert c.resume(*vals(1, 2, generators=3)).val_scores == ()
+
+
+def test_resume_adds_up_each_sets_shards(start):
+    """Two generators' shards of one named set give the whole set's pass@k: sums travel, not means."""
+    from pipeline.config.sections import ValSetConfig
+    from pipeline.evaluation.scores import add_sums, prompt_sums
+    c = start()
+    spec = ValSetConfig(name="math", n=2, temperature=1.0, k=(1, 2))
+    p0, p1, p2 = (prompt_sums(spec, "", rewards, [False, False], ["", ""]) for rewards in ([1, 0], [0, 0], [1, 1]))
+    out = dict(c.resume(*vals(-1, 0, gen0=add_sums([p0, p2]), gen1=p1)).val_scores)
+    assert out["val/math/pass@1"] == pytest.approx(0.5) and out["val/math/pass@2"] == pytest.approx(2 / 3)
+    assert out["val/math/mean@2"] == pytest.approx(0.5) and out["val/math/count"] == 3
 
 
 def test_sample_hands_the_step_its_batches_through_the_object_store(start, ray_session):

@@ -23,6 +23,7 @@ LAYERS = [
     ["pipeline.inputs"],
     ["pipeline.sim"],
     ["pipeline.weights"],
+    ["pipeline.evaluation"],
     ["pipeline.controller", "pipeline.generator", "pipeline.trainer", "pipeline.reward_model", "pipeline.distill"],
     ["pipeline.run"],
     ["pipeline.tools"],

@@ -13,6 +13,7 @@ import pytest
 
 from dags.tokens import Batch, ValOut
 from pipeline.config import load_config
+from pipeline.config.sections import ValSetConfig
 from pipeline.core.samples import format_sample, shard_count, train_samples, unshard, val_samples
 from pipeline.core.types import TRAJECTORY_SCHEMA, Completion, Prompt
 from pipeline.run.metrics import WANDB_SAMPLE_COLUMNS, MetricSinks, step_samples
@@ -64,7 +65,7 @@ def _val(shard: int, shards: int, count: int, step: int = 3) -> tuple[dict, ...]
     mine = [Prompt(f"val{i}", f"question {i}") for i in range(10)][shard::shards]
     completions = [Completion((1,), (2, 3), (0.0, 0.0), f"answer {p.id}", (step + 1,) * 2) for p in mine]
     shown = shard_count(count, shard, shards)
-    return val_samples(step, step + 1, mine[:shown], completions, [(0.5, "")] * len(mine))
+    return val_samples(step, step + 1, ValSetConfig(name=""), mine[:shown], completions, [(0.5, "")] * len(mine))
 
 
 @pytest.mark.parametrize("count,shards", [(4, 3), (2, 3), (5, 2), (1, 1), (0, 2)])
@@ -83,6 +84,23 @@ def test_step_samples_are_the_batchs_then_the_validations_in_set_order():
     assert [(s["kind"], s["prompt_id"]) for s in step_samples(out)] == [
         ("train", "p1"), ("val", "val0"), ("val", "val1"), ("val", "val2")]
     assert step_samples({"validate[0]": ValOut("gen0", 5, 6, False)}) == []
+
+
+def test_step_samples_of_several_sets_go_set_by_set():
+    """Three prompts of set a and of set b, sharded over two generators: a's
+    three first, then b's, though the shards hold unequal shares."""
+    def shard(g: int) -> tuple[dict, ...]:
+        return tuple({"kind": "val", "set": name, "prompt_id": f"{name}{i}"} for name in "ab" for i in range(g, 3, 2))
+    out = {f"validate[{g}]": ValOut(f"gen{g}", 5, 6, True, samples=shard(g)) for g in range(2)}
+    assert [s["prompt_id"] for s in step_samples(out)] == ["a0", "a1", "a2", "b0", "b1", "b2"]
+
+
+def test_a_named_sets_sample_says_its_set():
+    prompt = Prompt("p0", "question")
+    done = [Completion((1,), (2,), (0.0,), f"answer {i}", (4,)) for i in range(2)]
+    sample, = val_samples(3, 4, ValSetConfig(name="gsm", n=2, temperature=1.0), [prompt], done, [(1.0, ""), (0.0, "")])
+    assert sample["set"] == "gsm" and [c["text"] for c in sample["completions"]] == ["answer 0", "answer 1"]
+    assert format_sample(sample).startswith("step 3 val gsm  prompt p0  version 4\n")
 
 
 def test_a_sample_reads_as_its_prompt_then_each_completion_turns_indented():

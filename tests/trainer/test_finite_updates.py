@@ -32,6 +32,8 @@ from pipeline.core.types import Completion, Prompt
 from pipeline.envs.interface import check_step_result
 from pipeline.rewards.scoring import score_sample
 from pipeline.config import ConfigError, load_config
+from pipeline.config.sections import ValSetConfig
+from pipeline.evaluation.sets import EvalSet
 from pipeline.core.events import EventLog
 
 pytestmark = pytest.mark.real
@@ -43,13 +45,13 @@ NAN, INF = float("nan"), float("inf")
 # ------------------------------------------------------------------ rewards
 
 class Loop:
-    """The engine loop's greedy call, answered at once (validate's only use of it)."""
+    """The engine loop's validate call, answered at once (validate's only use of it)."""
 
     def __init__(self, completions):
         self.completions = completions
 
     def call(self, command, _arg, _deadline, _what):
-        assert command == "greedy"
+        assert command == "validate"
         return self.completions
 
 
@@ -58,7 +60,7 @@ def scorer(tmp_path, rewards) -> GeneratorWorker:
     g = GeneratorWorker(0)
     values = iter(rewards)
     g.reward_fn = lambda prompt, text: next(values)
-    g.val_reward_fn, g.reward_model, g.scored_here = None, None, True   # no reward model: scored here
+    g.reward_model, g.scored_here = None, True   # no reward model: scored here
     g.cfg = load_config(None, [])
     g.log = EventLog(tmp_path, "gen0", time.time())
     return g
@@ -90,11 +92,13 @@ def test_a_nonfinite_reward_is_a_reward_failure_named_by_its_value(tmp_path, bad
 
 def test_validation_leaves_a_nonfinite_reward_out_of_its_sum(tmp_path):
     g = scorer(tmp_path, [1.0, NAN, INF, 0.25])
-    g.val_prompts = [Prompt(f"v{i}", "repeat: 1") for i in range(4)]
+    g.val_sets = [EvalSet(ValSetConfig(name=""), tuple(Prompt(f"v{i}", "repeat: 1") for i in range(4)),
+                          ((None,),) * 4, None)]
     g._loop, g.version = Loop([completion() for _ in range(4)]), 0
-    out = g.validate(Gate(0, 0, True))
+    out = g.validate(Gate(0, 0, ("",)))
     g.log.close()
-    assert dict(out.scores) == {"reward_sum": 1.25, "count": 2.0, "failed": 2.0}
+    sums = dict(out.scores)
+    assert (sums["\t\tmean@1"], sums["\t\tscored"], sums["\t\tfailed"]) == (1.25, 2.0, 2.0)
 
 
 def test_an_environment_step_with_a_nonfinite_reward_fails_its_sample():
