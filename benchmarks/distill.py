@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None, help="folder for distill.json (default benchmarks/results)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.seeds, args.steps, args.val_period, args.teacher_steps = [0], 3, 1, 5
+        args.seeds, args.steps, args.val_period, args.teacher_steps = [0], 3, 1, 10
     info = machine_info()
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="dagrl_distill_"))
