@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import ROOT, machine_info, print_table, print_targets, read_jsonl, shutdown_ray, start_ray
-from benchmarks.harness import write_result
+from benchmarks.harness import median_with_never, write_result
 from benchmarks.workloads import run_train
 
 WITHIN = 0.10
@@ -127,13 +127,17 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     tgts = targets(runs, args.seeds)
+    medians = {kind: {when: median_with_never([r[when] for r in runs if r["kind"] == kind])
+                      for when in ("reached", "held")} for kind in RECIPES}
     result = {"benchmark": "distill", "params": {k: v for k, v in vars(args).items() if k != "out"},
               "machine": info, "wall_s": round(time.time() - t0, 1), "teacher": built, "bar": round(bar, 6),
-              "runs": runs, "targets": tgts}
+              "medians": medians, "runs": runs, "targets": tgts}
     path = write_result("distill", result, args.out)
     print_table(["kind", "seed", "reached", "held", "val end", "kl first", "kl last"],
                 [[r["kind"], r["seed"], r["reached"], r["held"], r["val_end"], r["kl_start"], r["kl_end"]]
                  for r in runs], title=f"steps until greedy val >= {bar:.3f} (teacher within 10 %)")
+    print_table(["kind", "median reached", "median held"], [[k, m["reached"], m["held"]] for k, m in medians.items()],
+                title="medians over seeds (a seed that never gets there counts as infinitely many steps)")
     print_targets(tgts)
     print(f"wrote {path} ({result['wall_s']:.0f} s)")
     return result

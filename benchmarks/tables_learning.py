@@ -155,6 +155,9 @@ def distill(r: dict) -> str:
     marks = sorted({0, *range(p["val_period"], p["steps"], 10), p["steps"]})
     curves = [[kind, s, " / ".join(f"{v:.2f}" for step, v in by[kind, s]["val"] if step + 1 in marks)]
               for s in p["seeds"] for kind in ("distill", "grpo")]
+    m = r["medians"]
+    rows.append(["median"] + [" / ".join("never" if m[k][w] is None else f"{m[k][w]:g}" for w in ("reached", "held"))
+                              for k in ("distill", "grpo")] + ["", "", ""])
     return (head + md(["seed", "distill", "GRPO", "distill val end", "GRPO val end", "distill/kl first -> last"],
                       rows, text_cols=1)
             + f"\n\nGreedy validation after {' / '.join(map(str, marks))} steps:\n\n"
