@@ -152,7 +152,7 @@ def distill(r: dict) -> str:
             f"fresh student's {t['val_greedy_before']['reward']:.3f}; the bar (within 10 %) {r['bar']:.3f}. "
             f"{machine(r)}\n\n"
             "Steps trained until the greedy validation first reaches the bar / from when it stays there to the end:\n\n")
-    marks = sorted({0, *range(p["val_period"], p["steps"], 10), p["steps"]})
+    marks = sorted({0, *range(10, p["steps"], 10), p["steps"]})
     curves = [[kind, s, " / ".join(f"{v:.2f}" for step, v in by[kind, s]["val"] if step + 1 in marks)]
               for s in p["seeds"] for kind in ("distill", "grpo")]
     m = r["medians"]
