@@ -12,14 +12,15 @@ tiny model (the student):
 both for --steps steps, greedy validation at the start and every --val-period
 steps. Per run: the validation curve; the steps taken until the validation is
 first within 10 % of the teacher's (`reached`), and until it is so at every
-validation to the end (`held`); for distill, the per-token reverse KL to the
-teacher (metric distill/kl) of the first and the last step.
+validation to the end (`held`); check-events' verdict on its event log; for
+distill, the per-token reverse KL to the teacher (metric distill/kl) of the
+first and the last step.
 
 Targets: on every seed the distilled student reaches the teacher within 10 %,
 in fewer steps than GRPO (a run that never does counts as infinitely many),
-first and held; its KL falls on every seed.
+first and held; its KL falls on every seed; no run breaks an invariant.
 
-    .venv/bin/python -m benchmarks.distill            # 3 seeds, 40 steps: ~6 min on 2 cores
+    .venv/bin/python -m benchmarks.distill            # 3 seeds, 40 steps: 2-6 min on 2 cores
     .venv/bin/python -m benchmarks.distill --quick    # CI smoke: one seed, 3 steps; not a measurement
 """
 from __future__ import annotations
@@ -59,6 +60,8 @@ def steps_until(val: list[list], bar: float, held: bool) -> int | None:
 
 def run_once(kind: str, seed: int, args, student: Path, teacher: Path, bar: float, tmp: Path) -> dict:
     from pipeline.config import load_config
+    from pipeline.core.events import load_events
+    from pipeline.tools.check import check_events
     name = f"{kind}_s{seed}"
     overrides = [f"model.path={student}", f"run.seed={seed}", f"run.steps={args.steps}",
                  f"validation.period={args.val_period}", "validation.at_start=true", "validation.at_end=true",
@@ -67,11 +70,13 @@ def run_once(kind: str, seed: int, args, student: Path, teacher: Path, bar: floa
     started = time.time()
     run_train(load_config(ROOT / "examples" / f"{RECIPES[kind]}.yaml", overrides), name)
     rows = read_jsonl(tmp / "runs" / name / "metrics.jsonl")
+    violations = check_events(load_events(tmp / "runs" / name))
     val = [[r["step"], round(r["val_reward"], 6)] for r in rows if "val_reward" in r]
     kl = [round(r["distill/kl"], 6) for r in rows if "distill/kl" in r]
     return {"kind": kind, "seed": seed, "wall_s": round(time.time() - started, 1), "val": val,
             "reached": steps_until(val, bar, held=False), "held": steps_until(val, bar, held=True),
-            "val_end": val[-1][1], "kl": kl, "kl_start": kl[0] if kl else None, "kl_end": kl[-1] if kl else None}
+            "val_end": val[-1][1], "kl": kl, "kl_start": kl[0] if kl else None, "kl_end": kl[-1] if kl else None,
+            "violations": [v.message for v in violations]}
 
 
 def fewer(a: int | None, b: int | None) -> bool:
@@ -91,6 +96,9 @@ def targets(runs: list[dict], seeds: list[int]) -> list[dict]:
     kls = [(by["distill", s]["kl_start"], by["distill", s]["kl_end"]) for s in seeds]
     out.append({"target": "distill/kl falls (last step < first), every seed",
                 "value": [f"{a:.3f} -> {b:.3f}" for a, b in kls], "met": all(b < a for a, b in kls)})
+    bad = sum(len(r["violations"]) for r in runs)
+    out.append({"target": "every run's events pass check-events (invariant 10: each batch taught before training)",
+                "value": bad, "met": bad == 0})
     return out
 
 

@@ -238,4 +238,6 @@ def test_distill_quick(tmp_path):
     assert [t["target"].split(",")[0] for t in result["targets"]] == [
         "distill within 10 % of the teacher (reached)", "distill reached in fewer steps than GRPO",
         "distill within 10 % of the teacher (held)", "distill held in fewer steps than GRPO",
-        "distill/kl falls (last step < first)"]
+        "distill/kl falls (last step < first)", "every run's events pass check-events (invariant 10: each batch "
+        "taught before training)"]
+    assert distill["violations"] == grpo["violations"] == []
