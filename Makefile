@@ -40,9 +40,9 @@ models/tiny_game/config.json: models/tiny/config.json data/game_train.jsonl data
 		--data data/game_train.jsonl --val data/game_val.jsonl --out models/tiny_game --seed 0
 
 # The distillation teacher (examples/tiny_distill.yaml): the tiny model warmed up on the repeat
-# task itself (pipeline/envs/repeat.py), greedy validation 1.0 where the fresh model scores 0.
+# task itself (pipeline/inputs/tiny_env.py), greedy validation 1.0 where the fresh model scores 0.
 models/tiny_teacher/config.json: models/tiny/config.json data/tiny_train.jsonl data/tiny_val.jsonl | $(STAMP)
-	$(PY) -m pipeline warmup --model models/tiny --env pipeline.envs.repeat:RepeatEnv \
+	$(PY) -m pipeline warmup --model models/tiny --env pipeline.inputs.tiny_env:RepeatEnv \
 		--data data/tiny_train.jsonl --val data/tiny_val.jsonl --out models/tiny_teacher --seed 0
 
 # The tiny model with the tool-calling chat template, warmed up on the calculator agent's chat

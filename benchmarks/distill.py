@@ -1,7 +1,7 @@
 """Does on-policy distillation reach the teacher sooner than GRPO? (the real CPU stack)
 
 The teacher is built as `make models/tiny_teacher/config.json` builds it: the
-fresh tiny model warmed up on the repeat task (pipeline/envs/repeat.py, its
+fresh tiny model warmed up on the repeat task (pipeline/inputs/tiny_env.py, its
 defaults, seed 0). Its greedy validation is the warm-up's own, on the same
 val set and in the rollout's token layout. For each seed, from the same fresh
 tiny model (the student):
@@ -45,7 +45,7 @@ def build_models(tmp: Path, teacher_steps: int | None) -> tuple[Path, Path, dict
     from pipeline.trainer.warmup import warmup
     student = build_tiny_model(tmp / "tiny")
     started = time.time()
-    report = warmup(student, "pipeline.envs.repeat:RepeatEnv", ROOT / "data" / "tiny_train.jsonl", tmp / "teacher",
+    report = warmup(student, "pipeline.inputs.tiny_env:RepeatEnv", ROOT / "data" / "tiny_train.jsonl", tmp / "teacher",
                     val=ROOT / "data" / "tiny_val.jsonl", steps=teacher_steps, seed=0)
     return student, tmp / "teacher", {**report.summary(), "build_s": round(time.time() - started, 1)}
 

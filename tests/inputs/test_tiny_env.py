@@ -1,5 +1,5 @@
 """The tiny repeat task as a one-turn environment, which the distillation teacher is warmed up on
-(pipeline/envs/repeat.py; no Ray, no vLLM)."""
+(pipeline/inputs/tiny_env.py; no Ray, no vLLM)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.core.types import Prompt
-from pipeline.envs.repeat import RepeatEnv
+from pipeline.inputs.tiny_env import RepeatEnv
 from pipeline.inputs.datasets import load_prompts
 from pipeline.rewards.rules import tiny_reward
 
