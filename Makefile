@@ -39,6 +39,12 @@ models/tiny_game/config.json: models/tiny/config.json data/game_train.jsonl data
 	$(PY) -m pipeline warmup --model models/tiny --env pipeline.envs.digit_game:DigitGuessEnv \
 		--data data/game_train.jsonl --val data/game_val.jsonl --out models/tiny_game --seed 0
 
+# The distillation teacher (examples/tiny_distill.yaml): the tiny model warmed up on the repeat
+# task itself (pipeline/inputs/tiny_env.py), greedy validation 1.0 where the fresh model scores 0.
+models/tiny_teacher/config.json: models/tiny/config.json data/tiny_train.jsonl data/tiny_val.jsonl | $(STAMP)
+	$(PY) -m pipeline warmup --model models/tiny --env pipeline.inputs.tiny_env:RepeatEnv \
+		--data data/tiny_train.jsonl --val data/tiny_val.jsonl --out models/tiny_teacher --seed 0
+
 # The tiny model with the tool-calling chat template, warmed up on the calculator agent's chat
 # transcripts (pipeline/envs/calculator_agent.py), for agents on the chat API; its calls are
 # 29-31 tokens, so --max-new-tokens is the agent's max_tokens (32), not the run's 16.
@@ -52,7 +58,7 @@ models/tiny_agent/config.json: data/tool_train.jsonl data/tool_val.jsonl | $(STA
 		--out models/tiny_agent --seed 0
 
 # The models the recipe names (policy, reward model), when they are ones built here (models/tiny*).
-RECIPE_MODELS := $(filter models/tiny%,$(shell sed -n 's/^  path: *//p' $(RECIPE) 2>/dev/null))
+RECIPE_MODELS := $(filter models/tiny%,$(shell sed -n 's/^  \(path\|teacher\): *//p' $(RECIPE) 2>/dev/null))
 
 train: setup models/tiny/config.json $(RECIPE_MODELS:%=%/config.json)
 	$(PY) -m pipeline train --config $(RECIPE)

@@ -134,3 +134,32 @@ def long_run(r: dict) -> str:
                       "spilled MB", "last / first 10 % step time", "the same at one machine speed", "violations"],
                      rows, text_cols=5)
 
+
+
+def distill(r: dict) -> str:
+    """Per seed: the distilled student and GRPO from the same fresh model, against the teacher (benchmarks/distill.py)."""
+    p, t = r["params"], r["teacher"]
+    by = {(x["kind"], x["seed"]): x for x in r["runs"]}
+
+    def steps(x: dict) -> str:
+        return " / ".join("never" if x[k] is None else str(x[k]) for k in ("reached", "held"))
+    rows = [[s, steps(by["distill", s]), steps(by["grpo", s]), f"{by['distill', s]['val_end']:.2f}",
+             f"{by['grpo', s]['val_end']:.2f}", f"{by['distill', s]['kl_start']:.3f} -> {by['distill', s]['kl_end']:.3f}"]
+            for s in p["seeds"]]
+    head = (f"seeds {p['seeds']}, {p['steps']} steps, greedy validation every {p['val_period']} steps; the teacher "
+            f"(`make models/tiny_teacher/config.json`, {t['steps']} warm-up steps, built in {t['build_s']} s): greedy "
+            f"validation {t['val_greedy_after']['reward']:.3f}, sampled {t['val_sampled_after']['reward']:.3f}, the "
+            f"fresh student's {t['val_greedy_before']['reward']:.3f}; the bar (within 10 %) {r['bar']:.3f}. "
+            f"{machine(r)}\n\n"
+            "Steps trained until the greedy validation first reaches the bar / from when it stays there to the end:\n\n")
+    marks = sorted({0, *range(10, p["steps"], 10), p["steps"]})
+    curves = [[kind, s, " / ".join(f"{v:.2f}" for step, v in by[kind, s]["val"] if step + 1 in marks)]
+              for s in p["seeds"] for kind in ("distill", "grpo")]
+    m = r["medians"]
+    rows.append(["median"] + [" / ".join("never" if m[k][w] is None else f"{m[k][w]:g}" for w in ("reached", "held"))
+                              for k in ("distill", "grpo")] + ["", "", ""])
+    return (head + md(["seed", "distill", "GRPO", "distill val end", "GRPO val end", "distill/kl first -> last"],
+                      rows, text_cols=1)
+            + f"\n\nGreedy validation after {' / '.join(map(str, marks))} steps:\n\n"
+            + md(["run", "seed", "validation"], curves, text_cols=3)
+            + "\n\nTargets:\n\n" + targets(r["targets"]))

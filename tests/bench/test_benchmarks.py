@@ -221,3 +221,23 @@ def test_agents_quick(tmp_path):
     assert [o["sessions"] for o in figures["overhead"]] == [1, 64] and all(o["p99_ms"] >= o["p50_ms"] > 0
                                                                          for o in figures["overhead"])
     assert figures["concurrency"] == [dict(figures["concurrency"][0], sessions=64, errors=0, first_error="")]
+
+
+@pytest.mark.real
+def test_distill_quick(tmp_path):
+    result = run_quick("distill", tmp_path)
+    teacher = result["teacher"]
+    # The teacher `make` builds (a few steps under --quick) already beats the fresh student it came from.
+    assert teacher["val_greedy_after"]["reward"] > teacher["val_greedy_before"]["reward"]
+    assert result["bar"] == pytest.approx(0.9 * teacher["val_greedy_after"]["reward"], abs=1e-6)
+    distill, grpo = sorted(result["runs"], key=lambda r: r["kind"])
+    assert (distill["kind"], grpo["kind"]) == ("distill", "grpo")
+    # Validation before training and after each of the 3 steps; only the distilled run has a teacher's KL.
+    assert [s for s, _ in distill["val"]] == [s for s, _ in grpo["val"]] == [-1, 0, 1, 2]
+    assert len(distill["kl"]) == 3 and all(k > 0 for k in distill["kl"]) and grpo["kl"] == []
+    assert [t["target"].split(",")[0] for t in result["targets"]] == [
+        "distill within 10 % of the teacher (reached)", "distill reached in fewer steps than GRPO",
+        "distill within 10 % of the teacher (held)", "distill held in fewer steps than GRPO",
+        "distill/kl falls (last step < first)", "every run's events pass check-events (invariant 10: each batch "
+        "taught before training)"]
+    assert distill["violations"] == grpo["violations"] == []
