@@ -40,6 +40,15 @@ def rank_actor(worker: type, **options):
     return ray.remote(concurrency_groups={STEP_THREAD: 1})(worker).options(max_concurrency=2, **options)
 
 
+def scorer_actor(worker: type, group: str, max_restarts: int, options: dict, *args):
+    """A run's scorer (the reward model, the teacher) started with `args`, restarted
+    by Ray up to `max_restarts` times, a call left unfinished by a dead process run
+    again on the next: a thread for `group`'s methods and one for the driver's pings."""
+    import ray
+    actor = ray.remote(concurrency_groups={group: 1}, max_concurrency=2)(worker)
+    return actor.options(**options, max_restarts=max_restarts, max_task_retries=-1).remote(*args)
+
+
 def on_step_thread(method):
     """Run `method` on the rank's one step thread, never on a spare one. Ray
     hands a threaded actor's calls to any free thread of its pool, and the

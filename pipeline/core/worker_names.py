@@ -11,6 +11,7 @@ replacement of a worker that died.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from dags.step_graph import Workers
@@ -45,6 +46,12 @@ def reward_model_name(incarnation: int = 0) -> str:
 
 def teacher_name(incarnation: int = 0) -> str:
     return TEACHER + (f"_r{incarnation}" if incarnation else "")
+
+
+def logged_incarnations(run_dir: str | Path, role: str) -> int:
+    """How many incarnations of a worker that Ray restarts in place (REWARD_MODEL,
+    TEACHER) have started in the run so far: each logs to its own file."""
+    return sum(1 for _ in (Path(run_dir) / "events").glob(f"{role}*.jsonl"))
 
 
 def actor_names(workers: Workers, incarnations: dict[int, int] | None = None) -> dict[str, Any]:

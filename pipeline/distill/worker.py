@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import pyarrow as pa
 import ray
@@ -26,9 +25,9 @@ import ray
 from dags.tokens import Clock, Rollout
 from pipeline.config import Config
 from pipeline.core.events import EventLog
-from pipeline.core.node import Actor, one_thread, whereabouts
+from pipeline.core.node import Actor, one_thread, scorer_actor, whereabouts
 from pipeline.core.precision import device_dtype
-from pipeline.core.worker_names import TEACHER, teacher_name
+from pipeline.core.worker_names import TEACHER, logged_incarnations, teacher_name
 
 
 def teacher_forward(cfg: Config, incarnation: int):
@@ -59,7 +58,7 @@ class TeacherWorker(Actor):
         super().__init__()
         one_thread()
         # A restart is a new process with the same arguments: the logs so far count the incarnations.
-        incarnation = sum(1 for _ in (Path(run_dir) / "events").glob(f"{TEACHER}*.jsonl"))
+        incarnation = logged_incarnations(run_dir, TEACHER)
         self.log = EventLog(run_dir, teacher_name(incarnation), t0)
         self.log.emit("worker_start", **whereabouts(), incarnation=incarnation)
         self.teacher = teacher_forward(cfg, incarnation)
@@ -94,7 +93,5 @@ class TeacherWorker(Actor):
 
 
 def start_teacher(cfg: Config, run_dir: str, t0: float, options: dict):
-    """The run's teacher actor, restarted by Ray up to fault.max_restarts times.
-    A thread for `teach` (and `finish`) and one for the driver's pings."""
-    actor = ray.remote(concurrency_groups={"teach": 1}, max_concurrency=2)(TeacherWorker)
-    return actor.options(**options, max_restarts=cfg.fault.max_restarts, max_task_retries=-1).remote(cfg, run_dir, t0)
+    """The run's teacher actor, restarted by Ray up to fault.max_restarts times."""
+    return scorer_actor(TeacherWorker, "teach", cfg.fault.max_restarts, options, cfg, run_dir, t0)

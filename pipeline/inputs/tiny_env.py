@@ -5,17 +5,9 @@ teacher of examples/tiny_distill.yaml (`make models/tiny_teacher/config.json`).
 The reward is data.reward's, pipeline.rewards.rules:tiny_reward, so a model
 warmed up here is measured on the task as a run validates it.
 
-Why 32-48 characters and 80 steps (measured by pure distillation of the fresh
-tiny model, lr 0.005, seed 0; benchmarks/distill.py has the rest):
-- runs of 1-16 characters taught the teacher a </s> after one token, which
-  the student copied everywhere: its greedy answer was empty on every prompt;
-- after 40 steps the other digit's run ("1111" for a 0 prompt) is at -4.1
-  nats under the teacher, likelier than under the fresh student (-5.9): the
-  student is paid for it, and its greedy answer ignored the prompt for 20
-  steps;
-- after 80 steps it is at -5.7 to -6.2, the right run at -0.01, greedy 1.0,
-  sampled 0.99; every other token is at -12, a reverse KL of 6 at the start,
-  which the recipe's kl_clip keeps from drowning the rest.
+Runs of 32-48 characters and 80 warm-up steps make a teacher whose wrong
+runs are less likely than under a fresh student and that never stops after one
+token; docs/distillation.md says why each matters.
 """
 from __future__ import annotations
 

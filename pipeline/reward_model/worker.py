@@ -17,7 +17,6 @@ the run's end (`weights_checked`) let the checker prove they never changed
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import ray
 
@@ -25,9 +24,9 @@ from dags.tokens import Clock, Rollout
 from pipeline.algos.groups import flat_group_indices
 from pipeline.config import Config
 from pipeline.core.events import EventLog
-from pipeline.core.node import Actor, one_thread, whereabouts
+from pipeline.core.node import Actor, one_thread, scorer_actor, whereabouts
 from pipeline.core.precision import device_dtype
-from pipeline.core.worker_names import REWARD_MODEL, reward_model_name
+from pipeline.core.worker_names import REWARD_MODEL, logged_incarnations, reward_model_name
 from pipeline.rewards.mix import apply_scores
 from pipeline.reward_model.common import row_prompts
 
@@ -53,7 +52,7 @@ class RewardModelWorker(Actor):
         one_thread()
         self.cfg = cfg
         # A restart is a new process with the same arguments: the logs so far count the incarnations.
-        incarnation = sum(1 for _ in (Path(run_dir) / "events").glob(f"{REWARD_MODEL}*.jsonl"))
+        incarnation = logged_incarnations(run_dir, REWARD_MODEL)
         self.log = EventLog(run_dir, reward_model_name(incarnation), t0)
         self.log.emit("worker_start", **whereabouts(), incarnation=incarnation)
         self.scorer = reward_scorer(cfg, incarnation)
@@ -98,7 +97,5 @@ class RewardModelWorker(Actor):
 
 
 def start_reward_model(cfg: Config, run_dir: str, t0: float, options: dict):
-    """The run's reward model actor, restarted by Ray up to fault.max_restarts times.
-    A thread for `score` (and `finish`) and one for the driver's pings."""
-    actor = ray.remote(concurrency_groups={"score": 1}, max_concurrency=2)(RewardModelWorker)
-    return actor.options(**options, max_restarts=cfg.fault.max_restarts, max_task_retries=-1).remote(cfg, run_dir, t0)
+    """The run's reward model actor, restarted by Ray up to fault.max_restarts times."""
+    return scorer_actor(RewardModelWorker, "score", cfg.fault.max_restarts, options, cfg, run_dir, t0)

@@ -91,6 +91,19 @@ def latest(run_dir: Path) -> Path:
     return max(found)[1]
 
 
+def policy_dir(source: str | Path, command: str) -> Path:
+    """The policy's weights in `source`: a run (its latest checkpoint), a
+    checkpoint step_<k>, its policy/, or any model directory."""
+    src = Path(source)
+    if (src / "checkpoints").is_dir():
+        src = latest(src)
+    if (src / "policy").is_dir():
+        src = src / "policy"
+    if not src.is_dir():
+        raise FileNotFoundError(f"{command}: {str(source)!r} is not a run, checkpoint or model directory")
+    return src
+
+
 def read_meta(ckpt: Path, cfg: Config, allow: frozenset[str] = frozenset(), inputs: dict | None = None) -> Resumable:
     """Steps done at this checkpoint, after checking it is whole and that `cfg`
     continues its run (resume_check: what a resume may change, and `allow`,

@@ -32,7 +32,7 @@ from dags.tokens import StepPlan
 from pipeline.config import Config
 from pipeline.core.events import EventLog, merge_events
 from pipeline.core.memory import one_heap_arena
-from pipeline.core.worker_names import DRIVER, REWARD_MODEL, TEACHER, generator_name
+from pipeline.core.worker_names import DRIVER, REWARD_MODEL, TEACHER, generator_name, logged_incarnations
 from pipeline.core.precision import cpu_bf16_flags, describe_cpu
 from pipeline.evaluation.sets import due_after, due_at_start
 from pipeline.inputs.preflight import preflight
@@ -317,8 +317,8 @@ def _write_summary(run_dir: Path, summary: dict, totals: RunTotals, cfg: Config)
         "cpu_bf16": list(cpu_bf16_flags()),  # the driver's machine
         "training_dtype": _trained_dtype(run_dir),
         # Ray restarts a dead reward model in place; each incarnation logged on its own.
-        "reward_model_restarts": max(len(list((run_dir / "events").glob(f"{REWARD_MODEL}*.jsonl"))) - 1, 0),
-        "teacher_restarts": max(len(list((run_dir / "events").glob(f"{TEACHER}*.jsonl"))) - 1, 0),
+        "reward_model_restarts": max(logged_incarnations(run_dir, REWARD_MODEL) - 1, 0),
+        "teacher_restarts": max(logged_incarnations(run_dir, TEACHER) - 1, 0),
     })
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 

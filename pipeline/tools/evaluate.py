@@ -21,14 +21,8 @@ def model_dirs(model: str | Path) -> tuple[Path, Path | None]:
     """(the model directory vLLM loads, the adapter directory or None): `model`
     is a run (its latest checkpoint), a checkpoint step_<k>, its policy/, an HF
     model directory, or a peft adapter directory (its base model from adapter_config.json)."""
-    from pipeline.run.checkpoint import latest
-    src = Path(model)
-    if (src / "checkpoints").is_dir():
-        src = latest(src)
-    if (src / "policy").is_dir():
-        src = src / "policy"
-    if not src.is_dir():
-        raise FileNotFoundError(f"eval --model: {str(model)!r} is not a run, checkpoint or model directory")
+    from pipeline.run.checkpoint import policy_dir
+    src = policy_dir(model, "eval --model")
     if not (src / ADAPTER_CONFIG).is_file():
         return src, None
     try:

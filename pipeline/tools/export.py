@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.weights.lora import ADAPTER_CONFIG, LoraError
-from pipeline.run.checkpoint import latest
+from pipeline.run.checkpoint import policy_dir
 
 
 def export_merged(source: str | Path, out: str | Path) -> Path:
@@ -44,13 +44,7 @@ def export_merged(source: str | Path, out: str | Path) -> Path:
 def export_main(source: str, out: str) -> int:
     """`python -m pipeline export`: a checkpoint (step dir or its policy/) or a run
     directory (its latest checkpoint) to a merged HF model."""
-    src = Path(source)
-    if (src / "checkpoints").is_dir():
-        src = latest(src)
-    if (src / "policy").is_dir():
-        src = src / "policy"
-    if not src.is_dir():
-        raise FileNotFoundError(f"export: {source!r} is not a run, checkpoint or policy directory")
+    src = policy_dir(source, "export")
     if not (src / ADAPTER_CONFIG).is_file():
         # A full fine-tune's checkpoint is already a plain HF model.
         shutil.copytree(src, out, dirs_exist_ok=True)
