@@ -146,7 +146,9 @@ def distill(r: dict) -> str:
     rows = [[s, steps(by["distill", s]), steps(by["grpo", s]), f"{by['distill', s]['val_end']:.2f}",
              f"{by['grpo', s]['val_end']:.2f}", f"{by['distill', s]['kl_start']:.3f} -> {by['distill', s]['kl_end']:.3f}"]
             for s in p["seeds"]]
-    head = (f"seeds {p['seeds']}, {p['steps']} steps, greedy validation every {p['val_period']} steps; the teacher "
+    loss = ", ".join(f"{k} {v}" for k, v in r.get("distill", {}).items())
+    head = (f"distillation {loss or 'as examples/tiny_distill.yaml'}; "
+            f"seeds {p['seeds']}, {p['steps']} steps, greedy validation every {p['val_period']} steps; the teacher "
             f"(`make models/tiny_teacher/config.json`, {t['steps']} warm-up steps, built in {t['build_s']} s): greedy "
             f"validation {t['val_greedy_after']['reward']:.3f}, sampled {t['val_sampled_after']['reward']:.3f}, the "
             f"fresh student's {t['val_greedy_before']['reward']:.3f}; the bar (within 10 %) {r['bar']:.3f}. "

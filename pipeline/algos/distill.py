@@ -1,4 +1,5 @@
-"""On-policy distillation's per-token advantage, and its mix with the task's.
+"""On-policy distillation's per-token advantage, and its mix with the task's
+(distill.loss sampled_reverse_kl; the top-k loss is pipeline/algos/distill_topk.py).
 
 The student samples; the teacher scores every sampled token (pipeline/distill/).
 Each model token t earns the negative reverse KL to the teacher, estimated on

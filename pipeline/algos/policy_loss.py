@@ -185,6 +185,14 @@ class PolicyLoss:
                 metrics["entropy"] = mean(entropy)
         return loss, metrics
 
+    def aggregated(self, per_token: Tensor, mask: Tensor, num_tokens: float | None = None,
+                   num_seqs: float | None = None) -> Tensor:
+        """A per-token loss term beside the policy's (distill.loss topk_kl), aggregated as the policy loss is."""
+        valid = mask.bool()
+        masked = torch.where(valid, per_token.float(), torch.zeros((), dtype=torch.float32, device=per_token.device))
+        return self.aggregate(masked, valid.sum(), valid.sum(dim=-1, keepdim=True), num_tokens, num_seqs,
+                              self.horizon)
+
     def _rejected(self, seq_log_w: Tensor) -> Tensor:
         """[B, 1]: the sequences whose IS weight leaves [is_reject_low, is_reject_high] (a bound of 0 is none)."""
         o = self.options

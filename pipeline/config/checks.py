@@ -291,6 +291,19 @@ def _pure_distillation(cfg: Config) -> bool:
     return bool(cfg.distill.teacher) and not cfg.distill.task_reward
 
 
+def _check_distill_loss(d: DistillConfig, default: DistillConfig, fail) -> None:
+    """Each loss's own keys are refused under the other, so that no setting silently does nothing."""
+    own = {"topk_kl": ("topk", "kl_type", "mixed_kl_weight"), "sampled_reverse_kl": ("kl_clip",)}
+    for loss, keys in own.items():
+        changed = next((k for k in keys if getattr(d, k) != getattr(default, k)), None)
+        if changed and d.loss != loss:
+            raise fail(f"distill.{changed}", f"is set, but it is read only with distill.loss {loss} "
+                       f"(distill.loss is {d.loss}); set distill.loss: {loss} or leave it out")
+    if d.mixed_kl_weight != default.mixed_kl_weight and d.kl_type != "mixed":
+        raise fail("distill.mixed_kl_weight", f"is set, but it is read only with distill.kl_type mixed "
+                   f"(distill.kl_type is {d.kl_type}); set kl_type: mixed or leave it out")
+
+
 def _check_distill(cfg: Config, fail) -> None:
     d, default = cfg.distill, DistillConfig()
     if not d.teacher:
@@ -301,6 +314,7 @@ def _check_distill(cfg: Config, fail) -> None:
         if cfg.inject.fault == "teach_exit":
             raise fail("inject.fault", "teach_exit ends the teacher's process; set distill.teacher")
         return
+    _check_distill_loss(d, default, fail)
     if not d.task_reward and d.coef == 0:
         raise fail("distill.coef", "0 with distill.task_reward false leaves no advantage to learn from; set "
                    "coef > 0 (1: pure distillation) or task_reward: true")

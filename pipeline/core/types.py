@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import pyarrow as pa
 
@@ -95,7 +95,20 @@ TRAJECTORY_SCHEMA = pa.schema([
     # The distillation teacher's logprob of each response token (distill.teacher;
     # pipeline/distill/), put by the teacher before the buffer takes the batch. Null: no teacher.
     ("teacher_logprobs", pa.list_(pa.float32())),
+    # With distill.loss topk_kl, the teacher's distill.topk likeliest token ids at each response
+    # token's position, likeliest first, and their logprobs ([tokens, k] each). Null: none kept.
+    ("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),
+    ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32()))),
 ])
+
+
+class TeacherScores(NamedTuple):
+    """What a distillation teacher gives a batch (pipeline/distill/), per row: its
+    logprob of each response token; with top-k, at each response token its k
+    likeliest ids and their logprobs (else None)."""
+    logprobs: list[list[float]]
+    topk_ids: list[list[list[int]]] | None = None
+    topk_logprobs: list[list[list[float]]] | None = None
 
 
 def sample_seeds(run_seed: int, batch_id: str, prompts: list[Prompt], n: int) -> list[list[int]]:

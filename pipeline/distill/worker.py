@@ -1,5 +1,5 @@
 """The teacher's actor: it puts the teacher's logprob of every response token
-into each finished rollout batch, between the generator (or the reward model)
+(and with distill.loss topk_kl its top-k there) into each finished rollout batch, between the generator (or the reward model)
 and the buffer (the delivery graph, dags/step_graph.py), with a transformers
 forward (pipeline/distill/forward.py) or, on backend sim, a simulated teacher.
 
@@ -31,26 +31,39 @@ from pipeline.core.worker_names import TEACHER, logged_incarnations, teacher_nam
 
 
 def teacher_forward(cfg: Config, incarnation: int):
-    """The teacher the recipe names: (prompt ids, response ids) of each row -> its response tokens' logprobs."""
+    """The teacher the recipe names: (prompt ids, response ids) of each row -> TeacherScores
+    (its response tokens' logprobs; with distill.loss topk_kl, its top-k at each of them)."""
+    d = cfg.distill
+    topk = d.topk if d.loss == "topk_kl" else 0
     if cfg.backend == "sim":
         from pipeline.sim.engines import SimTeacher
-        return SimTeacher(cfg.sim, inject=cfg.inject, faulty=incarnation < cfg.inject.incarnations)
+        return SimTeacher(cfg.sim, inject=cfg.inject, faulty=incarnation < cfg.inject.incarnations, topk=topk)
     from pipeline.distill.forward import TeacherForward
-    d = cfg.distill
     return TeacherForward(d.teacher, batch_size=d.batch_size, dtype=device_dtype(d.dtype, "distill.dtype"),
-                          temperature=cfg.generation.temperature)
+                          temperature=cfg.generation.temperature, topk=topk)
 
 
-def with_teacher_logprobs(table: pa.Table, logprobs: list[list[float]]) -> pa.Table:
-    """`table` with its teacher_logprobs column set, refused unless each row has
-    a finite logprob for each of its response tokens."""
+def with_teacher_scores(table: pa.Table, scores) -> pa.Table:
+    """`table` with its teacher columns set from TeacherScores, refused unless each
+    row has a finite logprob (and, with top-k, k finite ones) for each of its response tokens."""
     lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-    for i, (row, n) in enumerate(zip(logprobs, lengths, strict=True)):
+    for i, (row, n) in enumerate(zip(scores.logprobs, lengths, strict=True)):
         if len(row) != n or not all(math.isfinite(x) for x in row):
             raise ValueError(f"row {i}: the teacher gave {len(row)} logprobs (finite: "
                              f"{sum(map(math.isfinite, row))}) for {n} response tokens")
-    column = table.schema.get_field_index("teacher_logprobs")
-    return table.set_column(column, table.schema.field(column), pa.array(logprobs, pa.list_(pa.float32())))
+    columns = {"teacher_logprobs": scores.logprobs}
+    if scores.topk_ids is not None:
+        for i, (ids, lps, n) in enumerate(zip(scores.topk_ids, scores.topk_logprobs, lengths, strict=True)):
+            shapes = {(len(a), len(b)) for a, b in zip(ids, lps)}
+            finite = all(math.isfinite(x) for t in lps for x in t)
+            if len(ids) != n or len(lps) != n or len(shapes) > 1 or any(a != b for a, b in shapes) or not finite:
+                raise ValueError(f"row {i}: the teacher's top-k has {len(ids)} id and {len(lps)} logprob lists "
+                                 f"(sizes {sorted(shapes)}, all finite: {finite}) for {n} response tokens")
+        columns.update(teacher_topk_ids=scores.topk_ids, teacher_topk_logprobs=scores.topk_logprobs)
+    for name, values in columns.items():
+        column = table.schema.get_field_index(name)
+        table = table.set_column(column, table.schema.field(column), pa.array(values, table.schema.field(column).type))
+    return table
 
 
 class TeacherWorker(Actor):
@@ -74,9 +87,8 @@ class TeacherWorker(Actor):
         self.log.merge(rollout.clock)
         self.log.emit("teach_start", step=rollout.step, version=rollout.version, batch=rollout.batch_id)
         table = rollout.table
-        logprobs = self.teacher.logprobs(table.column("prompt_ids").to_pylist(),
-                                         table.column("response_ids").to_pylist())
-        taught = with_teacher_logprobs(table, logprobs)
+        scores = self.teacher.score(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())
+        taught = with_teacher_scores(table, scores)
         self.log.emit("teach_end", step=rollout.step, version=rollout.version, batch=rollout.batch_id)
         return dataclasses.replace(rollout, table=taught, clock=self.log.now())
 

@@ -298,7 +298,8 @@ class GeneratorWorker(Actor):
                 "token_rewards": [_token_rewards(c, r) for (_, c), r in zip(rows, rewards)],
                 "truncated": [c.truncated for _, c in rows],
                 "transcript": [list(c.transcript) or None for _, c in rows],
-                "teacher_logprobs": [None] * n,  # the teacher's, on the way to the buffer (pipeline/distill/)
+                # The teacher's, on the way to the buffer (pipeline/distill/).
+                "teacher_logprobs": [None] * n, "teacher_topk_ids": [None] * n, "teacher_topk_logprobs": [None] * n,
             }, schema=TRAJECTORY_SCHEMA)
 
 

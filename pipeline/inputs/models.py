@@ -103,7 +103,7 @@ def check_model_files(path: str | Path, *, own_tokenizer: bool = True) -> Path:
     if not isinstance(config, dict):
         raise ModelError(f"model directory {str(p)!r}: config.json must hold a JSON object, "
                          f"got {type(config).__name__}")
-    model_vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    model_vocab = _config_vocab(config)
     if model_vocab is not None and (isinstance(model_vocab, bool) or not isinstance(model_vocab, int)):
         raise ModelError(f"model directory {str(p)!r}: config.json's vocab_size is {model_vocab!r}, "
                          "not an integer")
@@ -127,7 +127,7 @@ def check_model_loads(path: str | Path, *, tokenizer_dir: str | Path | None = No
     its config and tokenizer load, and the vocabulary covers the tokenizer."""
     p = Path(path)
     config = json.loads((p / "config.json").read_text())
-    model_vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    model_vocab = _config_vocab(config)
     from transformers import AutoConfig, AutoTokenizer
     try:
         AutoConfig.from_pretrained(str(p))
@@ -189,6 +189,16 @@ def check_reward_model(path: str | Path, kind: str) -> None:
     elif not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
         raise ModelError(f"model directory {str(path)!r}: a judge is a causal language model that generates its "
                          f"verdict; its architectures are {architectures}")
+
+
+def _config_vocab(config: dict):
+    """config.json's vocab_size (a multimodal model's, its text_config's); None where it names none."""
+    return config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+
+
+def vocab_size(path: str | Path) -> int | None:
+    """The model directory's vocabulary size as its config.json says (None: it says none)."""
+    return _config_vocab(json.loads((Path(path) / "config.json").read_text()))
 
 
 def context_length(path: str | Path, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> int:

@@ -26,7 +26,8 @@ def preflight(cfg: Config) -> Future | None:
         return None
     from pipeline.inputs.datasets import DataError, check_prompts, data_columns, run_prompts
     from pipeline.inputs.models import (
-        ModelError, check_model_files, check_model_loads, check_reward_model, check_same_tokenizer, context_length)
+        ModelError, check_model_files, check_model_loads, check_reward_model, check_same_tokenizer, context_length,
+        vocab_size)
     from pipeline.rewards.specs import RewardError, check_routes, load_reward
 
     def check(key: str, fn: Callable, *args, **kwargs):
@@ -70,6 +71,11 @@ def preflight(cfg: Config) -> Future | None:
     if new >= context:
         raise ModelError(f"generation.max_new_tokens: {new} leaves no room for a prompt in the context of "
                          f"{context} tokens of model.path {cfg.model.path!r}")
+
+    d = cfg.distill
+    if d.teacher and d.loss == "topk_kl" and d.topk > (vocab_size(d.teacher) or d.topk):
+        raise ModelError(f"distill.topk: {d.topk} is more tokens than the vocabulary of distill.teacher "
+                         f"{d.teacher!r} ({vocab_size(d.teacher)}); set distill.topk to at most that (16-64 is usual)")
 
     def loads() -> dict:
         for key, path, tokenizer_dir in models:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipeline.core.types import Completion, Prompt
+from pipeline.core.types import Completion, Prompt, TeacherScores
 from pipeline.config import InjectConfig, SimConfig
 
 
@@ -314,18 +314,25 @@ class SimTeacher:
     sim.score_s per batch. inject.fault teach_exit ends the process on batch
     inject.after + 1 (while its restart count is below inject.incarnations)."""
 
-    def __init__(self, cfg: SimConfig, *, inject: InjectConfig = InjectConfig(), faulty: bool = False):
+    def __init__(self, cfg: SimConfig, *, inject: InjectConfig = InjectConfig(), faulty: bool = False,
+                 topk: int = 0):
         self.latency = _Latency(cfg, seed=997)
         self.score_s = cfg.score_s
-        self.inject, self.faulty = inject, faulty
+        self.inject, self.faulty, self.topk = inject, faulty, topk
         self.calls = 0
 
-    def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+    def score(self, prompts: list[list[int]], responses: list[list[int]]):
+        """TeacherScores; with topk, the ids 0..k-1 at every position, likeliest first."""
         if self.faulty:
             _maybe_fault(self.inject, "teach", self.calls)
         self.calls += 1
         self.latency.spend(self.score_s)
-        return [[-0.05 - (t % 17) / 10 for t in r] for r in responses]
+        logprobs = [[-0.05 - (t % 17) / 10 for t in r] for r in responses]
+        if not self.topk:
+            return TeacherScores(logprobs)
+        top = [-0.05 - j / 10 for j in range(self.topk)]
+        return TeacherScores(logprobs, [[list(range(self.topk))] * len(r) for r in responses],
+                             [[top] * len(r) for r in responses])
 
     def digest(self) -> str:
         return "sim"

@@ -14,12 +14,13 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from pipeline.algos.distill_topk import topk_kl
 from pipeline.algos.policy_loss import PolicyLoss
 from pipeline.config import Config
 from pipeline.weights import lora as adapters
 from pipeline.core.data_parallel import Rendezvous, Shard, batch_shards, row_lengths, trained_tokens
 from pipeline.trainer.deepspeed_base import DeepSpeedEngine, full_params
-from pipeline.trainer.rows import collate, pack_window, trajectory_rows
+from pipeline.trainer.rows import collate, pack_window, teacher_topk, trajectory_rows
 from pipeline.inputs.models import TOKENIZER_FILES
 from pipeline.core.spans import span
 
@@ -46,6 +47,8 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         self.epochs, self.mini_batches, self.group_size = t.epochs, t.mini_batches, cfg.schedule.group_size
         self.updates_per_batch = t.epochs * t.mini_batches
         self.lora = t.lora if t.lora.rank else None
+        # distill.loss topk_kl: a loss term beside the policy's (pipeline/algos/distill_topk.py).
+        self.distill = cfg.distill if cfg.distill.teacher and cfg.distill.loss == "topk_kl" else None
         self.trainable_only = self.lora is not None
         # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
         self.temperature = cfg.generation.temperature
@@ -79,6 +82,12 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         (pipeline.trainer.rows.collate, padded or packed), at the sampling
         temperature; with `entropy`, (logprobs, each position's entropy), the
         entropy with a gradient only when the loss has an entropy bonus."""
+        scores = self._scores(model, batch, entropy)
+        return (scores["lp"], scores["entropy"]) if entropy else scores["lp"]
+
+    def _scores(self, model, batch: dict, entropy: bool) -> dict[str, torch.Tensor]:
+        """token_logprobs' as {"lp", "entropy"}, and where the batch holds a teacher's
+        top-k ids, "topk": the model's logprobs at them, [rows, window, k]."""
         ids = batch["ids"]
         if "positions" in batch:
             # Packed: the logits of the kept positions only, [K, V]; laid out in the window below.
@@ -91,8 +100,14 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
             logits, targets = out.logits[:, :-1].float() / self.temperature, ids[:, start + 1:]
         logp = torch.log_softmax(logits, dim=-1)
         lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        out = {"lp": self._in_window(lp, batch)}
+        if "topk_ids" in batch:
+            top = batch["topk_ids"]
+            if "positions" in batch:  # the kept positions' ids, in the order of logp's rows
+                top = top.view(-1, top.shape[-1])[batch["slots"]]
+            out["topk"] = self._in_window(logp.gather(-1, top), batch)
         if not entropy:
-            return self._in_window(lp, batch)
+            return out
         if torch.is_grad_enabled() and self.loss.options.entropy_coef > 0:
             ent = -(logp.exp() * logp).sum(dim=-1)
         else:
@@ -102,7 +117,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                 dim = logp.dim() - 2
                 ent = torch.cat([-(part.exp() * part).sum(dim=-1) for part in logp.split(ENTROPY_CHUNK, dim=dim)],
                                 dim=dim)
-        return self._in_window(lp, batch), self._in_window(ent, batch)
+        return {**out, "entropy": self._in_window(ent, batch)}
 
     def _window_outputs(self, batch: dict) -> torch.Tensor:
         return self.token_logprobs(self.engine, batch)
@@ -113,15 +128,24 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
 
     def _loss(self, batch: dict, shard: Shard) -> tuple[torch.Tensor, dict[str, float]]:
         with span("train.forward"):
-            lp, ent = self.token_logprobs(self.engine, batch, entropy=True)
+            scores = self._scores(self.engine, batch, entropy=True)
+        lp = scores["lp"]
         options = self.loss.options
         ref = self._reference(batch) if options.kl_coef > 0 else None
         # Decoupled (AReaL): the proximal policy is the one before this step's first update: lp
         # itself with one update per batch, else scored before it; classic PPO clips against
         # the behaviour policy.
         proximal = batch["gen"] if not options.decoupled else batch["old"] if "old" in batch else lp.detach()
-        return self.loss(lp, proximal, batch["gen"], batch["adv"], batch["train_mask"], ref_logprobs=ref,
-                         entropy=ent, num_tokens=max(shard.batch_tokens, 1), num_seqs=max(shard.batch_seqs, 1))
+        counts = {"num_tokens": max(shard.batch_tokens, 1), "num_seqs": max(shard.batch_seqs, 1)}
+        loss, metrics = self.loss(lp, proximal, batch["gen"], batch["adv"], batch["train_mask"], ref_logprobs=ref,
+                                  entropy=scores["entropy"], **counts)
+        if self.distill is None:
+            return loss, metrics
+        d, mask = self.distill, batch["train_mask"]
+        kl = topk_kl(scores["topk"], batch["topk_logprobs"], mask, d.kl_type, d.mixed_kl_weight)
+        with torch.no_grad():
+            metrics["distill/topk_kl"] = float(kl.sum() / mask.sum().clamp(min=1))
+        return loss + d.coef * self.loss.aggregated(kl, mask, **counts), metrics
 
     @torch.no_grad()
     def _reference(self, batch: dict) -> torch.Tensor:
@@ -144,6 +168,14 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
             for j, i in enumerate(idx):  # a token budget takes rows out of table order
                 out[i] = lp[j][batch["mask"][j]].float().tolist()
         return out
+
+    def _rows(self, table: pa.Table, per_token: pa.Table, columns: tuple[str, ...],
+              shard: Shard | None) -> list[dict]:
+        """The base's rows, each with its teacher's top-k under distill.loss topk_kl."""
+        rows = super()._rows(table, per_token, columns, shard)
+        if self.distill is not None:
+            teacher_topk(table if shard is None else table.slice(shard.start, shard.stop - shard.start), rows)
+        return rows
 
     def train_step(self, table: pa.Table, advantages: pa.Table, shard: Shard | None = None) -> dict[str, float]:
         """The policy's updates on the table: clipped ratio plus the IS

@@ -48,6 +48,20 @@ def token_column(table: pa.Table, column: str, rows: list[dict]) -> list[list[fl
     return values
 
 
+def teacher_topk(table: pa.Table, rows: list[dict]) -> None:
+    """Put each row's teacher top-k (distill.loss topk_kl) in it, as `topk_ids` and
+    `topk_logprobs`: [response tokens, k] each, refused unless every row has them."""
+    ids = table.column("teacher_topk_ids").to_pylist()
+    lps = table.column("teacher_topk_logprobs").to_pylist()
+    for i, (row, a, b) in enumerate(zip(rows, ids, lps, strict=True)):
+        n = len(row["response_ids"])
+        if a is None or b is None or len(a) != n or len(b) != n:
+            raise ValueError(f"row {i} has no teacher top-k for each of its {n} response tokens "
+                             f"(ids: {None if a is None else len(a)}, logprobs: {None if b is None else len(b)}): "
+                             "the teacher did not score its batch with distill.loss topk_kl")
+        row["topk_ids"], row["topk_logprobs"] = a, b
+
+
 def collate(rows: list[dict], device, token_keys: dict[str, str], packed: bool = False) -> dict:
     """Right-padded ids plus a response window starting at the shortest prompt.
 
@@ -58,7 +72,8 @@ def collate(rows: list[dict], device, token_keys: dict[str, str], packed: bool =
     are computed (logits_to_keep). `token_keys` maps an output name to a row
     key holding one float per response token (logprobs, advantages, returns),
     laid out in the window like `mask`. `train_mask` is `mask` where the
-    row's loss_mask is 1: the tokens a loss counts.
+    row's loss_mask is 1: the tokens a loss counts. Rows holding a teacher's
+    top-k (teacher_topk) add `topk_ids` and `topk_logprobs`, [rows, window, k].
 
     `packed`: the rows' ids one after another in a single sequence ([1, T]),
     `positions` restarting at 0 for each row (attention keeps rows apart where
@@ -90,8 +105,21 @@ def _window(rows: list[dict], device, token_keys: dict[str, str]) -> dict:
         train_mask[i, lo:lo + n] = torch.tensor(r.get("loss_mask") or [1] * n, dtype=torch.bool)
         for out_key, row_key in token_keys.items():
             per_token[out_key][i, lo:lo + n] = torch.tensor(r[row_key], dtype=torch.float32)
-    return {"start": start, "mask": mask.to(device), "train_mask": train_mask.to(device),
-            **{k: v.to(device) for k, v in per_token.items()}}
+    out = {"start": start, "mask": mask.to(device), "train_mask": train_mask.to(device),
+           **{k: v.to(device) for k, v in per_token.items()}}
+    return {**out, **_topk_window(rows, start, mask.shape[1], device)} if "topk_ids" in rows[0] else out
+
+
+def _topk_window(rows: list[dict], start: int, width: int, device) -> dict:
+    k = max((len(t) for r in rows for t in r["topk_ids"]), default=1)
+    ids = torch.zeros(len(rows), width, k, dtype=torch.long)
+    lps = torch.zeros(len(rows), width, k)
+    for i, r in enumerate(rows):
+        lo, n = len(r["prompt_ids"]) - 1 - start, len(r["response_ids"])
+        if n:
+            ids[i, lo:lo + n] = torch.tensor(r["topk_ids"], dtype=torch.long)
+            lps[i, lo:lo + n] = torch.tensor(r["topk_logprobs"], dtype=torch.float32)
+    return {"topk_ids": ids.to(device), "topk_logprobs": lps.to(device)}
 
 
 def _padded(rows: list[dict], lens: list[int], device) -> dict:
@@ -125,10 +153,11 @@ def _packed(rows: list[dict], lens: list[int], device) -> dict:
 
 
 def pack_window(values: torch.Tensor, batch: dict) -> torch.Tensor:
-    """A packed forward's values, one per kept position (collate's `keep`), in the
-    [rows, window] layout of the batch's masks; zero where a row has no token."""
+    """A packed forward's values, one (or one [k]) per kept position (collate's `keep`),
+    in the [rows, window(, k)] layout of the batch's masks; zero where a row has no token."""
     rows, width = batch["mask"].shape
-    return values.new_zeros(rows * width).index_put((batch["slots"],), values).view(rows, width)
+    inner = values.shape[1:]
+    return values.new_zeros(rows * width, *inner).index_put((batch["slots"],), values).view(rows, width, *inner)
 
 
 @torch.no_grad()

@@ -155,14 +155,17 @@ class TrainerWorker(Actor):
 
     def _advantages(self, table: pa.Table, advantages: Advantages | None) -> tuple[pa.Table, dict[str, float]]:
         """The task's advantages, with distill.teacher the teacher's reverse KL
-        mixed in per token (pipeline/algos/distill.py; metric distill/kl)."""
+        mixed in per token (pipeline/algos/distill.py; metric distill/kl). Under
+        distill.loss topk_kl the teacher is the engine's loss term instead: the
+        advantage is the task's alone (none without task_reward), the KL still logged."""
         task, measured = self._task_advantages(table, advantages)
         d = self.cfg.distill
         if not d.teacher:
             return task, measured
         from pipeline.algos.distill import mix_distillation  # numpy only, but not the driver's business
         with spans.span("train.distill"):
-            mixed, kl = mix_distillation(table, task, d.coef, d.kl_clip, d.task_reward)
+            coef = d.coef if d.loss == "sampled_reverse_kl" else 0.0
+            mixed, kl = mix_distillation(table, task, coef, d.kl_clip, d.task_reward)
         return mixed, {**measured, "distill/kl": kl}
 
     def _task_advantages(self, table: pa.Table, advantages: Advantages | None) -> tuple[pa.Table, dict[str, float]]:

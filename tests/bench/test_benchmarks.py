@@ -235,9 +235,11 @@ def test_distill_quick(tmp_path):
     # Validation before training and after each of the 3 steps; only the distilled run has a teacher's KL.
     assert [s for s, _ in distill["val"]] == [s for s, _ in grpo["val"]] == [-1, 0, 1, 2]
     assert len(distill["kl"]) == 3 and all(k > 0 for k in distill["kl"]) and grpo["kl"] == []
+    # The recipe's loss is topk_kl: its KL over the teacher's top-k is logged and targeted as well.
+    assert result["distill"]["loss"] == "topk_kl" and len(distill["topk_kl"]) == 3 and grpo["topk_kl"] == []
     assert [t["target"].split(",")[0] for t in result["targets"]] == [
         "distill within 10 % of the teacher (reached)", "distill reached in fewer steps than GRPO",
         "distill within 10 % of the teacher (held)", "distill held in fewer steps than GRPO",
-        "distill/kl falls (last step < first)", "every run's events pass check-events (invariant 10: each batch "
-        "taught before training)"]
+        "distill/kl falls (last step < first)", "distill/topk_kl falls (last step < first)",
+        "every run's events pass check-events (invariant 10: each batch taught before training)"]
     assert distill["violations"] == grpo["violations"] == []

@@ -21,6 +21,16 @@ pytestmark = pytest.mark.unit
     (["distill.teacher=t", "distill.task_reward=false", "dynamic_sampling.max_rounds=1"],
      "dynamic_sampling.max_rounds: leaves out groups whose task rewards are all equal"),
     (["distill.teacher=t", "distill.kl_clip=-1"], "distill.kl_clip"),
+    (["distill.teacher=t", "distill.topk=32"], "distill.topk: is set, but it is read only with distill.loss topk_kl"),
+    (["distill.teacher=t", "distill.kl_type=reverse"], "distill.kl_type: is set, but it is read only with "
+                                                          "distill.loss topk_kl"),
+    (["distill.teacher=t", "distill.loss=topk_kl", "distill.kl_clip=2"],
+     "distill.kl_clip: is set, but it is read only with distill.loss sampled_reverse_kl"),
+    (["distill.teacher=t", "distill.loss=topk_kl", "distill.mixed_kl_weight=0.2"],
+     "distill.mixed_kl_weight: is set, but it is read only with distill.kl_type mixed"),
+    (["distill.teacher=t", "distill.loss=topk_kl", "distill.topk=0"], "distill.topk"),
+    (["distill.teacher=t", "distill.loss=topk"], "distill.loss"),
+    (["distill.loss=topk_kl"], "distill.loss: is set, but distill.teacher is empty"),
 ])
 def test_bad_distill_settings_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -45,3 +55,10 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
     with pytest.raises(ModelError, match=rf"the teacher's tokenizer \('{other}'\) is not the student's "
                                          rf"\(model.path '{student}'\): 384 and 300 tokens"):
         check_same_tokenizer(student, other)
+
+
+def test_the_top_k_loss_takes_its_own_keys():
+    cfg = load_config(None, ["distill.teacher=t", "distill.loss=topk_kl", "distill.topk=32", "distill.kl_type=mixed",
+                             "distill.mixed_kl_weight=0.2"])
+    assert (cfg.distill.loss, cfg.distill.topk, cfg.distill.kl_type, cfg.distill.mixed_kl_weight) == \
+        ("topk_kl", 32, "mixed", 0.2)
