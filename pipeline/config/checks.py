@@ -199,6 +199,7 @@ def _check_kl(cfg: Config, fail) -> None:
             if getattr(rkl, key) != getattr(rkl_default, key):
                 raise fail(f"reward_kl.{key}", "steers an adaptive coefficient; set reward_kl.ctrl: adaptive")
 
+
 def _check_sets(cfg: Config, fail) -> None:
     """validation.sets: names unique and usable in a metric's name, k within n,
     sampling where n asks for several samples."""
