@@ -108,8 +108,7 @@ def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "g
     if group_size < 1 or table.num_rows % group_size:
         raise ValueError(f"{table.num_rows} rows do not split into groups of {group_size}")
     rewards = table.column("reward")
-    if rewards.null_count:
-        raise ValueError(f"row {pc.index(pc.is_null(rewards), True).as_py()} has no reward")
+    _check_rewards(rewards)
     _check_groups(table.select(list(GROUP_KEYS)).to_pylist(), group_size)
     if not table.num_rows:  # torch warns about the std of no samples
         return CRITIC_FREE_ADVANTAGE_SCHEMA.empty_table()
@@ -161,6 +160,7 @@ def kl_penalised_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl
     Returns the advantages table and the batch's KL (reward_kl_metrics)."""
     if estimator == "reinforce_pp":
         return kl_reward_advantages(table, ref_logprobs, kl_coef, kl_estimator)
+    _check_rewards(table.column("reward"))
     kls, masks = token_kls(table, ref_logprobs, kl_estimator)
     rewards = table.column("reward").to_numpy(zero_copy_only=False).astype(np.float64)
     penalised = rewards - kl_coef * np.array([kl.sum() for kl in kls])
@@ -196,6 +196,11 @@ def reward_kl_metrics(kls: list, masks: list) -> dict[str, float]:
     sample_means = [k.mean() for k in model if k.size]
     return {"reward_kl": float(every.mean()) if every.size else 0.0,
             "reward_kl_sample_mean": float(np.mean(sample_means)) if sample_means else 0.0}
+
+
+def _check_rewards(rewards: pa.ChunkedArray) -> None:
+    if rewards.null_count:
+        raise ValueError(f"row {pc.index(pc.is_null(rewards), True).as_py()} has no reward")
 
 
 def _check_groups(rows: list[dict], group_size: int) -> None:

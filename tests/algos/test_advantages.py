@@ -240,6 +240,10 @@ def test_kl_in_the_reward_of_a_group_estimator_is_its_summed_kl_off_each_reward(
     assert kl == {"reward_kl": pytest.approx(1.0 / 3), "reward_kl_sample_mean": pytest.approx((0.5 + 0.0) / 2)}
     flat, _ = kl_penalised_advantages(table, ref, 0.0, 2, estimator)
     assert all(a == 0.0 for row in flat.column("advantages").to_pylist() for a in row)
+    rows = table.to_pylist()
+    rows[1]["reward"] = None
+    with pytest.raises(ValueError, match="row 1 has no reward"):
+        kl_penalised_advantages(pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), ref, 0.5, 2, estimator)
 
 
 def test_kl_in_the_reward_of_reinforce_pp_is_per_token():
