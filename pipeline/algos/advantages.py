@@ -9,8 +9,10 @@ critic: GRPO's and its variants (`algorithm` in the recipe).
                 = G / (G - 1) x (r - group mean)
   reinforce_pp  REINFORCE++ with outcome rewards: r normalised over the whole
                 batch, (r - batch mean) / (batch std + eps); no group baseline.
-                With reinforce_pp.kl_coef the KL is in the reward instead:
-                kl_reward_advantages, per token
+
+With reward_kl.coef the KL to the initial policy is in the reward
+(kl_penalised_advantages): per token for reinforce_pp, summed into each
+sample's reward for the group estimators.
 
 No engine state, so the math can be checked by hand (tests/algos/test_advantages.py).
 The trainer actor turns a trajectory table into an advantages table here, and
@@ -106,8 +108,7 @@ def critic_free_advantages(table: pa.Table, group_size: int, estimator: str = "g
     if group_size < 1 or table.num_rows % group_size:
         raise ValueError(f"{table.num_rows} rows do not split into groups of {group_size}")
     rewards = table.column("reward")
-    if rewards.null_count:
-        raise ValueError(f"row {pc.index(pc.is_null(rewards), True).as_py()} has no reward")
+    _check_rewards(rewards)
     _check_groups(table.select(list(GROUP_KEYS)).to_pylist(), group_size)
     if not table.num_rows:  # torch warns about the std of no samples
         return CRITIC_FREE_ADVANTAGE_SCHEMA.empty_table()
@@ -129,38 +130,77 @@ def kl_reward_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_co
     from the rollout's logprob (the behaviour policy) and the reference's;
     its advantage is the return-to-go sum_{s >= t} r_s (no discount), whitened
     over every model token of the batch (loss_mask 1; the others get 0).
-    Returns the CRITIC_FREE_ADVANTAGE_SCHEMA table and the batch's KL:
-    reward_kl, the mean per model token, and reward_kl_sample_mean, the mean
-    over rows of each row's token mean (verl's current_kl, which its adaptive
-    controller reads)."""
-    rows = table.select(["logprobs", "loss_mask", "reward"]).to_pylist()
-    if len(ref_logprobs) != len(rows):
-        raise ValueError(f"{len(ref_logprobs)} reference rows for a table of {len(rows)}")
-    returns, masks, kls = [], [], []
-    for i, (row, ref) in enumerate(zip(rows, ref_logprobs)):
-        lp = np.asarray(row["logprobs"], np.float64)
-        mask = np.asarray(row["loss_mask"] or [1] * len(lp), np.float64)
-        if len(ref) != len(lp) or len(mask) != len(lp):
-            raise ValueError(f"row {i}: {len(lp)} logprobs, {len(ref)} reference logprobs, {len(mask)} mask values")
-        kl = kl_estimate(torch.from_numpy(lp), torch.from_numpy(np.asarray(ref, np.float64)), estimator).numpy() * mask
+    Returns the CRITIC_FREE_ADVANTAGE_SCHEMA table and the batch's KL (reward_kl_metrics)."""
+    rewards = table.column("reward").to_pylist()
+    kls, masks = token_kls(table, ref_logprobs, estimator)
+    returns = []
+    for kl, reward in zip(kls, rewards):
         r = -kl_coef * kl
         if len(r):
-            r[-1] += row["reward"]
+            r[-1] += reward
         returns.append(np.cumsum(r[::-1])[::-1])
-        masks.append(mask)
-        kls.append(kl[mask > 0])
-    every = np.concatenate([g[m > 0] for g, m in zip(returns, masks)]) if rows else np.zeros(0)
+    every = np.concatenate([g[m > 0] for g, m in zip(returns, masks)]) if returns else np.zeros(0)
     if every.size < 2 or every.max() == every.min():
         scaled = [np.zeros_like(g) for g in returns]
     else:
         mean, std = every.mean(), every.std()
         scaled = [(g - mean) / (std + eps) * m for g, m in zip(returns, masks)]
     tokens = pa.array([a.astype(np.float32).tolist() for a in scaled], pa.list_(pa.float32()))
-    kl_all = np.concatenate(kls) if kls else np.zeros(0)
-    sample_means = [k.mean() for k in kls if k.size]
-    return pa.Table.from_arrays([tokens], schema=CRITIC_FREE_ADVANTAGE_SCHEMA), {
-        "reward_kl": float(kl_all.mean()) if kl_all.size else 0.0,
-        "reward_kl_sample_mean": float(np.mean(sample_means)) if sample_means else 0.0}
+    return pa.Table.from_arrays([tokens], schema=CRITIC_FREE_ADVANTAGE_SCHEMA), reward_kl_metrics(kls, masks)
+
+
+def kl_penalised_advantages(table: pa.Table, ref_logprobs: list[list[float]], kl_coef: float, group_size: int,
+                            estimator: str = "grpo", kl_estimator: str = "k1",
+                            std: str = "population") -> tuple[pa.Table, dict[str, float]]:
+    """The KL in the reward for any critic-free `estimator` (reward_kl.coef;
+    verl's use_kl_in_reward): reinforce_pp's per-token returns
+    (kl_reward_advantages); the group estimators, as verl's grpo and rloo sum
+    the penalised token rewards, each sample's reward less kl_coef x the sum of
+    its model tokens' KL, then their outcome advantage (critic_free_advantages).
+    Returns the advantages table and the batch's KL (reward_kl_metrics)."""
+    if estimator == "reinforce_pp":
+        return kl_reward_advantages(table, ref_logprobs, kl_coef, kl_estimator)
+    _check_rewards(table.column("reward"))
+    kls, masks = token_kls(table, ref_logprobs, kl_estimator)
+    rewards = table.column("reward").to_numpy(zero_copy_only=False).astype(np.float64)
+    penalised = rewards - kl_coef * np.array([kl.sum() for kl in kls])
+    column = table.schema.get_field_index("reward")
+    shaped = table.set_column(column, table.schema.field(column), pa.array(penalised, table.schema.field(column).type))
+    return critic_free_advantages(shaped, group_size, estimator, std), reward_kl_metrics(kls, masks)
+
+
+def token_kls(table: pa.Table, ref_logprobs: list[list[float]], estimator: str) -> tuple[list, list]:
+    """Each row's per-token KL estimate (0 where loss_mask is 0: an environment's
+    tokens have no policy logprob) and its mask, as numpy arrays."""
+    rows = table.select(["logprobs", "loss_mask"]).to_pylist()
+    if len(ref_logprobs) != len(rows):
+        raise ValueError(f"{len(ref_logprobs)} reference rows for a table of {len(rows)}")
+    kls, masks = [], []
+    for i, (row, ref) in enumerate(zip(rows, ref_logprobs)):
+        lp = np.asarray(row["logprobs"], np.float64)
+        mask = np.asarray(row["loss_mask"] or [1] * len(lp), np.float64)
+        if len(ref) != len(lp) or len(mask) != len(lp):
+            raise ValueError(f"row {i}: {len(lp)} logprobs, {len(ref)} reference logprobs, {len(mask)} mask values")
+        kls.append(kl_estimate(torch.from_numpy(lp), torch.from_numpy(np.asarray(ref, np.float64)),
+                               estimator).numpy() * mask)
+        masks.append(mask)
+    return kls, masks
+
+
+def reward_kl_metrics(kls: list, masks: list) -> dict[str, float]:
+    """reward_kl, the batch's mean KL per model token, and reward_kl_sample_mean,
+    the mean over rows of each row's token mean (verl's current_kl, which its
+    adaptive controller reads)."""
+    model = [kl[m > 0] for kl, m in zip(kls, masks)]
+    every = np.concatenate(model) if model else np.zeros(0)
+    sample_means = [k.mean() for k in model if k.size]
+    return {"reward_kl": float(every.mean()) if every.size else 0.0,
+            "reward_kl_sample_mean": float(np.mean(sample_means)) if sample_means else 0.0}
+
+
+def _check_rewards(rewards: pa.ChunkedArray) -> None:
+    if rewards.null_count:
+        raise ValueError(f"row {pc.index(pc.is_null(rewards), True).as_py()} has no reward")
 
 
 def _check_groups(rows: list[dict], group_size: int) -> None:

@@ -1,5 +1,5 @@
 """The recipe's algorithm sections: the policy loss, DAPO's overlong shaping and
-dynamic sampling, REINFORCE++'s and PPO's keys (pipeline/algos/ reads them)."""
+dynamic sampling, the KL in the reward and PPO's keys (pipeline/algos/ reads them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,21 +80,23 @@ class DynamicSamplingConfig:
 
 
 @dataclass(frozen=True)
-class ReinforcePPConfig:
-    """REINFORCE++ (algorithm reinforce_pp): the KL to the initial policy in the token rewards."""
-    kl_coef: float = _key(0.0, "each model token's reward less kl_coef x its KL to the initial policy (the "
-                          "rollout's logprob against the reference's), returns-to-go whitened over the batch's tokens (verl: use_kl_in_reward, "
-                          "kl_ctrl.kl_coef); 0 = outcome rewards normalised over the batch's samples", ge=0)
-    kl_estimator: Literal["k1", "k2", "k3", "abs"] = _key(
+class RewardKLConfig:
+    """The KL to the initial policy in the reward, for every critic-free algorithm
+    (verl: algorithm.use_kl_in_reward; pipeline/algos/reward_kl.py)."""
+    coef: float = _key(0.0, "each model token's reward less coef x its KL to the initial policy (the rollout's "
+                       "logprob against the reference's): reinforce_pp whitens the returns-to-go over the "
+                       "batch's tokens, grpo/dr_grpo/rloo take each sample's reward less coef x its summed KL "
+                       "(verl: use_kl_in_reward, kl_ctrl.kl_coef); 0 = none", ge=0)
+    estimator: Literal["k1", "k2", "k3", "abs"] = _key(
         "k1", "the reward's per-token KL estimate (pipeline/algos/kl.py; verl: algorithm.kl_penalty kl, mse, "
         "low_var_kl, abs)")
-    kl_ctrl: Literal["fixed", "adaptive"] = _key(
-        "fixed", "fixed: kl_coef throughout; adaptive: kl_coef is the start, moved after each batch towards "
-        "kl_target (verl: kl_ctrl.type; metric reward_kl_coef, kept across a resume)")
-    kl_target: float = _key(0.1, "adaptive: the KL per token (mean over samples) the coefficient steers to "
-                            "(verl: kl_ctrl.target_kl)", gt=0)
-    kl_horizon: float = _key(10000.0, "adaptive: samples over which the coefficient moves by at most e^0.2 "
-                             "(verl: kl_ctrl.horizon)", gt=0)
+    ctrl: Literal["fixed", "adaptive"] = _key(
+        "fixed", "fixed: coef throughout; adaptive: coef is the start, moved after each batch towards "
+        "target (verl: kl_ctrl.type; metric reward_kl_coef, kept across a resume)")
+    target: float = _key(0.1, "adaptive: the KL per token (mean over samples) the coefficient steers to "
+                         "(verl: kl_ctrl.target_kl)", gt=0)
+    horizon: float = _key(10000.0, "adaptive: samples over which the coefficient moves by at most e^0.2 "
+                          "(verl: kl_ctrl.horizon)", gt=0)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import string
 
-from pipeline.config.algo_sections import PolicyLossConfig, ReinforcePPConfig
+from pipeline.config.algo_sections import PolicyLossConfig, RewardKLConfig
 from pipeline.config.sections import Config, ConfigError, DistillConfig, InjectConfig, RewardModelConfig
 
 # A validation set's name, as it goes into its metrics' names (val/<name>/...).
@@ -70,14 +70,18 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         if o.buffer >= g.max_new_tokens:
             raise fail("overlong.buffer", f"{o.buffer} must be below generation.max_new_tokens "
                        f"({g.max_new_tokens}): the penalty starts buffer tokens before the limit")
-    if cfg.reinforce_pp.kl_coef:
-        if cfg.algorithm != "reinforce_pp":
-            raise fail("reinforce_pp.kl_coef", f"puts a KL in the token rewards of algorithm reinforce_pp; "
-                       f"{cfg.algorithm!r} reads only the outcome reward (policy_loss.kl_coef puts it in the loss)")
+    if cfg.reward_kl.coef:
+        if cfg.algorithm == "ppo":
+            raise fail("reward_kl.coef", "puts the KL in the rewards of the critic-free algorithms; ppo's GAE "
+                       "reads the critic's token rewards, which it does not change: use policy_loss.kl_coef "
+                       "(the KL in the loss)")
+        if _pure_distillation(cfg):
+            raise fail("reward_kl.coef", "shapes the task reward's advantage, which distill.task_reward false "
+                       "leaves out; set it to 0 or distill.task_reward: true")
         if cfg.backend != "real":
-            raise fail("reinforce_pp.kl_coef", "needs the initial policy's logprobs, which only backend 'real' has")
+            raise fail("reward_kl.coef", "needs the initial policy's logprobs, which only backend 'real' has")
         if cfg.training.lora.rank and cfg.training.zero_stage == 3 and cfg.training.ranks > 1:
-            raise fail("reinforce_pp.kl_coef", "with LoRA the reference is the base model inside the ZeRO-3 "
+            raise fail("reward_kl.coef", "with LoRA the reference is the base model inside the ZeRO-3 "
                        "engine, which every rank would have to score in lockstep; use one rank or ZeRO 0-2")
     _check_kl(cfg, fail)
     if cfg.dynamic_sampling.max_rounds and cfg.algorithm == "ppo":
@@ -184,16 +188,16 @@ def _check_kl(cfg: Config, fail) -> None:
             if getattr(loss, key) != getattr(loss_default, key):
                 raise fail(f"policy_loss.{key}", "shapes the KL in the loss, which is off (policy_loss.kl_coef 0); "
                            "set kl_coef > 0")
-    rpp, rpp_default = cfg.reinforce_pp, ReinforcePPConfig()
-    if not rpp.kl_coef:
-        for key in ("kl_estimator", "kl_ctrl", "kl_target", "kl_horizon"):
-            if getattr(rpp, key) != getattr(rpp_default, key):
-                raise fail(f"reinforce_pp.{key}", "shapes the KL in the reward, which is off (reinforce_pp.kl_coef "
-                           "0); set kl_coef > 0 (with kl_ctrl adaptive: the coefficient it starts from)")
-    elif rpp.kl_ctrl == "fixed":
-        for key in ("kl_target", "kl_horizon"):
-            if getattr(rpp, key) != getattr(rpp_default, key):
-                raise fail(f"reinforce_pp.{key}", "steers an adaptive coefficient; set reinforce_pp.kl_ctrl: adaptive")
+    rkl, rkl_default = cfg.reward_kl, RewardKLConfig()
+    if not rkl.coef:
+        for key in ("estimator", "ctrl", "target", "horizon"):
+            if getattr(rkl, key) != getattr(rkl_default, key):
+                raise fail(f"reward_kl.{key}", "shapes the KL in the reward, which is off (reward_kl.coef 0); "
+                           "set coef > 0 (with ctrl adaptive: the coefficient it starts from)")
+    elif rkl.ctrl == "fixed":
+        for key in ("target", "horizon"):
+            if getattr(rkl, key) != getattr(rkl_default, key):
+                raise fail(f"reward_kl.{key}", "steers an adaptive coefficient; set reward_kl.ctrl: adaptive")
 
 
 def _check_sets(cfg: Config, fail) -> None:

@@ -36,6 +36,10 @@ MOVED: dict[str, str | Removed] = {
     # The simulator's fault switches: test-only, out of the user's sim section.
     "sim.fault": "inject.fault", "sim.fault_after": "inject.after", "sim.fault_worker": "inject.worker",
     "sim.fault_incarnations": "inject.incarnations",
+    # The KL in the reward serves every critic-free algorithm, not REINFORCE++ alone.
+    "reinforce_pp.kl_coef": "reward_kl.coef", "reinforce_pp.kl_estimator": "reward_kl.estimator",
+    "reinforce_pp.kl_ctrl": "reward_kl.ctrl", "reinforce_pp.kl_target": "reward_kl.target",
+    "reinforce_pp.kl_horizon": "reward_kl.horizon",
     "training.grad_accum": Removed(
         "a step already sums the gradients of all its micro-batches into one optimizer step; "
         "training.micro_batch_size or training.max_tokens_per_micro_batch set the micro-batches"),

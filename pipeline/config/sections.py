@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pipeline.config.algo_sections import (
-    DynamicSamplingConfig, OverlongConfig, PolicyLossConfig, PpoConfig, ReinforcePPConfig,
+    DynamicSamplingConfig, OverlongConfig, PolicyLossConfig, PpoConfig, RewardKLConfig,
 )
 from pipeline.config.distill_section import DistillConfig
 from pipeline.config.keys import _key
@@ -332,7 +332,7 @@ class Config:
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     overlong: OverlongConfig = OverlongConfig()
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
-    reinforce_pp: ReinforcePPConfig = ReinforcePPConfig()
+    reward_kl: RewardKLConfig = RewardKLConfig()
     ppo: PpoConfig = PpoConfig()
     training: TrainingConfig = TrainingConfig()
     backend: Literal["sim", "real"] = _key("sim", "real: vLLM and DeepSpeed; sim: simulated workers, no model; "

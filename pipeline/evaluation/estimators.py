@@ -1,11 +1,13 @@
 """The estimators a validation set reports per prompt (docs/evaluation.md):
 pass@k by the unbiased estimator of Chen et al. 2021, maj@k by a vote over
-the answers extracted from the first k samples."""
+the answers extracted from k samples, averaged over every k of the n, as
+pass@k is."""
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Hashable, Sequence
+from fractions import Fraction
 
 from pipeline.rewards.rules import extract_last_number
 
@@ -20,21 +22,50 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def majority_correct(answers: Sequence[Hashable | None], correct: Sequence[bool], k: int) -> bool:
-    """maj@k of one prompt: the answer most of its first k samples give wins
-    (a tie goes to the answer given first), and counts as correct when the
-    first sample that gave it is. Samples with no answer (None) do not vote;
-    none voting is incorrect."""
+def majority_at_k(answers: Sequence[Hashable | None], correct: Sequence[bool], k: int) -> float:
+    """maj@k of one prompt: the chance that the majority answer of k samples
+    drawn without replacement from its n is correct, exactly, as pass_at_k
+    averages over the same draws. Samples with no answer (None) do not vote
+    (none voting is incorrect); a tie among t answers goes to each with
+    chance 1/t (the one given first, in a random order); an answer is correct
+    when the first sample that gave it is."""
+    n = len(answers)
+    if not 1 <= k <= n:
+        raise ValueError(f"maj@k needs 1 <= k <= n, got n={n}, k={k}")
     counts: dict[Hashable, int] = {}
-    first: dict[Hashable, int] = {}
-    for i, answer in enumerate(answers[:k]):
+    right: dict[Hashable, bool] = {}
+    for answer, ok in zip(answers, correct):
         if answer is not None:
             counts[answer] = counts.get(answer, 0) + 1
-            first.setdefault(answer, i)
-    if not counts:
-        return False
-    winner = max(counts, key=lambda a: (counts[a], -first[a]))
-    return bool(correct[first[winner]])
+            right.setdefault(answer, bool(ok))
+    silent = n - sum(counts.values())
+    won = Fraction(0)
+    # Answers given equally often win equally often: one sum for each count a correct answer has.
+    for count in set(counts[a] for a in counts if right[a]):
+        others = sorted(counts.values())
+        others.remove(count)
+        wins = sum(math.comb(count, x) * _ways_below(others, silent, x, k - x) for x in range(1, min(count, k) + 1))
+        won += sum(1 for a in counts if right[a] and counts[a] == count) * wins
+    return float(won / math.comb(n, k))
+
+
+def _ways_below(others: list[int], silent: int, x: int, rest: int) -> Fraction:
+    """Ways to draw `rest` more samples from the other answers (`others`: each
+    one's count) and the silent ones so that no other answer has more than x
+    votes, each weighted by 1 / (1 + the answers tied at x)."""
+    # ways[j][t]: j samples drawn from the answers so far, t of them at exactly x votes.
+    ways = [[0] * (len(others) + 1) for _ in range(rest + 1)]
+    ways[0][0] = 1
+    for m in others:
+        grown = [[0] * (len(others) + 1) for _ in range(rest + 1)]
+        for j in range(rest + 1):
+            for t, w in enumerate(ways[j]):
+                if w:
+                    for d in range(min(m, x, rest - j) + 1):
+                        grown[j + d][t + (d == x)] += w * math.comb(m, d)
+        ways = grown
+    return sum((Fraction(w * math.comb(silent, rest - j), 1 + t) for j in range(rest + 1)
+                for t, w in enumerate(ways[j]) if w), Fraction(0))
 
 
 _BOXED = re.compile(r"\\boxed\s*\{")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from pipeline.config.sections import ValSetConfig
-from pipeline.evaluation.estimators import extract_answer, majority_correct, pass_at_k
+from pipeline.evaluation.estimators import extract_answer, majority_at_k, pass_at_k
 
 SEP = "\t"
 
@@ -34,7 +34,7 @@ def prompt_sums(spec: ValSetConfig, data_source: str, rewards: Sequence[float], 
     for k in spec.k:
         metrics[f"pass@{k}"] = pass_at_k(len(rewards), sum(correct), k)
         if spec.vote_on:
-            metrics[f"maj@{k}"] = float(majority_correct(answers, correct, k))
+            metrics[f"maj@{k}"] = majority_at_k(answers, correct, k)
     sources = [""] + ([data_source] if data_source and spec.name else [])
     return {SEP.join((spec.name, source, m)): v for source in sources for m, v in metrics.items()}
 

@@ -6,9 +6,11 @@ A resume continues its checkpoint's run exactly, so each key of its config is on
     CHECKPOINT_SHAPE   what shapes the checkpoint's parts: never (the resume could not load them)
     every other key    what the run trains on or with: refused unless --allow-change names it
 
-The data files count by content too: each attempt digests data.train and
-data.val when it starts and every checkpoint it writes records them (meta.json
-"inputs"), so a file edited in place since the run read it is a change of its key.
+The data files count by content too: each attempt digests data.train,
+data.val and each validation set's data when it starts and every checkpoint it
+writes records them (meta.json "inputs"), so a file edited in place since the
+run read it is a change of its key (a set's file: of validation.sets, named
+validation.sets[<name>].data).
 """
 from __future__ import annotations
 
@@ -58,6 +60,11 @@ class Change:
     now: Any
     content: bool = False
 
+    @property
+    def allow_key(self) -> str:
+        """The key --allow-change names to let it through: a set's file is one of validation.sets."""
+        return self.key.split("[", 1)[0]
+
     def __str__(self) -> str:
         if self.content:
             return f"{self.key}: its file changed since the run read it (sha256 {self.was[:12]} in the run, " \
@@ -101,14 +108,28 @@ def allowed_keys(names: list[str]) -> frozenset[str]:
 
 
 def data_digests(cfg: Config) -> dict[str, dict]:
-    """data.train and data.val as they are now: {key: {"path", "sha256"}}. A missing
-    file is left out: the preflight names it, not this."""
+    """data.train, data.val and each validation set's data as they are now:
+    {key: {"path", "sha256"}}, a set's key validation.sets[<name>].data. A
+    missing file is left out: the preflight names it, not this."""
     out = {}
-    for key in DATA_FILES:
-        path = _get(cfg.to_dict(), key)
+    paths = [(key, _get(cfg.to_dict(), key)) for key in DATA_FILES]
+    paths += [(_set_key(s.name), s.data) for s in cfg.validation.sets]
+    for key, path in paths:
         if path and Path(path).is_file():
             out[key] = {"path": path, "sha256": _sha256(Path(path))}
     return out
+
+
+def _set_key(name: str) -> str:
+    return f"validation.sets[{name}].data"
+
+
+def _input_path(tree: dict, key: str):
+    """The file a data_digests key names in a config tree (None: no such set now)."""
+    for spec in (tree.get("validation") or {}).get("sets") or ():
+        if _set_key(spec["name"]) == key:
+            return spec["data"]
+    return _get(tree, key)
 
 
 def _sha256(path: Path) -> str:
@@ -130,7 +151,7 @@ def changes(saved: dict, saved_inputs: dict | None, cfg: Config, inputs: dict) -
         if was != becomes and not is_safe(key, cfg):
             found.append(Change(key, was, becomes))
     for key, then in sorted((saved_inputs or {}).items()):
-        if _get(now, key) != then["path"]:
+        if _input_path(now, key) != then["path"]:
             continue  # listed above, by path
         digest = inputs.get(key, {}).get("sha256")
         if digest != then["sha256"]:
@@ -140,12 +161,12 @@ def changes(saved: dict, saved_inputs: dict | None, cfg: Config, inputs: dict) -
 
 def check(ckpt: Path, found: list[Change], allow: frozenset[str]) -> list[Change]:
     """The changes `allow` lets through; a ResumeError naming every other one."""
-    refused = [c for c in found if c.key not in allow or c.key in CHECKPOINT_SHAPE]
+    refused = [c for c in found if c.allow_key not in allow or c.key in CHECKPOINT_SHAPE]
     if not refused:
         return found
     lines = [f"  {c}" + (" (it shapes the checkpoint: no resume can change it)" if c.key in CHECKPOINT_SHAPE else "")
              for c in refused]
-    allowable = sorted({c.key for c in refused if c.key not in CHECKPOINT_SHAPE})
+    allowable = sorted({c.allow_key for c in refused if c.key not in CHECKPOINT_SHAPE})
     undo = []
     if any(not c.content for c in refused):
         undo.append(f"leave the changed keys out (--resume {ckpt.parent.parent} alone continues with the run's "

@@ -33,7 +33,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
     model.path trained as the recipe's training and policy_loss sections say.
 
     It scores at generation.temperature, the generator's. With a KL (policy_loss's
-    in the loss, or reinforce_pp's in the rewards) a frozen copy of the initial
+    in the loss, or reward_kl's in the rewards) a frozen copy of the initial
     weights is the KL reference. With training.lora only peft adapters are
     trained, and the weights it exports, saves and restores are the adapter's;
     the KL reference is then the base model itself, adapters switched off.
@@ -43,7 +43,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         t = cfg.training
         # horizon: the longest response a sample can have.
         self.loss = PolicyLoss(cfg.policy_loss, horizon=cfg.generation.max_new_tokens * cfg.env.max_turns)
-        self.reference = cfg.policy_loss.kl_coef > 0 or cfg.reinforce_pp.kl_coef > 0
+        self.reference = cfg.policy_loss.kl_coef > 0 or cfg.reward_kl.coef > 0
         self.epochs, self.mini_batches, self.group_size = t.epochs, t.mini_batches, cfg.schedule.group_size
         self.updates_per_batch = t.epochs * t.mini_batches
         self.lora = t.lora if t.lora.rank else None

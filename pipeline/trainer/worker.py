@@ -46,8 +46,8 @@ class TrainerWorker(Actor):
         # The engine's own: training.packing falls back to padding where its model does not keep rows apart.
         self.batching = getattr(self.engine, "batching", Batching(cfg.training.micro_batch_size,
                                                                    cfg.training.max_tokens_per_micro_batch))
-        r = cfg.reinforce_pp
-        self.kl_ctrl = KLController(r.kl_coef, r.kl_target if r.kl_ctrl == "adaptive" else 0.0, r.kl_horizon)
+        r = cfg.reward_kl
+        self.kl_ctrl = KLController(r.coef, r.target if r.ctrl == "adaptive" else 0.0, r.horizon)
         if restore_dir is not None:
             self.engine.load_state(restore_dir)
             self.kl_ctrl.restore(restore_dir)
@@ -169,22 +169,23 @@ class TrainerWorker(Actor):
         return mixed, {**measured, "distill/kl": kl}
 
     def _task_advantages(self, table: pa.Table, advantages: Advantages | None) -> tuple[pa.Table, dict[str, float]]:
-        """The critic's table (PPO); REINFORCE++'s with the KL in the token rewards
-        (reinforce_pp.kl_coef; metrics reward_kl, reward_kl_sample_mean and
-        reward_kl_coef, the coefficient this batch paid); else the algorithm's outcome
-        advantages of the table's rewards."""
+        """The critic's table (PPO); else the algorithm's outcome advantages of the
+        table's rewards, with reward_kl.coef less the KL to the initial policy
+        (metrics reward_kl, reward_kl_sample_mean and reward_kl_coef, the
+        coefficient this batch paid)."""
         if advantages is not None:
             return advantages.table_ref.fetch(self.cfg.run.deadline_s), {}
         # Here, not at the top: the driver imports this module and need not import torch.
-        from pipeline.algos.advantages import critic_free_advantages, kl_reward_advantages
-        if self.cfg.reinforce_pp.kl_coef:
-            # Every rank scores the whole batch: the whitening is over all of its tokens, and
+        from pipeline.algos.advantages import critic_free_advantages, kl_penalised_advantages
+        if self.cfg.reward_kl.coef:
+            # Every rank scores the whole batch: the normalisation is over all of it, and
             # every rank's controller sees the same KL, so all hold the same coefficient.
             with spans.span("train.reference"):
                 ref = self.engine.reference_logprobs(table)
             coef = self.kl_ctrl.value
             with spans.span("train.advantages"):
-                adv, kl = kl_reward_advantages(table, ref, coef, self.cfg.reinforce_pp.kl_estimator)
+                adv, kl = kl_penalised_advantages(table, ref, coef, self.cfg.schedule.group_size, self.cfg.algorithm,
+                                                  self.cfg.reward_kl.estimator, self.cfg.grpo_std)
             self.kl_ctrl.update(kl["reward_kl_sample_mean"], table.num_rows)
             return adv, {**kl, "reward_kl_coef": coef}
         with spans.span("train.advantages"):
@@ -199,7 +200,7 @@ class TrainerWorker(Actor):
         """Every rank: each writes its own optimizer partition into the same directory;
         rank 0 the KL controller's coefficient beside them."""
         self.engine.save_state(path)
-        if self.rank == 0 and self.cfg.reinforce_pp.kl_coef:
+        if self.rank == 0 and self.cfg.reward_kl.coef:
             self.kl_ctrl.save(path)
 
 

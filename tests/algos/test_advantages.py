@@ -16,8 +16,7 @@ import torch
 from tests.support.training_helpers import make_table, policy_loss
 
 from pipeline.algos.advantages import (CRITIC_FREE_ADVANTAGE_SCHEMA, flat_groups, group_advantages, critic_free_advantages,
-                                       kl_reward_advantages,
-                                      outcome_advantages)
+                                       kl_penalised_advantages, kl_reward_advantages, outcome_advantages)
 from pipeline.core.types import TRAJECTORY_SCHEMA
 
 pytestmark = pytest.mark.unit
@@ -209,6 +208,50 @@ def test_kl_in_the_reward_by_estimator(estimator, per_token):
     assert got[0] + got[1] == pytest.approx(want.tolist(), abs=1e-5)
     assert kl["reward_kl"] == pytest.approx(sum(k) / 3, abs=1e-6)
     assert kl["reward_kl_sample_mean"] == pytest.approx((sum(k) / 2 + 0.0) / 2, abs=1e-6)
+
+
+# ------------------------------------------------ the KL in the reward of the group estimators
+
+def kl_table():
+    """One group of 2: row A has logprobs -1, -2 against the reference's -1.5, -2.5
+    (k1 0.5, 0.5) and an environment's token between them (mask 0, a "KL" of 9);
+    row B one token at KL 0. Both rewards 1: without the KL the group is flat."""
+    table = make_table(groups=1, responses=[[5, 6, 7], [8]], rewards=[1.0, 1.0])
+    table = table.set_column(table.schema.get_field_index("logprobs"), "logprobs",
+                             pa.array([[-1.0, -3.0, -2.0], [-1.0]], pa.list_(pa.float32())))
+    table = table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask",
+                             pa.array([[1, 0, 1], [1]], pa.list_(pa.int8())))
+    return table, [[-1.5, 6.0, -2.5], [-1.0]]
+
+
+@pytest.mark.parametrize("estimator, want", [
+    # Rewards less 0.5 x the summed KL: A 1 - 0.5 x 1 = 0.5, B 1; mean 0.75.
+    ("grpo", [-1.0, 1.0]),                  # deviations -+0.25 over the population std 0.25
+    ("dr_grpo", [-0.25, 0.25]),
+    ("rloo", [-0.5, 0.5]),                  # G / (G - 1) = 2 times the deviations
+])
+def test_kl_in_the_reward_of_a_group_estimator_is_its_summed_kl_off_each_reward(estimator, want):
+    table, ref = kl_table()
+    adv, kl = kl_penalised_advantages(table, ref, 0.5, 2, estimator)
+    rows = adv.column("advantages").to_pylist()
+    assert [len(r) for r in rows] == [3, 1]
+    assert [r[0] for r in rows] == pytest.approx(want, abs=1e-5)
+    assert len(set(rows[0])) == 1  # a sample's advantage sits on every token, as without the KL
+    assert kl == {"reward_kl": pytest.approx(1.0 / 3), "reward_kl_sample_mean": pytest.approx((0.5 + 0.0) / 2)}
+    flat, _ = kl_penalised_advantages(table, ref, 0.0, 2, estimator)
+    assert all(a == 0.0 for row in flat.column("advantages").to_pylist() for a in row)
+    rows = table.to_pylist()
+    rows[1]["reward"] = None
+    with pytest.raises(ValueError, match="row 1 has no reward"):
+        kl_penalised_advantages(pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), ref, 0.5, 2, estimator)
+
+
+def test_kl_in_the_reward_of_reinforce_pp_is_per_token():
+    table, ref = kl_table()
+    got, kl = kl_penalised_advantages(table, ref, 0.5, 2, "reinforce_pp")
+    want, want_kl = kl_reward_advantages(table, ref, 0.5)
+    assert got.equals(want) and kl == want_kl
+    assert got.column("advantages").to_pylist()[0][1] == 0.0
 
 
 def test_grpo_sample_std_is_verls_and_trls():

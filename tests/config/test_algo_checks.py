@@ -1,4 +1,4 @@
-"""The rules between the verl-porting keys of policy_loss and reinforce_pp
+"""The rules between the verl-porting keys of policy_loss and reward_kl
 and grpo_std (pipeline/config/checks.py): a bad combination is refused, naming the key."""
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ pytestmark = pytest.mark.unit
      "policy_loss.kl_estimator: shapes the KL in the loss, which is off"),
     ("examples/sim_grpo.yaml", ["policy_loss.kl_clamp=10"], "policy_loss.kl_clamp: shapes the KL in the loss"),
     ("examples/sim_grpo.yaml", ["policy_loss.kl_estimator=abs"], "policy_loss.kl_estimator: 'abs' is not allowed"),
-    ("examples/sim_grpo.yaml", ["reinforce_pp.kl_ctrl=adaptive"],
-     "reinforce_pp.kl_ctrl: shapes the KL in the reward, which is off"),
-    ("examples/tiny_reinforce_pp.yaml", ["reinforce_pp.kl_target=0.2"],
-     "reinforce_pp.kl_target: steers an adaptive coefficient; set reinforce_pp.kl_ctrl: adaptive"),
-    ("examples/tiny_reinforce_pp.yaml", ["reinforce_pp.kl_ctrl=adaptive", "reinforce_pp.kl_horizon=0"],
-     "reinforce_pp.kl_horizon: 0"),
+    ("examples/sim_grpo.yaml", ["reward_kl.ctrl=adaptive"],
+     "reward_kl.ctrl: shapes the KL in the reward, which is off"),
+    ("examples/tiny_reinforce_pp.yaml", ["reward_kl.target=0.2"],
+     "reward_kl.target: steers an adaptive coefficient; set reward_kl.ctrl: adaptive"),
+    ("examples/tiny_reinforce_pp.yaml", ["reward_kl.ctrl=adaptive", "reward_kl.horizon=0"],
+     "reward_kl.horizon: 0"),
+    ("examples/tiny_grpo.yaml", ["reward_kl.coef=0.01", "distill.teacher=models/tiny", "distill.task_reward=false"],
+     "reward_kl.coef: shapes the task reward's advantage, which distill.task_reward false leaves out"),
+    ("examples/tiny_reinforce_pp.yaml", ["reinforce_pp.kl_coef=0.01"],
+     "section 'reinforce_pp' is gone; its keys moved: kl_coef -> reward_kl.coef, kl_ctrl -> reward_kl.ctrl"),
     ("examples/sim_grpo.yaml", ["policy_loss.sapo_tau_neg=2"],
      "policy_loss.sapo_tau_neg: is mode sapo's setting; policy_loss.mode is 'clip'"),
     ("examples/sim_grpo.yaml", ["policy_loss.mode=gspo", "policy_loss.kl_cov_coef=1"],
@@ -48,8 +52,10 @@ def test_a_bad_combination_is_refused_naming_the_key(recipe, overrides, needle):
 
 @pytest.mark.parametrize("recipe, overrides", [
     ("examples/sim_grpo.yaml", ["policy_loss.kl_coef=0.01", "policy_loss.kl_estimator=k2", "policy_loss.kl_clamp=10"]),
-    ("examples/tiny_reinforce_pp.yaml", ["reinforce_pp.kl_ctrl=adaptive", "reinforce_pp.kl_target=0.05",
-                                         "reinforce_pp.kl_horizon=500", "reinforce_pp.kl_estimator=abs"]),
+    ("examples/tiny_reinforce_pp.yaml", ["reward_kl.ctrl=adaptive", "reward_kl.target=0.05",
+                                         "reward_kl.horizon=500", "reward_kl.estimator=abs"]),
+    ("examples/tiny_grpo.yaml", ["reward_kl.coef=0.01", "reward_kl.estimator=k3"]),
+    ("examples/tiny_rloo.yaml", ["reward_kl.coef=0.01", "reward_kl.ctrl=adaptive"]),
     ("examples/sim_grpo.yaml", ["policy_loss.mode=gmpo", "policy_loss.is_level=sequence", "policy_loss.clip_eps=0.4",
                                 "policy_loss.aggregation=seq-mean-token-mean"]),
     ("examples/sim_grpo.yaml", ["policy_loss.mode=sapo", "policy_loss.sapo_tau_neg=1.1"]),

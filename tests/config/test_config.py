@@ -83,8 +83,8 @@ def test_bad_override_names_the_key(override, needle):
     (["algorithm=ppo", "overlong.buffer=4"], "overlong.buffer: shapes the outcome rewards of the critic-free"),
     (["overlong.buffer=16"], "overlong.buffer: 16 must be below generation.max_new_tokens (16)"),
     (["algorithm=ppo", "dynamic_sampling.max_rounds=2"], "dynamic_sampling.max_rounds: leaves out groups whose"),
-    (["reinforce_pp.kl_coef=0.01"], "reinforce_pp.kl_coef: puts a KL in the token rewards of algorithm reinforce_pp"),
-    (["algorithm=reinforce_pp", "reinforce_pp.kl_coef=0.01", "backend=sim"], "reinforce_pp.kl_coef: needs the initial"),
+    (["algorithm=ppo", "reward_kl.coef=0.01"], "reward_kl.coef: puts the KL in the rewards of the critic-free algorithms"),
+    (["reward_kl.coef=0.01", "backend=sim"], "reward_kl.coef: needs the initial"),
     (["training.lr_schedule=cosine", "training.lr_warmup_steps=10", "run.steps=10"],
      "training.lr_warmup_steps: 10 leaves no step of the cosine schedule in a run of 10"),
 ])

@@ -91,6 +91,29 @@ def test_a_data_file_edited_in_place_is_a_change_of_its_key(tmp_path):
            str(changes(run.to_dict(), recorded, run, data_digests(run))[1])
 
 
+def test_a_validation_sets_file_edited_in_place_is_named_and_allowed_as_validation_sets(tmp_path):
+    math, code = tmp_path / "math.jsonl", tmp_path / "code.jsonl"
+    math.write_text('{"prompt": "1+1"}\n')
+    code.write_text('{"prompt": "def f"}\n')
+    run = config(f"validation.sets=[{{name: math, data: {math}}}, {{name: code, data: {code}}}]")
+    recorded = data_digests(run)
+    assert sorted(recorded) == ["validation.sets[code].data", "validation.sets[math].data"]
+    assert changes(run.to_dict(), recorded, run, data_digests(run)) == []
+
+    math.write_text('{"prompt": "2+2"}\n')
+    found = changes(run.to_dict(), recorded, run, data_digests(run))
+    assert [(c.key, c.content, c.allow_key) for c in found] == [("validation.sets[math].data", True, "validation.sets")]
+    assert str(found[0]).startswith("validation.sets[math].data: its file changed since the run read it (sha256 ")
+    ckpt = tmp_path / "runs" / "x" / "checkpoints" / "step_4"
+    with pytest.raises(ResumeError, match=r"put back the data the run read, or let it change with --allow-change "
+                                          r"validation.sets \("):
+        check(ckpt, found, frozenset())
+    assert check(ckpt, found, allowed_keys(["validation.sets"])) == found
+    # Another file for a set is a change of validation.sets itself, listed once.
+    moved = config(f"validation.sets=[{{name: math, data: {code}}}, {{name: code, data: {code}}}]")
+    assert [c.key for c in changes(run.to_dict(), recorded, moved, data_digests(moved))] == ["validation.sets"]
+
+
 def test_a_new_data_path_is_one_change_and_an_old_checkpoint_is_compared_by_path(tmp_path):
     (tmp_path / "a.jsonl").write_text("1\n")
     (tmp_path / "b.jsonl").write_text("2\n")

@@ -1,5 +1,5 @@
 """The verl-porting options on the real CPU stack (vLLM-CPU, DeepSpeed-CPU):
-REINFORCE++ with a k3 KL in the reward under the adaptive controller, GMPO with
+REINFORCE++ and GRPO with a k3 KL in the reward under the adaptive controller, GMPO with
 a product-form sequence IS weight, IS rejection and a clamped k2 KL in the loss
 train finite steps, log their metrics, and a resumed run goes on with the
 coefficient the controller had reached."""
@@ -29,17 +29,18 @@ def _next_coef(m: dict) -> float:
     return m["reward_kl_coef"] * (1.0 + error * SAMPLES / HORIZON)
 
 
-def test_verl_options_train_and_the_kl_coefficient_resumes(tmp_path, ray_session, tiny_model):
+@pytest.mark.parametrize("recipe", ["tiny_reinforce_pp", "tiny_grpo"])
+def test_verl_options_train_and_the_kl_coefficient_resumes(tmp_path, ray_session, tiny_model, recipe):
     overrides = [
         f"model.path={tiny_model}", f"run.output_dir={tmp_path}", "run.name=verl", "run.dag_mode=classic",
         "validation.period=0", "validation.at_end=false", "schedule.prompts_per_step=4", "schedule.group_size=4",
-        "reinforce_pp.kl_coef=0.01", "reinforce_pp.kl_estimator=k3", "reinforce_pp.kl_ctrl=adaptive",
-        f"reinforce_pp.kl_target={TARGET}", f"reinforce_pp.kl_horizon={HORIZON}",
+        "reward_kl.coef=0.01", "reward_kl.estimator=k3", "reward_kl.ctrl=adaptive",
+        f"reward_kl.target={TARGET}", f"reward_kl.horizon={HORIZON}",
         "policy_loss.mode=gmpo", "policy_loss.clip_eps=0.4", "policy_loss.is_level=sequence",
         "policy_loss.aggregation=seq-mean-token-mean", "policy_loss.is_sequence_form=product",
         "policy_loss.is_reject_low=0.01", "policy_loss.is_reject_high=100",
         "policy_loss.kl_coef=0.01", "policy_loss.kl_estimator=k2", "policy_loss.kl_clamp=10"]
-    first = train(load_config("examples/tiny_reinforce_pp.yaml", [*overrides, "run.steps=2"]), quiet=True)
+    first = train(load_config(f"examples/{recipe}.yaml", [*overrides, "run.steps=2"]), quiet=True)
     assert first["error"] is None, first
     run_dir = tmp_path / "verl"
     steps = _steps(run_dir)
@@ -49,7 +50,7 @@ def test_verl_options_train_and_the_kl_coefficient_resumes(tmp_path, ray_session
     assert steps[0]["reward_kl_coef"] == 0.01
     assert steps[1]["reward_kl_coef"] == pytest.approx(_next_coef(steps[0]), rel=1e-9)
 
-    resumed = train(load_config("examples/tiny_reinforce_pp.yaml", [*overrides, "run.steps=3"]),
+    resumed = train(load_config(f"examples/{recipe}.yaml", [*overrides, "run.steps=3"]),
                     restore_from=str(run_dir), quiet=True)
     assert resumed["error"] is None, resumed
     after = _steps(run_dir)

@@ -244,13 +244,13 @@ def test_kl_to_frozen_reference(model_dir):
 
 
 def test_reference_logprobs_for_the_reward_stay_the_initial_policys(model_dir):
-    """REINFORCE++'s KL in the reward (reference=True, no KL in the loss): the
+    """The KL in the reward (reward_kl; reference=True, no KL in the loss): the
     reference scores every row as the untrained policy did, micro-batch by
     micro-batch (6 rows in micro-batches of 4), after updates too."""
     def apart(a, b):
         return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
-    e = make_engine(model_dir, "algorithm=reinforce_pp", "reinforce_pp.kl_coef=0.01", "training.lr=1e-2")
+    e = make_engine(model_dir, "algorithm=reinforce_pp", "reward_kl.coef=0.01", "training.lr=1e-2")
     table = make_table()
     before = sequence_logprobs(e, table)
     assert apart(e.reference_logprobs(table), before) < 1e-6
