@@ -84,6 +84,26 @@ def event_log_epoch(summary: dict, events: list[dict]) -> float:
     return summary["train_entered_at"] + startup["to_first_step_s"] - startup["t"]
 
 
+def startup_phases(events: list[dict], summary: dict, launched: float) -> dict:
+    """Seconds from process launch (`launched`, epoch) to a run's first step, the
+    driver's phases, and what each worker spent starting (its set-up spans)."""
+    phases = dict(summary["startup"])
+    out = {"launch to first step": round(summary["train_entered_at"] + phases["to_first_step_s"] - launched, 3),
+           "launch to train() (interpreter, imports, config)": round(summary["train_entered_at"] - launched, 3),
+           **{f"driver: {k[:-2]}": v for k, v in phases.items() if k != "to_first_step_s"}}
+    # Worker times count from the event log's start: Ray is up and the run directory made.
+    for e in events:
+        if e["ev"] == "worker_start":
+            out[f"{e['worker']}: process up"] = round(e["t"], 3)
+        if e["ev"] == "worker_ready":
+            for name, seconds in e["spans"].items():
+                out[f"{e['worker']}: {name}"] = round(seconds, 3)
+            out[f"{e['worker']}: ready"] = round(e["t"], 3)
+    out["prologue and first dispatch"] = round(next(e["t"] for e in events if e["ev"] == "startup") - max(
+        e["t"] for e in events if e["ev"] == "worker_ready"), 3)
+    return out
+
+
 def first_crossing(rewards: list[float], threshold: float, window: int) -> int | None:
     """The first step k >= window - 1 whose mean of rewards[k - window + 1 .. k] is >= threshold."""
     for k in range(window - 1, len(rewards)):

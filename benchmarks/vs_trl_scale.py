@@ -13,6 +13,8 @@ process. bf16 is TRL's bf16 mixed precision against dagrl's training.dtype
 bf16 (generation.dtype bf16 too, where vLLM's CPU build runs it).
 
   step time    median over steps 1.. (step 0 waits for the first batch or compiles)
+  start-up     process launch to the first step; dagrl's split into startup_phases_s
+               (benchmarks.harness.startup_phases)
   tokens/s     completion tokens of a step / its time
   efficiency   dagrl: (max(generation, training) + refit) / step time, per step,
                median; generation is the generator's busy time in the step
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import ROOT, machine_info, print_table, print_targets, read_jsonl, sample_load
-from benchmarks.harness import write_result
+from benchmarks.harness import startup_phases, write_result
 from benchmarks.trainer_efficiency import SIZES, build_model
 from benchmarks.workloads import run_recipe
 
@@ -69,7 +71,11 @@ def run_dagrl(tmp: Path, model: Path, name: str, max_age: int, ranks: int, steps
         f"schedule.prompts_per_step={PROMPTS}", f"schedule.group_size={GROUP}",
         f"generation.max_new_tokens={NEW_TOKENS}", f"training.lr={LR}", f"training.micro_batch_size={PROMPTS * GROUP}",
         f"training.dtype={dtype}", f"generation.dtype={gen_dtype}"], model=model)
-    return {**dagrl_figures(read_jsonl(run["run_dir"] / "metrics.jsonl")), "generation_dtype": gen_dtype}
+    run_dir = run["run_dir"]
+    phases = startup_phases(read_jsonl(run_dir / "events.jsonl"), json.loads((run_dir / "summary.json").read_text()),
+                            run["launched"])
+    return {**dagrl_figures(read_jsonl(run_dir / "metrics.jsonl")), "generation_dtype": gen_dtype,
+            "startup_s": phases["launch to first step"], "startup_phases_s": phases}
 
 
 def dagrl_figures(metrics: list[dict]) -> dict:

@@ -74,6 +74,7 @@ class VllmGenerationEngine:
         self.top_p = top_p
         self.inflight_kv = inflight_kv
         self._prompts: dict[str, Prompt] = {}  # requests in flight, by key
+        self._encoded: tuple[str, list[int]] | None = None  # the last prompt text add encoded, and its ids
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             _reuse_freed_memory()
@@ -179,11 +180,17 @@ class VllmGenerationEngine:
         if seed is not None and temperature == 0:
             raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
         with span("vllm.requests"):
-            ids = list(prompt.token_ids) or self.encode(prompt.text)
+            ids = list(prompt.token_ids) or self._encode_prompt(prompt.text)
             self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=ids),
                                             self._params(seed, max_tokens, stop, temperature),
                                             lora_request=self._adapter)
         self._prompts[key] = prompt
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        """encode(text), once for a group: the loop adds a prompt's group_size samples one after another."""
+        if self._encoded is None or self._encoded[0] != text:
+            self._encoded = (text, self.encode(text))
+        return list(self._encoded[1])
 
     def abort(self, keys: list[str]) -> None:
         """Drop these requests (an agent's sample that ended while one decoded)."""
@@ -368,8 +375,11 @@ class VllmGenerationEngine:
         # every request, and each sampled token's logprob entry, at every engine
         # step (a fifth of a tiny model's call); _completion decodes each
         # completion once instead, to the same text. Stop strings need it on.
+        # skip_clone: each request gets params of its own, which vLLM may then
+        # take as they are instead of deep-copying them.
         common = dict(n=1, max_tokens=max_tokens or self.max_new_tokens, logprobs=0, detokenize=bool(stop),
-                      output_kind=RequestOutputKind.FINAL_ONLY, **({"stop": list(stop)} if stop else {}))
+                      output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True,
+                      **({"stop": list(stop)} if stop else {}))
         if seed is None:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=self.temperature if temperature is None else temperature,

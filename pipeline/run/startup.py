@@ -96,8 +96,12 @@ def start_ray(cfg: Config) -> Callable[[], None] | None:
         # RAY_free_objects_period_milliseconds at `ray start` (docs/clusters.md).
         # address "local": without it Ray joins a `ray start` cluster it finds on this machine
         # (/tmp/ray/ray_current_cluster), and then refuses num_cpus with an error about neither.
+        # No prestarted workers: the step graph's actors set env_vars in their runtime_env, which
+        # a prestarted plain worker cannot serve, so two idled on the cores those actors start on
+        # (environment and agent workers start their own when they are made).
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                 _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS})
+                 _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS,
+                                 "prestart_worker_first_driver": False})
     except BaseException:
         _stop_local(watcher)
         raise

@@ -120,6 +120,21 @@ def test_vs_trl_figures_from_step_times():
     assert [t["met"] for t in summary["targets"]] == [True, True, True]
 
 
+def test_startup_phases_split_launch_to_first_step_by_driver_phase_and_worker():
+    """benchmarks.harness.startup_phases, shared by step_profile, vs_trl and vs_trl_scale:
+    the driver's phases as summary.json has them, and each worker's set-up spans."""
+    from benchmarks.harness import startup_phases
+    startup = {"preflight_s": 0.1, "ray_init_s": 6.0, "workers_s": 9.0, "to_first_step_s": 15.5}
+    events = [{"t": 7.0, "ev": "worker_start", "worker": "gen0"},
+              {"t": 15.0, "ev": "worker_ready", "worker": "gen0", "spans": {"import vllm": 5.0, "vllm.start": 2.5}},
+              {"t": 16.0, "ev": "startup", "worker": "driver", **startup}]
+    assert startup_phases(events, {"train_entered_at": 1002.0, "startup": startup}, 1000.0) == {
+        "launch to first step": 17.5, "launch to train() (interpreter, imports, config)": 2.0,
+        "driver: preflight": 0.1, "driver: ray_init": 6.0, "driver: workers": 9.0,
+        "gen0: process up": 7.0, "gen0: import vllm": 5.0, "gen0: vllm.start": 2.5, "gen0: ready": 15.0,
+        "prologue and first dispatch": 1.0}
+
+
 def test_the_event_logs_epoch_is_read_back_from_a_run(tmp_path, sim_pool, monkeypatch):
     """benchmarks.harness.event_log_epoch gives the epoch the driver's event log
     counts `t` from, to the millisecond the summary's start-up phases are rounded to."""

@@ -150,6 +150,20 @@ def test_completion_text_is_what_vllms_detokenizer_gives(engine):
         reference[s].outputs[0].text for i in range(4) for s in seeds[i::4]]
 
 
+def test_a_group_encodes_its_prompt_once(engine, monkeypatch):
+    """The loop adds a prompt's samples one after another: the tokenizer runs once a
+    group (a tenth of a tiny rollout batch's CPU went to re-encoding), and every
+    sample still carries the prompt's ids."""
+    encoded = []
+    encode = engine.encode
+    monkeypatch.setattr(engine, "encode", lambda text: encoded.append(text) or encode(text))
+    prompts = [Prompt("a", tiny_prompt("0"), "0"), Prompt("b", tiny_prompt("1"), "1"),
+               Prompt("c", tiny_prompt("0"), "0")]
+    groups = sample_all(engine, prompts, [[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    assert encoded == [p.text for p in prompts]
+    assert [{c.prompt_ids for c in g} for g in groups] == [{tuple(encode(p.text))} for p in prompts]
+
+
 def test_identical_prompts_in_one_call_draw_independent_samples(engine):
     """The sampler's streams come from (run seed, batch, prompt, sample): eight
     copies of one prompt in one call, 4 samples each, give 32 different

@@ -31,6 +31,14 @@ def test_without_an_address_the_run_starts_a_local_cluster_of_its_own(monkeypatc
     assert kw["address"] == "local" and kw["num_cpus"] >= 1 and stopped == {"shutdown": True}
 
 
+def test_a_local_cluster_prestarts_no_workers(monkeypatch, calls):
+    """The step graph's actors have env_vars in their runtime_env, which Ray's prestarted
+    plain workers cannot serve: two idled through start-up on the cores the actors needed."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    startup.start_ray(load_config("examples/sim_grpo.yaml"))()
+    assert calls[0]["_system_config"]["prestart_worker_first_driver"] is False
+
+
 def test_an_address_given_is_joined_as_it_is(monkeypatch, calls):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     startup.start_ray(load_config("examples/sim_grpo.yaml"))()
