@@ -57,6 +57,8 @@ class Completion:
     transcript: tuple[dict, ...] = ()
     # Agents only: the contexts the sample's requests made (pipeline/agents/history.py); the last is trained.
     segments: int = 1
+    # training.routing_replay only: the experts each token was routed to (pipeline/moe/routes.py).
+    routes: bytes = b""
 
 
 # A multi-turn sample's turn: "env" (an observation, formatted as the model saw it; the first is
@@ -95,6 +97,9 @@ TRAJECTORY_SCHEMA = pa.schema([
     # The distillation teacher's logprob of each response token (distill.teacher;
     # pipeline/distill/), put by the teacher before the buffer takes the batch. Null: no teacher.
     ("teacher_logprobs", pa.list_(pa.float32())),
+    # training.routing_replay: the experts the engine routed each token to, the prompt's and the
+    # response's but the last (pipeline/moe/routes.py), which the trainer's forward replays. Null: none.
+    ("routed_experts", pa.large_binary()),
 ])
 
 
