@@ -17,11 +17,16 @@ benchmark reports, over the steps whose batch has the arm's full age:
   logprob_gap_mean/max  |trainer logprob - engine logprob| over response tokens:
                         at age 0 the numerics' and the routing's part of the IS
                         weight, at age 2 the policy's change on top
+  other_logprob_gap_mean  the same batch and weights scored the other way
+                        (without replay in the replay arm, with it in the other):
+                        the routing's share of the gap, the policy's change alike
 
 Arms: replay on and off at max_age 0 and 2 (off: the same recorded routes,
 the table's column dropped before the update, so the trainer routes by
-itself), and at max_age 0 an arm with no recording at all for the step-time
-baseline. Costs: route bytes per token, generation and train time per step.
+itself). Costs: route bytes per token; and, after the replay arms' steps,
+paired timings in one process, alternating so that the machine's load falls
+alike: an update with the routes and without, a batch sampled with the engine
+recording and not.
 
     .venv/bin/python -m benchmarks.routing_replay            # -> benchmarks/results/routing_replay.json
     .venv/bin/python -m benchmarks.routing_replay --quick    # 3 steps an arm
@@ -44,7 +49,8 @@ import numpy as np
 from benchmarks.harness import ROOT, engine_config, machine_info, print_table, sample_all, write_result
 
 PROMPTS, GROUP, NEW_TOKENS, LR = 8, 4, 16, 5e-3
-ARMS = [("replay", 0), ("no_replay", 0), ("replay", 2), ("no_replay", 2), ("unrecorded", 0)]
+PAIRED = ("train_replayed", "train_plain", "generate_recorded", "generate_unrecorded")
+ARMS = [("replay", 0), ("no_replay", 0), ("replay", 2), ("no_replay", 2)]
 
 
 @contextlib.contextmanager
@@ -109,13 +115,12 @@ def arm(model_dir: str, mode: str, max_age: int, steps: int) -> dict:
     from pipeline.inputs.tiny import tiny_task_rows
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     torch.set_num_threads(1)
-    recorded = mode != "unrecorded"
     trainer = DeepSpeedPolicyEngine(engine_config(
-        model_dir, f"training.routing_replay={str(recorded).lower()}", f"training.lr={LR}",
+        model_dir, "training.routing_replay=true", f"training.lr={LR}",
         f"training.micro_batch_size={PROMPTS * GROUP}", f"schedule.group_size={GROUP}",
         f"generation.max_new_tokens={NEW_TOKENS}"))
     engine = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=NEW_TOKENS, max_model_len=256,
-                                  routing_replay=recorded)
+                                  routing_replay=True)
     rows = tiny_task_rows(PROMPTS * (steps + max_age + 1))
     prompts = [Prompt(r["id"], r["prompt"], r["answer"]) for r in rows]
     batch = lambda step: prompts[step * PROMPTS:(step + 1) * PROMPTS]  # noqa: E731
@@ -126,30 +131,73 @@ def arm(model_dir: str, mode: str, max_age: int, steps: int) -> dict:
         for step in range(steps):
             table = queue.popleft()
             rewards.append(float(np.mean(table.column("reward").to_pylist())))
-            if recorded and step >= max_age:
-                views.append(trainer_view(trainer, table, apply=mode == "replay"))
-            if mode != "replay" and recorded:
-                table = table.drop_columns(["routed_experts"])
+            if step >= max_age:
+                # The update's view, and the same batch and weights scored the other way.
+                views.append({"used": trainer_view(trainer, table, apply=mode == "replay"),
+                              "other": trainer_view(trainer, table, apply=mode != "replay")})
+            trained = table if mode == "replay" else table.drop_columns(["routed_experts"])
             t0 = time.perf_counter()
-            trainer.train_step(table, critic_free_advantages(table, GROUP))
+            trainer.train_step(trained, critic_free_advantages(trained, GROUP))
             train_s.append(time.perf_counter() - t0)
             engine.load_weights(trainer.export_weights())
             t0 = time.perf_counter()
             queue.append(sampled_table(engine, batch(step + max_age + 1), step + 1, step + max_age + 1))
             gen_s.append(time.perf_counter() - t0)
+        paired = paired_times(trainer, engine, table, batch(0)) if mode == "replay" else None
     finally:
         trainer.close()
         engine.close()
     out = {"mode": mode, "max_age": max_age, "steps": steps, "reward_first": rewards[0], "reward_last": rewards[-1],
            "train_s": statistics.median(train_s), "generate_s": statistics.median(gen_s)}
+    if paired:
+        out["paired_s"] = paired
     if views:
-        tokens = sum(v["tokens"] for v in views)
-        out.update(tokens=tokens, routing_differs=sum(v["routing_differs"] for v in views) / tokens,
-                   own_routing_differs=sum(v["own_routing_differs"] for v in views) / tokens,
-                   logprob_gap_mean=statistics.mean(v["logprob_gap_mean"] for v in views),
-                   logprob_gap_max=max(v["logprob_gap_max"] for v in views),
+        used = [v["used"] for v in views]
+        tokens = sum(v["tokens"] for v in used)
+        out.update(tokens=tokens, routing_differs=sum(v["routing_differs"] for v in used) / tokens,
+                   own_routing_differs=sum(v["own_routing_differs"] for v in used) / tokens,
+                   logprob_gap_mean=statistics.mean(v["logprob_gap_mean"] for v in used),
+                   logprob_gap_max=max(v["logprob_gap_max"] for v in used),
+                   other_logprob_gap_mean=statistics.mean(v["other"]["logprob_gap_mean"] for v in views),
                    per_step=views)
     return out
+
+
+def paired_times(trainer, engine, table, prompts, pairs: int = 10) -> dict:
+    """Median seconds of an update on `table` with its routes and without, and of
+    sampling `prompts` with the engine recording routes and not, alternating in
+    one process, so that the machine's load falls alike on both."""
+    from pipeline.algos.advantages import critic_free_advantages
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    advantages = critic_free_advantages(table, GROUP)
+    plain = table.drop_columns(["routed_experts"])
+    runner = engine.llm.llm_engine.model_executor.driver_worker.model_runner
+    routers = [m.router for m in runner.model.modules() if isinstance(m, MoERunner)]
+    hooks, execute = [r.capture_fn for r in routers], runner.execute_model
+
+    def unrecorded(k: int):
+        """A batch with the engine's recorder taken out: no router hook, no split of the forward's rows."""
+        recorder, engine._routes = engine._routes, None
+        for router in routers:
+            router.set_capture_fn(None)
+        del runner.execute_model
+        try:
+            sampled_table(engine, prompts, 0, 1000 + k)
+        finally:
+            for router, hook in zip(routers, hooks):
+                router.set_capture_fn(hook)
+            runner.execute_model, engine._routes = execute, recorder
+
+    times = {name: [] for name in PAIRED}
+    for k in range(pairs):
+        for name, run in (("train_replayed", lambda: trainer.train_step(table, advantages)),
+                          ("train_plain", lambda: trainer.train_step(plain, advantages)),
+                          ("generate_recorded", lambda: sampled_table(engine, prompts, 0, 1000 + k)),
+                          ("generate_unrecorded", lambda: unrecorded(k))):
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"arm {mode} max_age {max_age} failed:\n{proc.stderr[-3000:]}")
             result["arms"].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(f"  {mode} max_age {max_age} done", flush=True)
-    print_table(["arm", "max_age", "routing differs", "own differs", "lp gap mean", "lp gap max", "train s", "gen s"],
-                [[a["mode"], a["max_age"], a.get("routing_differs", float("nan")),
-                  a.get("own_routing_differs", float("nan")), a.get("logprob_gap_mean", float("nan")),
-                  a.get("logprob_gap_max", float("nan")), a["train_s"], a["generate_s"]] for a in result["arms"]],
+    print_table(["arm", "max_age", "routing differs", "own differs", "lp gap mean", "other way", "lp gap max"],
+                [[a["mode"], a["max_age"], a["routing_differs"], a["own_routing_differs"], a["logprob_gap_mean"],
+                  a["other_logprob_gap_mean"], a["logprob_gap_max"]] for a in result["arms"]],
                 title="routing replay on the tiny MoE")
+    print_table(["max_age", *PAIRED], [[a["max_age"], *(a["paired_s"][k] for k in PAIRED)]
+                                       for a in result["arms"] if "paired_s" in a], title="paired seconds")
     print(f"wrote {write_result('routing_replay', result, args.out)}")
     return 0
 
