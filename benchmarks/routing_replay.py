@@ -23,7 +23,9 @@ benchmark reports, over the steps whose batch has the arm's full age:
 
 Arms: replay on and off at max_age 0 and 2 (off: the same recorded routes,
 the table's column dropped before the update, so the trainer routes by
-itself). Costs: route bytes per token; and, after the replay arms' steps,
+itself), on the tiny MoE and on the same body with every weight drawn with
+std 0.2 instead of 0.02 (replay arms only: the other-way scoring gives the
+counterfactual). Costs: route bytes per token; and, after the replay arms' steps,
 paired timings in one process, alternating so that the machine's load falls
 alike: an update with the routes and without, a batch sampled with the engine
 recording and not.
@@ -50,7 +52,11 @@ from benchmarks.harness import ROOT, engine_config, machine_info, print_table, s
 
 PROMPTS, GROUP, NEW_TOKENS, LR = 8, 4, 16, 5e-3
 PAIRED = ("train_replayed", "train_plain", "generate_recorded", "generate_unrecorded")
-ARMS = [("replay", 0), ("no_replay", 0), ("replay", 2), ("no_replay", 2)]
+# The tiny model's experts, drawn with std 0.02 like the rest of it, are near-interchangeable: which
+# of them a token goes to barely moves its logprobs. Drawn with std 0.2 they differ as trained ones do.
+MODELS = {"tiny": 0.02, "tiny_std0.2": 0.2}
+ARMS = [("tiny", "replay", 0), ("tiny", "no_replay", 0), ("tiny", "replay", 2), ("tiny", "no_replay", 2),
+        ("tiny_std0.2", "replay", 0), ("tiny_std0.2", "replay", 2)]
 
 
 @contextlib.contextmanager
@@ -214,26 +220,27 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.moe.routes import route_layout
     steps = args.steps or (3 if args.quick else 12)
     with tempfile.TemporaryDirectory(prefix="dagrl_routing_replay_") as work:
-        model_dir = build_tiny_model(Path(work) / "tiny_moe", architecture="qwen3_moe", heads=4, kv_heads=2)
-        layout = route_layout(model_dir)
+        dirs = {name: build_tiny_model(Path(work) / name, architecture="qwen3_moe", heads=4, kv_heads=2,
+                                       init_std=std) for name, std in MODELS.items()}
+        layout = route_layout(dirs["tiny"])
         result = {"benchmark": "routing_replay", "machine": machine_info(),
                   "params": {"steps": steps, "prompts_per_step": PROMPTS, "group_size": GROUP,
                              "max_new_tokens": NEW_TOKENS, "lr": LR, "model": "tiny qwen3_moe, 2 layers, 4 experts, "
-                             "2 a token, fp32", "route_bytes_per_token": layout.bytes_per_token},
+                             "2 a token, fp32", "init_std": MODELS, "route_bytes_per_token": layout.bytes_per_token},
                   "arms": []}
-        for mode, max_age in ARMS:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.routing_replay", "--arm", str(model_dir), mode,
+        for model, mode, max_age in ARMS:
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.routing_replay", "--arm", str(dirs[model]), mode,
                                    str(max_age), str(steps)], cwd=ROOT, capture_output=True, text=True, timeout=3600)
             if proc.returncode != 0:
-                raise RuntimeError(f"arm {mode} max_age {max_age} failed:\n{proc.stderr[-3000:]}")
-            result["arms"].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"  {mode} max_age {max_age} done", flush=True)
-    print_table(["arm", "max_age", "routing differs", "own differs", "lp gap mean", "other way", "lp gap max"],
-                [[a["mode"], a["max_age"], a["routing_differs"], a["own_routing_differs"], a["logprob_gap_mean"],
-                  a["other_logprob_gap_mean"], a["logprob_gap_max"]] for a in result["arms"]],
+                raise RuntimeError(f"arm {model} {mode} max_age {max_age} failed:\n{proc.stderr[-3000:]}")
+            result["arms"].append({"model": model, **json.loads(proc.stdout.strip().splitlines()[-1])})
+            print(f"  {model} {mode} max_age {max_age} done", flush=True)
+    print_table(["model", "arm", "max_age", "routing differs", "own differs", "lp gap mean", "other way", "lp gap max"],
+                [[a["model"], a["mode"], a["max_age"], a["routing_differs"], a["own_routing_differs"],
+                  a["logprob_gap_mean"], a["other_logprob_gap_mean"], a["logprob_gap_max"]] for a in result["arms"]],
                 title="routing replay on the tiny MoE")
-    print_table(["max_age", *PAIRED], [[a["max_age"], *(a["paired_s"][k] for k in PAIRED)]
-                                       for a in result["arms"] if "paired_s" in a], title="paired seconds")
+    print_table(["model", "max_age", *PAIRED], [[a["model"], a["max_age"], *(a["paired_s"][k] for k in PAIRED)]
+                                                for a in result["arms"] if "paired_s" in a], title="paired seconds")
     print(f"wrote {write_result('routing_replay', result, args.out)}")
     return 0
 
