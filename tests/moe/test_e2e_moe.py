@@ -2,7 +2,8 @@
 replay through the actors (the routes ride each rollout to the controller's
 buffer and on to the trainer, which reports route_flips every step), clean
 events, and a resume from a checkpoint whose buffer holds routed batches goes
-on exactly as the first run went."""
+on exactly as the first run went; with two data-parallel ranks each replays
+the routes of its shard."""
 from __future__ import annotations
 
 import json
@@ -52,3 +53,15 @@ def test_the_moe_recipe_replays_routes_through_the_run_and_a_resume(tmp_path, ra
     for key in ("reward_mean", "route_flips", "loss"):
         assert [resumed[s][key] for s in range(RESUME_AT, STEPS)] == [first[s][key] for s in range(RESUME_AT, STEPS)]
     assert check_events(load_events(run_dir)) == []
+
+
+def test_data_parallel_ranks_replay_their_shards_routes(tmp_path, ray_session, tiny_moe):
+    overrides = [f"model.path={tiny_moe}", f"run.output_dir={tmp_path}", "run.name=dp", "run.steps=3",
+                 "run.checkpoint_every=0", "run.dag_mode=classic", "validation.period=0", "validation.at_end=false",
+                 "training.ranks=2"]
+    summary = train(load_config("examples/tiny_moe_grpo.yaml", overrides), quiet=True)
+    assert summary["error"] is None and summary["steps"] == 3, summary
+    assert check_events(load_events(tmp_path / "dp")) == []
+    steps = metrics(tmp_path / "dp")
+    assert steps[0]["is_weight"] == pytest.approx(1.0, abs=1e-5) and steps[0]["route_flips"] == 0
+    assert all(steps[s]["route_flips"] > 0.05 for s in (1, 2)), steps
