@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 models/tiny/config.json: | $(STAMP)
 	$(PY) -m pipeline build-tiny --out models/tiny
 
+# The tiny model as a mixture of experts, for routing replay (examples/tiny_moe_grpo.yaml, docs/moe.md).
+models/tiny_moe/config.json: | $(STAMP)
+	$(PY) -m pipeline build-tiny --out models/tiny_moe --architecture qwen3_moe
+
 # The tiny model with a chat template, for chat-format datasets (examples/gsm8k_chat.yaml).
 models/tiny_chat/config.json: | $(STAMP)
 	$(PY) -m pipeline build-tiny --out models/tiny_chat --chat-template

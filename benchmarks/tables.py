@@ -15,7 +15,7 @@ from pathlib import Path
 
 from benchmarks.harness import RESULTS
 from benchmarks.tables_learning import distill, long_run, seeds, tool_seeds, vs_trl, vs_trl_scale
-from benchmarks.tables_systems import agents, batching, inflight, lora_trainer, multiturn, overlap, refit, soak, step_profile, trainer_efficiency
+from benchmarks.tables_systems import agents, batching, inflight, lora_trainer, multiturn, overlap, refit, routing_replay, soak, step_profile, trainer_efficiency
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "results.md"
 
@@ -38,6 +38,7 @@ SECTIONS = (
     ("agents", agents, "agents through the gateway against the in-process environment (`agents.py`)"),
     ("refit", refit, "a refit, object store against collective, full against LoRA (`refit.py`)"),
     ("lora_trainer", lora_trainer, "trainer memory and step time, full against LoRA (`lora_trainer.py`)"),
+    ("routing_replay", routing_replay, "routing replay on the tiny MoE: routing and logprob gaps, costs (`routing_replay.py`)"),
     ("batching", batching, "padding and train-step time: rows, a token budget, packing (`batching.py`)"),
     ("vs_trl_scale", vs_trl_scale, "dagrl against TRL's GRPOTrainer at 4M and 33M parameters (`vs_trl_scale.py`)"),
     ("vs_trl_scale_33m", vs_trl_scale, "the same at 33M again, on a quiet machine (`vs_trl_scale.py --sizes 33M`)"),

@@ -226,3 +226,21 @@ def agents(r: dict) -> str:
             + "\n\nPer-request overhead (simulated engine, one token per request, the client's wall time):\n\n"
             + overhead + "\n\nConcurrent sessions on one generator (simulated engine, two requests each):\n\n"
             + sessions + learning + "\n\nTargets:\n\n" + targets(r["targets"]))
+
+
+def routing_replay(r: dict) -> str:
+    p = r["params"]
+    rows = [[a["model"], a["mode"].replace("_", " "), a["max_age"], f"{a['routing_differs']:.3f}",
+             f"{a['own_routing_differs']:.3f}", f"{g3(a['logprob_gap_mean'])}", f"{g3(a['other_logprob_gap_mean'])}",
+             f"{g3(a['logprob_gap_max'])}"] for a in r["arms"]]
+    paired = [[a["model"], a["max_age"], *(f"{a['paired_s'][k]:.3g}" for k in
+                                            ("train_replayed", "train_plain", "generate_recorded", "generate_unrecorded"))]
+              for a in r["arms"] if "paired_s" in a]
+    head = (f"{p['model']}, weights drawn at std {', '.join(str(s) for s in p['init_std'].values())}; {p['steps']} GRPO "
+            f"steps an arm, {p['prompts_per_step']} prompts x {p['group_size']}, lr {p['lr']}; "
+            f"{p['route_bytes_per_token']} route bytes a token. {machine(r)}\n\n")
+    return (head + md(["model", "arm", "max_age", "routing differs", "own routers differ", "logprob gap",
+                       "scored the other way", "gap max"], rows, text_cols=2)
+            + "\n\nPaired seconds (one process, alternating):\n\n"
+            + md(["model", "max_age", "update, routes", "update, none", "batch, recorded", "batch, not"], paired,
+                 text_cols=1))

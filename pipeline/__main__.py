@@ -49,7 +49,7 @@ def _build_tiny(args: argparse.Namespace) -> int:
               f"(reward variance {fit['reward_var']:.3f}), correlation {fit['correlation']:.3f} "
               f"(sha256 {model_digest(args.out)[:12]})")
         return 0
-    return main(["--out", args.out, "--seed", str(args.seed),
+    return main(["--out", args.out, "--seed", str(args.seed), "--architecture", args.architecture,
                  *(["--chat-template", args.chat_template] if args.chat_template else [])])
 
 
@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", nargs="?", const="plain", choices=sorted(CHAT_TEMPLATES),
                    help="give the tokenizer a chat template: plain (the default; for chat-format datasets: "
                    "examples/gsm8k_chat.yaml) or tools (for agents that call tools)")
+    from pipeline.inputs.tiny import ARCHITECTURES
+    p.add_argument("--architecture", default="llama", choices=sorted(ARCHITECTURES),
+                   help="the model family (qwen3_moe: a mixture of experts, for examples/tiny_moe_grpo.yaml)")
     p.add_argument("--reward-model", action="store_true", help="build a classifier fitted to the tiny task's reward "
                    "(examples/tiny_reward_model.yaml)")
     p.set_defaults(func=_build_tiny)

@@ -122,6 +122,7 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         raise fail("validation.reward", "scores single-turn validations on the real stack; " + (
             "an environment scores its own (env.class is set)" if env.class_ else "backend is 'sim'"))
     _check_sets(cfg, fail)
+    _check_routing_replay(cfg, fail)
     lora = cfg.training.lora
     if lora.rank and cfg.backend != "real":
         raise fail("training.lora.rank", f"{lora.rank} puts peft adapters on a model; it needs backend 'real'")
@@ -136,6 +137,21 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
         raise fail("run.name", f"{name!r} must be a non-empty name without '/' or '\\', "
                    "other than '.' and '..'")
     return cfg
+
+
+def _check_routing_replay(cfg: Config, fail) -> None:
+    """Routing replay records routes inside an in-process vLLM engine, one request a sample
+    (pipeline/moe/capture.py); whether the model has routing to replay, preflight reads from its config."""
+    if not cfg.training.routing_replay:
+        return
+    if cfg.backend != "real":
+        raise fail("training.routing_replay", "it replays the routes of a vLLM engine; backend is 'sim'")
+    if cfg.generation.tensor_parallel_size > 1:
+        raise fail("training.routing_replay", "the routes are recorded where the engine's model runs in the "
+                   "generator's process; generation.tensor_parallel_size > 1 runs it in vLLM's workers")
+    if cfg.env.class_ or cfg.agent.function:
+        raise fail("training.routing_replay", "a multi-turn sample's routes are not recorded "
+                   f"({'env.class' if cfg.env.class_ else 'agent.function'} is set)")
 
 
 # policy_loss keys read by one mode only.

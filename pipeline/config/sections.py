@@ -142,6 +142,9 @@ class TrainingConfig:
     mini_batches: int = _key(1, "policy optimizer steps per pass, each on a run of whole prompt groups", ge=1)
     ranks: int = _key(1, "data-parallel policy ranks, one DeepSpeed engine (and trainer actor) each; "
                       "whole prompt groups are sharded across them", ge=1)
+    routing_replay: bool = _key(
+        False, "MoE models (Qwen3-MoE): the generator records the experts vLLM routed each token to, and the "
+        "policy's forward uses them instead of its routers' top-k, gates from the current router (docs/moe.md)")
     lora: LoraConfig = LoraConfig()
 
 

@@ -57,6 +57,8 @@ class Completion:
     transcript: tuple[dict, ...] = ()
     # Agents only: the contexts the sample's requests made (pipeline/agents/history.py); the last is trained.
     segments: int = 1
+    # training.routing_replay only: the experts each token was routed to (pipeline/moe/routes.py).
+    routes: bytes = b""
 
 
 # A multi-turn sample's turn: "env" (an observation, formatted as the model saw it; the first is
@@ -99,6 +101,9 @@ TRAJECTORY_SCHEMA = pa.schema([
     # token's position, likeliest first, and their logprobs ([tokens, k] each). Null: none kept.
     ("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),
     ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+    # training.routing_replay: the experts the engine routed each token to, the prompt's and the
+    # response's but the last (pipeline/moe/routes.py), which the trainer's forward replays. Null: none.
+    ("routed_experts", pa.large_binary()),
 ])
 
 

@@ -48,7 +48,7 @@ def vllm_engine(cfg: Config, seed: int, adapter: dict | None) -> GenerationEngin
                                     dtype=VLLM_DTYPES[device_dtype(g.dtype, "generation.dtype")],
                                     temperature=g.temperature, top_p=g.top_p, kv_cache_seqs=max(requests, 32),
                                     inflight_kv=g.inflight_kv, adapter_config=adapter,
-                                    **vllm_llm_kwargs(cfg))
+                                    routing_replay=cfg.training.routing_replay, **vllm_llm_kwargs(cfg))
 
 
 def vllm_llm_kwargs(cfg: Config) -> dict:

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -32,6 +33,8 @@ from pipeline.inputs.models import DEFAULT_MAX_MODEL_LEN, ModelError, check_mode
 from pipeline.core.spans import span  # noqa: E402
 from pipeline.generator.cpu_moe import repack_experts_on_reload  # noqa: E402
 from pipeline.generator.vllm_outputs import completion_of  # noqa: E402
+from pipeline.moe.capture import RouteRecorder  # noqa: E402
+from pipeline.moe.routes import route_layout  # noqa: E402
 
 
 class VllmGenerationEngine:
@@ -54,13 +57,15 @@ class VllmGenerationEngine:
                  temperature: float = 1.0, top_p: float = 1.0, max_model_len: int | None = DEFAULT_MAX_MODEL_LEN,
                  dtype: str = "float32", block_size: int = 32, enforce_eager: bool | None = None,
                  kv_cache_seqs: int = 64, inflight_kv: str = "recompute", adapter_config: dict | None = None,
-                 **llm_kwargs: Any) -> None:
+                 routing_replay: bool = False, **llm_kwargs: Any) -> None:
         """`kv_cache_seqs`: on CPU, the KV cache holds this many sequences of
         max_model_len tokens (more requests than that queue inside vLLM).
         `inflight_kv`: what a load does to the KV cache of requests in flight
         (generation.inflight_kv): keep it, or recompute it with the new weights.
         `adapter_config`: serve a LoRA adapter (pipeline/weights/lora.py's
-        adapter_config): loads then take adapter tensors only."""
+        adapter_config): loads then take adapter tensors only. `routing_replay`:
+        each completion carries the experts every token was routed to
+        (pipeline/moe/capture.py)."""
         path = check_model_dir(model_path)
         self.model_path = str(path)
         config = json.loads((path / "config.json").read_text())
@@ -139,6 +144,7 @@ class VllmGenerationEngine:
             # A copy into the experts' weights would leave them unpacked; reload_weights runs their repacking.
             self._plan, self._plan_off = False, "CPU MoE experts are repacked after each load"
         self._probe()
+        self._routes = RouteRecorder(self.llm.llm_engine, route_layout(self.model_path)) if routing_replay else None
         if adapter_config is not None:
             self._load_adapter(lora.zero_adapter(self.model_path, adapter_config))
         self.set_version(0)
@@ -181,9 +187,11 @@ class VllmGenerationEngine:
             raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
         with span("vllm.requests"):
             ids = list(prompt.token_ids) or self._encode_prompt(prompt.text)
-            self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=ids),
-                                            self._params(seed, max_tokens, stop, temperature),
-                                            lora_request=self._adapter)
+            params = self._params(seed, max_tokens, stop, temperature)
+            request_id = self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=ids), params,
+                                                         lora_request=self._adapter)
+        if self._routes is not None:
+            self._routes.track(key, request_id, len(ids) + params.max_tokens)
         self._prompts[key] = prompt
 
     def _encode_prompt(self, text: str) -> list[int]:
@@ -195,6 +203,8 @@ class VllmGenerationEngine:
     def abort(self, keys: list[str]) -> None:
         """Drop these requests (an agent's sample that ended while one decoded)."""
         keys = [key for key in keys if self._prompts.pop(key, None) is not None]
+        if self._routes is not None:
+            self._routes.drop(keys)
         if keys:
             self.llm.llm_engine.abort_request(keys)
 
@@ -240,6 +250,8 @@ class VllmGenerationEngine:
     def abort_all(self) -> None:
         """Drop every request in flight (after a failed step)."""
         keys, self._prompts = list(self._prompts), {}
+        if self._routes is not None:
+            self._routes.drop(keys)
         if keys:
             self.llm.llm_engine.abort_request(keys)
 
@@ -324,6 +336,8 @@ class VllmGenerationEngine:
         if not reset:
             raise RuntimeError(f"vLLM engine for {self.model_path!r}: reset_prefix_cache failed "
                                "(requests still running?)")
+        if self._routes is not None:
+            self._routes.reset_blocks()
 
     def _load(self, names: list[str], stream: Iterable[tuple[str, torch.Tensor]], stable: bool) -> None:
         """A load records where each name lands (refit_plan.RefitPlan, through the
@@ -392,7 +406,12 @@ class VllmGenerationEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
 
     def _completion(self, prompt: Prompt, out) -> Completion:
-        return completion_of(prompt, out, self.decode)
+        completion = completion_of(prompt, out, self.decode)
+        if self._routes is None:
+            return completion
+        # Every token but the last sampled one went through a forward.
+        tokens = len(completion.prompt_ids) + len(completion.response_ids) - 1
+        return replace(completion, routes=self._routes.take(out.request_id, tokens))
 
     def close(self) -> None:
         """Shut the in-process engine core down (idempotent)."""

@@ -300,6 +300,7 @@ class GeneratorWorker(Actor):
                 "transcript": [list(c.transcript) or None for _, c in rows],
                 # The teacher's, on the way to the buffer (pipeline/distill/).
                 "teacher_logprobs": [None] * n, "teacher_topk_ids": [None] * n, "teacher_topk_logprobs": [None] * n,
+                "routed_experts": [c.routes or None for _, c in rows],
             }, schema=TRAJECTORY_SCHEMA)
 
 

@@ -66,6 +66,12 @@ def preflight(cfg: Config) -> Future | None:
             check(key, check_routes, fn, path, checked.sources)
 
     check_val_sets(cfg)
+    if cfg.training.routing_replay:
+        from pipeline.moe.routes import RoutingError, route_layout
+        try:
+            route_layout(cfg.model.path)
+        except RoutingError as exc:
+            raise ModelError(f"training.routing_replay: {exc}") from None
 
     context, new = context_length(cfg.model.path), cfg.generation.max_new_tokens
     if new >= context:

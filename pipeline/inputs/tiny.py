@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=384)
     ap.add_argument("--chat-template", nargs="?", const="plain", choices=sorted(CHAT_TEMPLATES),
                     help="give the tokenizer a chat template: plain (the default) or tools")
+    ap.add_argument("--architecture", default="llama", choices=sorted(ARCHITECTURES),
+                    help="the model family (qwen3_moe: a mixture of experts, for docs/moe.md)")
     ap.add_argument("--write-data", metavar="DIR",
                     help="also (re)write tiny_train.jsonl / tiny_val.jsonl into DIR")
     args = ap.parse_args(argv)
@@ -246,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         out = build_tiny_model(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers,
                                heads=args.heads, head_dim=args.head_dim, intermediate=args.intermediate,
-                               vocab_size=args.vocab_size, chat_template=args.chat_template)
+                               vocab_size=args.vocab_size, chat_template=args.chat_template,
+                               architecture=args.architecture)
         print(f"built tiny model in {out} (sha256 {model_digest(out)[:12]})")
     return 0
 

@@ -6,6 +6,7 @@ pipeline/trainer/deepspeed_base.py's.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
 import time
@@ -23,6 +24,8 @@ from pipeline.trainer.deepspeed_base import DeepSpeedEngine, full_params
 from pipeline.trainer.rows import collate, pack_window, teacher_topk, trajectory_rows
 from pipeline.inputs.models import TOKENIZER_FILES
 from pipeline.core.spans import span
+from pipeline.moe.replay import install_replay, replaying
+from pipeline.moe.routes import route_layout
 
 
 ENTROPY_CHUNK = 64   # positions per slice of the entropy metric
@@ -52,6 +55,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         self.trainable_only = self.lora is not None
         # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
         self.temperature = cfg.generation.temperature
+        self.routes = route_layout(cfg.model.path) if t.routing_replay else None
         super().__init__(cfg, cfg.model.path, t.lr, rank, rendezvous)
         if self.ref is not None:
             self.ref.to(self.device)
@@ -62,6 +66,8 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         model.config.use_cache = False
         # eval(): no dropout, so the logprobs match the generator's and `old` is exact.
         model.eval()
+        if self.routes is not None:
+            install_replay(model, self.routes)
         compute_dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
         self.ref = None
         if self.lora is not None:
@@ -75,6 +81,8 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         if self.reference:
             # Copied before deepspeed.initialize, which partitions parameters under ZeRO-3.
             self.ref = copy.deepcopy(model).to(compute_dtype).requires_grad_(False)
+            if self.routes is not None:
+                install_replay(self.ref, self.routes)
         return model
 
     def token_logprobs(self, model, batch: dict, entropy: bool = False):
@@ -89,15 +97,17 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         """token_logprobs' as {"lp", "entropy"}, and where the batch holds a teacher's
         top-k ids, "topk": the model's logprobs at them, [rows, window, k]."""
         ids = batch["ids"]
-        if "positions" in batch:
-            # Packed: the logits of the kept positions only, [K, V]; laid out in the window below.
-            out = model(input_ids=ids, position_ids=batch["positions"], use_cache=False, logits_to_keep=batch["keep"])
-            logits, targets = out.logits[0].float() / self.temperature, batch["targets"]
-        else:
-            start = batch["start"]
-            out = model(input_ids=ids, attention_mask=batch["attn"], use_cache=False,
-                        logits_to_keep=ids.shape[1] - start)
-            logits, targets = out.logits[:, :-1].float() / self.temperature, ids[:, start + 1:]
+        with self.replaying(batch):
+            if "positions" in batch:
+                # Packed: the logits of the kept positions only, [K, V]; laid out in the window below.
+                out = model(input_ids=ids, position_ids=batch["positions"], use_cache=False,
+                            logits_to_keep=batch["keep"])
+                logits, targets = out.logits[0].float() / self.temperature, batch["targets"]
+            else:
+                start = batch["start"]
+                out = model(input_ids=ids, attention_mask=batch["attn"], use_cache=False,
+                            logits_to_keep=ids.shape[1] - start)
+                logits, targets = out.logits[:, :-1].float() / self.temperature, ids[:, start + 1:]
         logp = torch.log_softmax(logits, dim=-1)
         lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         out = {"lp": self._in_window(lp, batch)}
@@ -119,6 +129,11 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                                 dim=dim)
         return {**out, "entropy": self._in_window(ent, batch)}
 
+    def replaying(self, batch: dict, apply: bool = True):
+        """With training.routing_replay, forwards inside replay the batch's routes
+        (pipeline/moe/replay.py; `apply` False: only count the flips); yields the Replay or None."""
+        return replaying(self.routes, batch, apply) if self.routes is not None else contextlib.nullcontext()
+
     def _window_outputs(self, batch: dict) -> torch.Tensor:
         return self.token_logprobs(self.engine, batch)
 
@@ -127,7 +142,7 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         return pack_window(values, batch) if "positions" in batch else values
 
     def _loss(self, batch: dict, shard: Shard) -> tuple[torch.Tensor, dict[str, float]]:
-        with span("train.forward"):
+        with span("train.forward"), self.replaying(batch) as replay:
             scores = self._scores(self.engine, batch, entropy=True)
         lp = scores["lp"]
         options = self.loss.options
@@ -139,6 +154,8 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         counts = {"num_tokens": max(shard.batch_tokens, 1), "num_seqs": max(shard.batch_seqs, 1)}
         loss, metrics = self.loss(lp, proximal, batch["gen"], batch["adv"], batch["train_mask"], ref_logprobs=ref,
                                   entropy=scores["entropy"], **counts)
+        if replay is not None:
+            metrics["route_flips"] = replay.flip_share
         if self.distill is None:
             return loss, metrics
         d, mask = self.distill, batch["train_mask"]

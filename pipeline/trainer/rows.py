@@ -18,6 +18,9 @@ def trajectory_rows(table: pa.Table) -> list[dict]:
     if not rows:
         raise ValueError("the trajectory table has no rows")
     masks = table.column("loss_mask").to_pylist() if "loss_mask" in table.column_names else [None] * len(rows)
+    if "routed_experts" in table.column_names:  # routing replay's (pipeline/moe/replay.py)
+        for row, routes in zip(rows, table.column("routed_experts").to_pylist()):
+            row["routed_experts"] = routes
     for i, (row, mask) in enumerate(zip(rows, masks)):
         # Only model tokens are trained: an environment's observation is not the policy's action.
         row["loss_mask"] = [1] * len(row["response_ids"]) if mask is None else mask
@@ -82,12 +85,15 @@ def collate(rows: list[dict], device, token_keys: dict[str, str], packed: bool =
     and `slots` where each lands in the window; the window tensors are laid
     out as padded ones are (pack_window puts a forward's outputs there), so a
     loss reads both alike. `forward_positions` and `pad_positions` count what
-    the forward runs on.
+    the forward runs on. `routed_experts`, where a row has routes: each row's
+    (or None), for routing replay (pipeline/moe/replay.py).
     """
     lens = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+    routes = {"routed_experts": [r.get("routed_experts") for r in rows]} \
+        if any(r.get("routed_experts") for r in rows) else {}
     if packed:
-        return {**_window(rows, device, token_keys), **_packed(rows, lens, device)}
-    return {**_window(rows, device, token_keys), **_padded(rows, lens, device)}
+        return {**_window(rows, device, token_keys), **_packed(rows, lens, device), **routes}
+    return {**_window(rows, device, token_keys), **_padded(rows, lens, device), **routes}
 
 
 def _window(rows: list[dict], device, token_keys: dict[str, str]) -> dict:

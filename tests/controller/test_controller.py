@@ -33,7 +33,7 @@ def trajectories(launch, version: int, reward_errors: int = 0) -> pa.Table:
     n = len(launch.prompts)
     given = {"batch_id": launch.batch_id, "target": launch.target, "version": version}
     blank = {pa.types.is_string: "", pa.types.is_integer: 0, pa.types.is_floating: 0.0, pa.types.is_list: [],
-             pa.types.is_boolean: False}
+             pa.types.is_boolean: False, pa.types.is_large_binary: b""}
     cols = {f.name: pa.array([given.get(f.name, next(v for is_, v in blank.items() if is_(f.type)))] * n, f.type)
             for f in TRAJECTORY_SCHEMA}
     cols["prompt_id"] = pa.array([p.id for p in launch.prompts])

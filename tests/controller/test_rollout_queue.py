@@ -34,7 +34,7 @@ def rows(batch_id: str, target: int, version: int, n: int = 2) -> pa.Table:
     """A batch's trajectories: only batch_id, target and version matter to the queue."""
     given = {"batch_id": batch_id, "target": target, "version": version}
     blank = {pa.types.is_string: "", pa.types.is_integer: 0, pa.types.is_floating: 0.0, pa.types.is_list: [],
-             pa.types.is_boolean: False}
+             pa.types.is_boolean: False, pa.types.is_large_binary: b""}
     return pa.table({f.name: pa.array([given.get(f.name, next(v for is_, v in blank.items() if is_(f.type)))] * n,
                                       f.type) for f in TRAJECTORY_SCHEMA}, schema=TRAJECTORY_SCHEMA)
 

@@ -19,6 +19,7 @@ LAYERS = [
     ["pipeline.algos", "pipeline.envs"],
     ["pipeline.agents"],
     ["pipeline.config"],
+    ["pipeline.moe"],
     ["pipeline.rewards"],
     ["pipeline.inputs"],
     ["pipeline.sim"],
