@@ -30,10 +30,14 @@ class Prompt:
     # where the row comes from ("" for none; data.reward may route by it), and extra_info as JSON text.
     data_source: str = ""
     extra_info: str = ""
+    # The pictures of a vision-language prompt, as their files' bytes, in the order
+    # of their placeholders in token_ids (pipeline/inputs/images.py).
+    images: tuple[bytes, ...] = ()
 
     def __post_init__(self):
         # A checkpoint's round trip (Arrow, JSON) hands lists back: equal prompts stay equal.
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        object.__setattr__(self, "images", tuple(self.images))
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,9 @@ TRAJECTORY_SCHEMA = pa.schema([
     # The distillation teacher's logprob of each response token (distill.teacher;
     # pipeline/distill/), put by the teacher before the buffer takes the batch. Null: no teacher.
     ("teacher_logprobs", pa.list_(pa.float32())),
+    # A vision-language prompt's pictures as their files' bytes (Prompt.images): the trainer
+    # turns them into the model's pixels with the model's image processor. Null: no pictures.
+    ("images", pa.list_(pa.binary())),
 ])
 
 

@@ -299,6 +299,7 @@ class GeneratorWorker(Actor):
                 "truncated": [c.truncated for _, c in rows],
                 "transcript": [list(c.transcript) or None for _, c in rows],
                 "teacher_logprobs": [None] * n,  # the teacher's, on the way to the buffer (pipeline/distill/)
+                "images": [list(p.images) or None for p, _ in rows],
             }, schema=TRAJECTORY_SCHEMA)
 
 

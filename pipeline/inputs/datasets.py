@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.types import Prompt
+from pipeline.inputs.images import image_messages, row_images
 from pipeline.inputs.layouts import Columns, Layout, layout
 from pipeline.inputs.rows import (DataError, Rows, answer, json_text, messages, optional_text, read_rows,
                                   text as field_text)
@@ -95,7 +96,8 @@ def _load(path: str | Path, kind: str, columns: Columns, chat: ChatTemplate | No
     first_of: dict[str, int] = {}
     prompts = []
     for i in range(len(data.rows)):
-        text, token_ids, conversation = _prompt(data, i, fields, chat, check_only)
+        images = row_images(data, i, fields.images) if fields.images else ()
+        text, token_ids, conversation = _prompt(data, i, fields, chat, check_only, images)
         truth = answer(data, i, fields.answer)
         if fields.gsm8k:
             text, truth = GSM8K_TEMPLATE.format(question=text.strip()), _gsm8k_answer(data, i, truth)
@@ -107,18 +109,22 @@ def _load(path: str | Path, kind: str, columns: Columns, chat: ChatTemplate | No
             first_of[pid] = i
         prompts.append(Prompt(id=pid, text=text, answer=truth, token_ids=token_ids, messages=conversation,
                               data_source=optional_text(data, i, "data_source"),
-                              extra_info=json_text(data, i, "extra_info")))
+                              extra_info=json_text(data, i, "extra_info"), images=images))
     return prompts, data.where
 
 
 def _prompt(data: Rows, i: int, fields: Layout, chat: ChatTemplate | None,
-            check_only: bool) -> tuple[str, tuple[int, ...], str]:
+            check_only: bool, images: tuple[bytes, ...] = ()) -> tuple[str, tuple[int, ...], str]:
     """A row's prompt: (text, token ids, the conversation as JSON); the ids and
-    conversation are those of a chat prompt, rendered by `chat` (none when `check_only`)."""
+    conversation are those of a chat prompt, rendered by `chat` (none when `check_only`).
+    A row with `images` is a chat prompt whose messages mark where each goes."""
     name = fields.prompt
+    if images and not isinstance(data.rows[i].get(name), list):
+        raise data.error(i, f"{data.noun} {name!r}: a row with images needs its prompt as chat messages that "
+                            "mark where each picture goes (verl's '<image>' in the text, or TRL's image parts)")
     if fields.gsm8k or not isinstance(data.rows[i].get(name), list):
         return field_text(data, i, name), (), ""
-    listed = messages(data, i, name)
+    listed = image_messages(data, i, name, len(images)) if images else messages(data, i, name)
     if check_only:
         return "", (), ""
     if chat is None:

@@ -195,5 +195,6 @@ def context_length(path: str | Path, max_model_len: int = DEFAULT_MAX_MODEL_LEN)
     """The tokens a generator's vLLM engine holds per sequence, prompt and
     completion together: max_model_len capped at the model's
     max_position_embeddings, as VllmGenerationEngine does."""
-    positions = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+    config = json.loads((Path(path) / "config.json").read_text())
+    positions = (config.get("text_config") or config).get("max_position_embeddings")
     return min(max_model_len, int(positions)) if positions else max_model_len

@@ -18,6 +18,9 @@ def trajectory_rows(table: pa.Table) -> list[dict]:
     if not rows:
         raise ValueError("the trajectory table has no rows")
     masks = table.column("loss_mask").to_pylist() if "loss_mask" in table.column_names else [None] * len(rows)
+    if "images" in table.column_names:
+        for row, images in zip(rows, table.column("images").to_pylist()):
+            row["images"] = images or []
     for i, (row, mask) in enumerate(zip(rows, masks)):
         # Only model tokens are trained: an environment's observation is not the policy's action.
         row["loss_mask"] = [1] * len(row["response_ids"]) if mask is None else mask
@@ -68,11 +71,15 @@ def collate(rows: list[dict], device, token_keys: dict[str, str], packed: bool =
     out as padded ones are (pack_window puts a forward's outputs there), so a
     loss reads both alike. `forward_positions` and `pad_positions` count what
     the forward runs on.
+
+    `images`, where a row has pictures: each row's, as bytes, for the model's
+    image processor (pipeline/trainer/vision.py).
     """
     lens = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+    images = {"images": [r.get("images") or [] for r in rows]} if any(r.get("images") for r in rows) else {}
     if packed:
-        return {**_window(rows, device, token_keys), **_packed(rows, lens, device)}
-    return {**_window(rows, device, token_keys), **_padded(rows, lens, device)}
+        return {**_window(rows, device, token_keys), **_packed(rows, lens, device), **images}
+    return {**_window(rows, device, token_keys), **_padded(rows, lens, device), **images}
 
 
 def _window(rows: list[dict], device, token_keys: dict[str, str]) -> dict:
