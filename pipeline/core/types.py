@@ -8,6 +8,7 @@ DeepSpeed) implement these.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +39,14 @@ class Prompt:
         # A checkpoint's round trip (Arrow, JSON) hands lists back: equal prompts stay equal.
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
         object.__setattr__(self, "images", tuple(self.images))
+
+    def state(self) -> dict:
+        """The prompt as JSON values (a checkpoint's controller.json): pictures as base64 text."""
+        return {**self.__dict__, "images": [base64.b64encode(image).decode() for image in self.images]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Prompt":
+        return cls(**{**state, "images": [base64.b64decode(image) for image in state.get("images", ())]})
 
 
 @dataclass(frozen=True)

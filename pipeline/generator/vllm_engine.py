@@ -32,7 +32,7 @@ from pipeline.inputs.models import DEFAULT_MAX_MODEL_LEN, ModelError, check_mode
 from pipeline.core.spans import span  # noqa: E402
 from pipeline.generator.cpu_moe import repack_experts_on_reload  # noqa: E402
 from pipeline.generator.vllm_outputs import completion_of  # noqa: E402
-from pipeline.inputs.images import VISION_PREFIXES, decode as decode_image  # noqa: E402
+from pipeline.inputs.images import VISION_PREFIXES, decode as decode_image, placeholder_token_ids  # noqa: E402
 
 
 class VllmGenerationEngine:
@@ -136,6 +136,7 @@ class VllmGenerationEngine:
         # with a warm inductor cache. Eager is instant; on CPU we run eager.
         self._stance = "force_eager" if enforce_eager and on_cpu else None
         self.tokenizer = self.llm.get_tokenizer()
+        self._unsampled = self.tokenizer.convert_ids_to_tokens(list(placeholder_token_ids(config)))
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self._plan: Any = None  # RefitPlan after the first load; False: this model needs reload_weights
         self._plan_off = ""
@@ -382,7 +383,8 @@ class VllmGenerationEngine:
         # step (a fifth of a tiny model's call); _completion decodes each
         # completion once instead, to the same text. Stop strings need it on.
         common = dict(n=1, max_tokens=max_tokens or self.max_new_tokens, logprobs=0, detokenize=bool(stop),
-                      output_kind=RequestOutputKind.FINAL_ONLY, **({"stop": list(stop)} if stop else {}))
+                      output_kind=RequestOutputKind.FINAL_ONLY, **({"stop": list(stop)} if stop else {}),
+                      **({"bad_words": self._unsampled} if self._unsampled else {}))
         if seed is None:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=self.temperature if temperature is None else temperature,

@@ -27,6 +27,14 @@ PLACEHOLDER = "<image>"   # verl's mark of where a picture goes in a message's t
 VISION_PREFIXES = ("model.visual.", "visual.")
 
 
+def placeholder_token_ids(config: dict) -> tuple[int, ...]:
+    """The tokens that stand for a picture's (or a video's) encodings in a VLM's
+    prompt, from its config.json; () for a text model. No response may hold
+    one: the trainer's model puts a picture's encoding wherever it finds one,
+    so neither the engine samples them nor the trainer scores them."""
+    return tuple(int(config[key]) for key in ("image_token_id", "video_token_id") if key in config)
+
+
 def image_column(data: Rows) -> str:
     """The column of a row's pictures, or "" for a dataset without."""
     return next((name for name in IMAGE_COLUMNS if name in data.names), "")
@@ -67,6 +75,22 @@ def decode(data: bytes):
     from PIL import Image
     with Image.open(io.BytesIO(data)) as image:
         return image.convert("RGB")
+
+
+class ImageTokens:
+    """How many placeholder tokens a picture takes in a model's prompt (its image
+    processor's count of patches, merged), read from the picture's size alone: a
+    prompt's length as the engine sees it, for data.filter_overlong."""
+
+    def __init__(self, model_path: str | Path):
+        from transformers import AutoImageProcessor
+        self.processor = AutoImageProcessor.from_pretrained(str(model_path))
+
+    def __call__(self, image: bytes) -> int:
+        from PIL import Image
+        with Image.open(io.BytesIO(image)) as opened:
+            width, height = opened.size
+        return self.processor.get_number_of_image_patches(height, width, {}) // self.processor.merge_size ** 2
 
 
 def image_messages(data: Rows, i: int, name: str, count: int) -> list[dict]:

@@ -32,6 +32,7 @@ TINY_VLM_CHAT_TEMPLATE = CHAT_TEMPLATES["plain"].replace(
 
 SIDE = 56           # every picture is resized to SIDE x SIDE: 4 x 4 patches of 14, merged 2 x 2 into 4 tokens
 DIGITS = "0123"
+SHIFT = 3
 QUESTION = "<image>Which digit is shown?"
 # The segments lit for each digit: a b c d e f g (top, top right, bottom right, bottom,
 # bottom left, top left, middle), as a seven-segment display draws them.
@@ -39,12 +40,15 @@ SEGMENTS = {"0": "abcdef", "1": "bc", "2": "abdeg", "3": "abcdg", "4": "bcfg", "
             "7": "abc", "8": "abcdefg", "9": "abcdfg"}
 
 
-def digit_png(digit: str, *, ink: tuple[int, int, int] = (255, 255, 255), side: int = SIDE) -> bytes:
-    """A seven-segment `digit` in `ink` on black, as PNG bytes."""
+def digit_png(digit: str, *, ink: tuple[int, int, int] = (255, 255, 255), shift: tuple[int, int] = (0, 0),
+              side: int = SIDE) -> bytes:
+    """A seven-segment `digit` in `ink` on black, moved by `shift` pixels, as PNG bytes."""
     from PIL import Image, ImageDraw
     image = Image.new("RGB", (side, side), (0, 0, 0))
     draw = ImageDraw.Draw(image)
-    x0, x1, y0, y1, y2, w = side // 4, side - side // 4, side // 8, side // 2, side - side // 8, max(side // 10, 2)
+    dx, dy = shift
+    x0, x1, w = side // 4 + dx, side - side // 4 + dx, max(side // 10, 2)
+    y0, y1, y2 = side // 8 + dy, side // 2 + dy, side - side // 8 + dy
     boxes = {"a": (x0, y0, x1, y0 + w), "b": (x1 - w, y0, x1, y1), "c": (x1 - w, y1, x1, y2),
              "d": (x0, y2 - w, x1, y2), "e": (x0, y1, x0 + w, y2), "f": (x0, y0, x0 + w, y1),
              "g": (x0, y1 - w // 2, x1, y1 + w // 2)}
@@ -55,17 +59,20 @@ def digit_png(digit: str, *, ink: tuple[int, int, int] = (255, 255, 255), side: 
     return out.getvalue()
 
 
-INKS = ((255, 255, 255), (255, 80, 80), (80, 255, 80), (90, 140, 255))
-
-
 def digit_rows(n: int, *, seed: int = 0, digits: str = DIGITS) -> list[dict]:
-    """`n` rows of the digits task in verl's layout; every digit equally often, the ink drawn at random."""
+    """`n` rows of the digits task in verl's layout; every digit equally often, each
+    drawn in a bright ink of its own and moved up to SHIFT pixels, so that no two
+    pictures need be alike."""
     rng = random.Random(seed)
     chosen = [digits[i % len(digits)] for i in range(n)]
     rng.shuffle(chosen)
-    return [{"id": f"digit-{seed}-{i}", "prompt": [{"role": "user", "content": QUESTION}],
-             "images": [digit_png(d, ink=rng.choice(INKS))], "answer": d, "data_source": "tiny_digits"}
-            for i, d in enumerate(chosen)]
+    rows = []
+    for i, d in enumerate(chosen):
+        ink = tuple(rng.randint(128, 255) for _ in range(3))
+        shift = (rng.randint(-SHIFT, SHIFT), rng.randint(-SHIFT, SHIFT))
+        rows.append({"id": f"digit-{seed}-{i}", "prompt": [{"role": "user", "content": QUESTION}],
+                     "images": [digit_png(d, ink=ink, shift=shift)], "answer": d, "data_source": "tiny_digits"})
+    return rows
 
 
 def write_digit_data(out_dir: str | Path, *, n_train: int = 512, n_val: int = 64) -> list[Path]:

@@ -55,6 +55,8 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         self.temperature = cfg.generation.temperature
         vision = is_vision_model(cfg.model.path)
         self.pixels = Pixels(cfg.model.path) if vision else None
+        # The engine never samples a picture's placeholder tokens (VllmGenerationEngine._params): nor do we.
+        self.unsampled = list(self.pixels.placeholders) if vision else []
         self.freeze_vision = vision and cfg.model.freeze_vision
         self.frozen: frozenset[str] = frozenset()
         super().__init__(cfg, cfg.model.path, t.lr, rank, rendezvous)
@@ -99,6 +101,10 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
             out = model(input_ids=ids, attention_mask=batch["attn"], use_cache=False,
                         logits_to_keep=ids.shape[1] - start, **pictures)
             logits, targets = out.logits[:, :-1].float() / self.temperature, ids[:, start + 1:]
+        if self.unsampled:
+            # The float's lowest, not -inf: its probability is 0 all the same, and p log p stays 0 for the entropy.
+            logits = logits.index_fill(-1, torch.tensor(self.unsampled, device=logits.device),
+                                       torch.finfo(logits.dtype).min)
         logp = torch.log_softmax(logits, dim=-1)
         lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         if not entropy:

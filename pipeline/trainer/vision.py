@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.inputs.images import VISION_PREFIXES, decode
+from pipeline.inputs.images import VISION_PREFIXES, decode, placeholder_token_ids
 CACHED_IMAGES = 1024
 # What a checkpoint carries besides the weights and the tokenizer: the image processor's config.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
@@ -52,7 +52,9 @@ class Pixels:
     def __init__(self, model_path: str | Path):
         from transformers import AutoImageProcessor
         self.processor = AutoImageProcessor.from_pretrained(str(model_path))
-        self.image_token_id = int(json.loads((Path(model_path) / "config.json").read_text())["image_token_id"])
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        self.image_token_id = int(config["image_token_id"])
+        self.placeholders = placeholder_token_ids(config)
         self._cache: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def inputs(self, images: list[list[bytes]], ids: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -91,3 +91,29 @@ def test_a_dataset_without_pictures_reads_as_before(tmp_path, chat):
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi <image>"}], "answer": "1"}) + "\n")
     (prompt,) = load_prompts(path, chat=chat)
     assert prompt.images == () and "hi <image>" in prompt.text
+
+
+def test_a_prompt_with_pictures_goes_through_a_checkpoints_json():
+    from pipeline.core.types import Prompt
+    prompt = Prompt("p", "t", "1", token_ids=(1, 2), images=(digit_png("1"), digit_png("2")))
+    assert Prompt.from_state(json.loads(json.dumps(prompt.state()))) == prompt
+
+
+def test_a_pictures_tokens_count_against_the_context(tmp_path, chat):
+    from pipeline.inputs.datasets import fit_prompts
+    from pipeline.inputs.images import ImageTokens
+    from pipeline.inputs.tiny_vlm import SIDE
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    Qwen2VLImageProcessorPil(min_pixels=SIDE * SIDE, max_pixels=SIDE * SIDE).save_pretrained(tmp_path)
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(digit_rows(1)), path)
+    (prompt,) = load_prompts(path, chat=chat)
+    sent = len(prompt.token_ids) + 3    # the one placeholder becomes the picture's 4 tokens
+    tokens = ImageTokens(tmp_path)
+    assert tokens(prompt.images[0]) == 4
+    assert len(fit_prompts(path, "train", chat.tokenizer, context=sent + 8, max_new_tokens=8, drop=False,
+                           image_tokens=tokens).prompts) == 1
+    with pytest.raises(DataError, match=f"the prompt is {sent} tokens"):
+        fit_prompts(path, "train", chat.tokenizer, context=sent + 7, max_new_tokens=8, drop=False, image_tokens=tokens)
+    with pytest.raises(DataError, match="has no image processor"):
+        fit_prompts(path, "train", chat.tokenizer, context=sent + 8, max_new_tokens=8, drop=False)

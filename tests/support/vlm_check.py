@@ -35,8 +35,9 @@ def hf_logprobs(model, pixels, table: pa.Table) -> list[list[float]]:
     with torch.no_grad():
         for row in table.select(["prompt_ids", "response_ids", "images"]).to_pylist():
             ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
-            logp = torch.log_softmax(model(input_ids=ids, **pixels.inputs([row["images"]], ids)).logits[0].float(),
-                                     dim=-1)
+            logits = model(input_ids=ids, **pixels.inputs([row["images"]], ids)).logits[0].float()
+            logits[:, list(pixels.placeholders)] = float("-inf")   # never sampled (placeholder_token_ids)
+            logp = torch.log_softmax(logits, dim=-1)
             start = len(row["prompt_ids"]) - 1
             out.append([logp[start + i, t].item() for i, t in enumerate(row["response_ids"])])
     return out
