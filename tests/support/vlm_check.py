@@ -54,7 +54,7 @@ def measure(out_dir: Path, freeze: bool) -> dict:
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     from pipeline.trainer.vision import Pixels
     torch.set_num_threads(1)
-    model_dir = build_tiny_vlm(out_dir / "model")
+    model_dir = build_tiny_vlm(out_dir / "model", warmup_steps=0)
     train_path, _ = write_digit_data(out_dir / "data", n_train=4, n_val=1)
     prompts = load_prompts(train_path, chat=ChatTemplate(AutoTokenizer.from_pretrained(model_dir)))[:3]
     trainer = DeepSpeedPolicyEngine(engine_config(model_dir, "training.lr=1e-2", f"model.freeze_vision={freeze}"))
