@@ -117,3 +117,21 @@ def test_a_pictures_tokens_count_against_the_context(tmp_path, chat):
         fit_prompts(path, "train", chat.tokenizer, context=sent + 7, max_new_tokens=8, drop=False, image_tokens=tokens)
     with pytest.raises(DataError, match="has no image processor"):
         fit_prompts(path, "train", chat.tokenizer, context=sent + 8, max_new_tokens=8, drop=False)
+
+
+@pytest.mark.parametrize("setting, key", [("training.lora.rank=4", "training.lora"), ("algorithm=ppo", "algorithm ppo"),
+                                          ("distill.teacher={model}", "distill.teacher")])
+def test_a_vlm_with_a_setting_it_does_not_run_with_is_refused_before_any_worker(tmp_path, setting, key):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from pipeline.config import load_config
+    from pipeline.inputs.models import ModelError
+    from pipeline.inputs.preflight import preflight
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": {}, "text_config": {"vocab_size": 8}}))
+    save_file({"w": np.zeros(1, np.float32)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    cfg = load_config(None, ["backend=real", f"model.path={tmp_path}", "data.train=unread.jsonl",
+                             "data.reward=unread:reward", setting.format(model=tmp_path)])
+    with pytest.raises(ModelError, match=f"model.path: .* is a vision-language model, which trains without {key}"):
+        preflight(cfg)
