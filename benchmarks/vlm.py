@@ -17,7 +17,7 @@ and check-events' verdict on its event log.
 Targets: on every seed and in both modes the last greedy validation is at
 least twice chance; no run breaks an invariant.
 
-    .venv/bin/python -m benchmarks.vlm            # 3 seeds x async and sync, 150 steps
+    .venv/bin/python -m benchmarks.vlm            # 3 seeds x async and sync, 100 steps: about 15 min on 2 cores
     .venv/bin/python -m benchmarks.vlm --quick    # CI smoke: one seed, async, 3 steps; not a measurement
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="CI smoke: one seed, async, 3 steps; not a measurement")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--val-period", type=int, default=25)
     ap.add_argument("--out", type=Path, default=None, help="folder for vlm.json (default benchmarks/results)")
     args = ap.parse_args(argv)
