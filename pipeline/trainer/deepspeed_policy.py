@@ -53,11 +53,11 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         self.trainable_only = self.lora is not None
         # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
         self.temperature = cfg.generation.temperature
-        vision = is_vision_model(cfg.model.path)
-        self.pixels = Pixels(cfg.model.path) if vision else None
-        # The engine never samples a picture's placeholder tokens (VllmGenerationEngine._params): nor do we.
-        self.unsampled = list(self.pixels.placeholders) if vision else []
-        self.freeze_vision = vision and cfg.model.freeze_vision
+        self.freeze_vision = cfg.model.freeze_vision
+        # Of a vision-language model (set by _build_model, once the directory is checked): its pictures'
+        # pixels, the tokens the engine never samples (VllmGenerationEngine._params), the weights frozen.
+        self.pixels: Pixels | None = None
+        self.unsampled: list[int] = []
         self.frozen: frozenset[str] = frozenset()
         super().__init__(cfg, cfg.model.path, t.lr, rank, rendezvous)
         if self.ref is not None:
@@ -66,8 +66,11 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
     def _build_model(self) -> torch.nn.Module:
         model = load_policy_model(self.model_path)
         model.config.use_cache = False
-        if self.freeze_vision:
-            self.frozen = freeze_vision(model)
+        if is_vision_model(self.model_path):
+            self.pixels = Pixels(self.model_path)
+            self.unsampled = list(self.pixels.placeholders)
+            if self.freeze_vision:
+                self.frozen = freeze_vision(model)
         # eval(): no dropout, so the logprobs match the generator's and `old` is exact.
         model.eval()
         compute_dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
