@@ -33,6 +33,10 @@ models/tiny_chat/config.json: | $(STAMP)
 models/tiny_rm/config.json: | $(STAMP)
 	$(PY) -m pipeline build-tiny --out models/tiny_rm --reward-model
 
+# A tiny Qwen2-VL (pipeline/inputs/tiny_vlm.py) for the picture task (examples/tiny_vlm_grpo.yaml).
+models/tiny_vlm/config.json: | $(STAMP)
+	$(PY) -m pipeline build-tiny --vlm --out models/tiny_vlm
+
 # The tiny model warmed up on a multi-turn env's format (pipeline/trainer/warmup.py;
 # steps and prompts default to the env class's measured warmup_steps/warmup_prompts).
 models/tiny_tool/config.json: models/tiny/config.json data/tool_train.jsonl data/tool_val.jsonl | $(STAMP)

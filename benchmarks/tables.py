@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from benchmarks.harness import RESULTS
-from benchmarks.tables_learning import distill, long_run, seeds, tool_seeds, vs_trl, vs_trl_scale
+from benchmarks.tables_learning import distill, long_run, seeds, tool_seeds, vlm, vs_trl, vs_trl_scale
 from benchmarks.tables_systems import agents, batching, inflight, lora_trainer, multiturn, overlap, refit, routing_replay, soak, step_profile, trainer_efficiency
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "results.md"
@@ -29,6 +29,7 @@ SECTIONS = (
                                   "(`seeds.py --algorithms reward_model`)"),
     ("tool_seeds", tool_seeds, "the multi-turn recipes across seeds (`tool_seeds.py`)"),
     ("distill", distill, "on-policy distillation against GRPO from the same fresh student (`distill.py`)"),
+    ("vlm", vlm, "a vision-language model learns to read a digit, async and sync (`vlm.py`)"),
     ("vs_trl", vs_trl, "against TRL's GRPOTrainer (`vs_trl.py`)"),
     ("step_profile", step_profile, "where a step and the start-up go (`step_profile.py`)"),
     ("overlap", overlap, "does async overlap generation with training? (`overlap.py`)"),

@@ -165,3 +165,17 @@ def distill(r: dict) -> str:
             + f"\n\nGreedy validation after {' / '.join(map(str, marks))} steps:\n\n"
             + md(["run", "seed", "validation"], curves, text_cols=3)
             + "\n\nTargets:\n\n" + targets(r["targets"]))
+
+
+def vlm(r: dict) -> str:
+    """Per seed and mode: the tiny VLM's greedy validation along the run (benchmarks/vlm.py)."""
+    p = r["params"]
+    head = (f"seeds {p['seeds']}, {p['steps']} steps, async (max_age 1) and sync (max_age 0), greedy validation at "
+            f"the start and every {p['val_period']} steps; chance (one digit for every picture) {r['chance']}. "
+            f"{machine(r)}\n\n")
+    rows = [[x["mode"], x["seed"], " / ".join(f"{v:.2f}" for _, v in x["val"]), f"{x['val_end']:.2f}",
+             len(x["violations"]), x["wall_s"]] for x in r["runs"]]
+    steps = " / ".join(str(step + 1) for step, _ in r["runs"][0]["val"])
+    return (head + md(["mode", "seed", f"greedy validation after {steps} steps", "end", "violations", "wall s"],
+                      rows, text_cols=3)
+            + "\n\nTargets:\n\n" + targets(r["targets"]))

@@ -40,6 +40,13 @@ def _timeline(args: argparse.Namespace) -> int:
 
 def _build_tiny(args: argparse.Namespace) -> int:
     from pipeline.inputs.tiny import main, model_digest
+    if args.vlm:
+        import torch
+        from pipeline.inputs.tiny_vlm import build_tiny_vlm
+        torch.set_num_threads(1)
+        build_tiny_vlm(args.out, seed=args.seed)
+        print(f"built the tiny vision-language model in {args.out} (sha256 {model_digest(args.out)[:12]})")
+        return 0
     if args.reward_model:
         import torch
         from pipeline.inputs.tiny_reward_model import build_tiny_reward_model
@@ -119,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model family (qwen3_moe: a mixture of experts, for examples/tiny_moe_grpo.yaml)")
     p.add_argument("--reward-model", action="store_true", help="build a classifier fitted to the tiny task's reward "
                    "(examples/tiny_reward_model.yaml)")
+    p.add_argument("--vlm", action="store_true", help="build a tiny Qwen2-VL with its image processor "
+                   "(examples/tiny_vlm_grpo.yaml)")
     p.set_defaults(func=_build_tiny)
     p = sub.add_parser("warmup", help="supervised warm-up of a model on an environment's expert transcripts")
     from pipeline.trainer.warmup_cli import add_arguments

@@ -220,6 +220,8 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = _key("", "HF model directory (save_pretrained); required with backend real")
+    freeze_vision: bool = _key(True, "a vision-language model's vision tower and projector are not trained (nor "
+                               "sent to the generators at a refit); false: trained with the language model")
 
 
 @dataclass(frozen=True)

@@ -278,7 +278,7 @@ class Controller(Actor):
             "launched_through": self._launched_through,
             "entries": [{"batch_id": e.batch_id, "target": e.target, "version": e.version,
                          "arrived": e.table is not None, "generator": e.launch.generator,
-                         "prompts": [p.__dict__ for p in e.launch.prompts]} for e in entries],
+                         "prompts": [p.state() for p in e.launch.prompts]} for e in entries],
         }
         (out / "controller.json").write_text(json.dumps(state))
 
@@ -295,7 +295,7 @@ class Controller(Actor):
             for batch_id in set(table.column("batch_id").to_pylist()):
                 tables[batch_id] = table.filter(pc.equal(table.column("batch_id"), batch_id))
         for e in state["entries"]:
-            launch = Launch(e["batch_id"], e["target"], e["generator"], tuple(Prompt(**p) for p in e["prompts"]))
+            launch = Launch(e["batch_id"], e["target"], e["generator"], tuple(Prompt.from_state(p) for p in e["prompts"]))
             table = tables.get(e["batch_id"]) if e["arrived"] else None
             self.queue.restore(e["batch_id"], e["target"], e["version"], table, launch)
             if table is not None:

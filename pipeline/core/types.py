@@ -8,6 +8,7 @@ DeepSpeed) implement these.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -30,10 +31,22 @@ class Prompt:
     # where the row comes from ("" for none; data.reward may route by it), and extra_info as JSON text.
     data_source: str = ""
     extra_info: str = ""
+    # The pictures of a vision-language prompt, as their files' bytes, in the order
+    # of their placeholders in token_ids (pipeline/inputs/images.py).
+    images: tuple[bytes, ...] = ()
 
     def __post_init__(self):
         # A checkpoint's round trip (Arrow, JSON) hands lists back: equal prompts stay equal.
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        object.__setattr__(self, "images", tuple(self.images))
+
+    def state(self) -> dict:
+        """The prompt as JSON values (a checkpoint's controller.json): pictures as base64 text."""
+        return {**self.__dict__, "images": [base64.b64encode(image).decode() for image in self.images]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Prompt":
+        return cls(**{**state, "images": [base64.b64decode(image) for image in state.get("images", ())]})
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,9 @@ TRAJECTORY_SCHEMA = pa.schema([
     # training.routing_replay: the experts the engine routed each token to, the prompt's and the
     # response's but the last (pipeline/moe/routes.py), which the trainer's forward replays. Null: none.
     ("routed_experts", pa.large_binary()),
+    # A vision-language prompt's pictures as their files' bytes (Prompt.images): the trainer
+    # turns them into the model's pixels with the model's image processor. Null: no pictures.
+    ("images", pa.list_(pa.binary())),
 ])
 
 

@@ -33,6 +33,7 @@ from pipeline.inputs.models import DEFAULT_MAX_MODEL_LEN, ModelError, check_mode
 from pipeline.core.spans import span  # noqa: E402
 from pipeline.generator.cpu_moe import repack_experts_on_reload  # noqa: E402
 from pipeline.generator.vllm_outputs import completion_of  # noqa: E402
+from pipeline.inputs.images import VISION_PREFIXES, decode as decode_image, placeholder_token_ids  # noqa: E402
 from pipeline.moe.capture import RouteRecorder  # noqa: E402
 from pipeline.moe.routes import route_layout  # noqa: E402
 
@@ -69,7 +70,7 @@ class VllmGenerationEngine:
         path = check_model_dir(model_path)
         self.model_path = str(path)
         config = json.loads((path / "config.json").read_text())
-        positions = config.get("max_position_embeddings")
+        positions = (config.get("text_config") or config).get("max_position_embeddings")
         if max_model_len is not None and positions:
             # The KV cache is sized for max_model_len; more than the model can
             # attend to is a vLLM start-up error, so take the smaller.
@@ -112,6 +113,10 @@ class VllmGenerationEngine:
                           max_loras=1, max_cpu_loras=1)
             shm = Path("/dev/shm")
             self._adapter_dir = Path(tempfile.mkdtemp(prefix="dagrl-lora-", dir=shm if shm.is_dir() else None))
+        if "vision_config" in config:
+            from pipeline.generator.vision_compat import allow_images_without_torchvision
+            allow_images_without_torchvision()
+            kwargs["limit_mm_per_prompt"] = {"video": 0}   # images only: no video memory profiled
         kwargs.update(llm_kwargs)
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the
         # whole process (it assumes it pinned the threads); with nobind nothing
@@ -137,6 +142,7 @@ class VllmGenerationEngine:
         # with a warm inductor cache. Eager is instant; on CPU we run eager.
         self._stance = "force_eager" if enforce_eager and on_cpu else None
         self.tokenizer = self.llm.get_tokenizer()
+        self._unsampled = self.tokenizer.convert_ids_to_tokens(list(placeholder_token_ids(config)))
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self._plan: Any = None  # RefitPlan after the first load; False: this model needs reload_weights
         self._plan_off = ""
@@ -187,9 +193,12 @@ class VllmGenerationEngine:
             raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
         with span("vllm.requests"):
             ids = list(prompt.token_ids) or self._encode_prompt(prompt.text)
+            request = TokensPrompt(prompt_token_ids=ids)
+            if prompt.images:
+                # vLLM's processor puts each picture's placeholder tokens in; the completion's prompt ids have them.
+                request["multi_modal_data"] = {"image": [decode_image(image) for image in prompt.images]}
             params = self._params(seed, max_tokens, stop, temperature)
-            request_id = self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=ids), params,
-                                                         lora_request=self._adapter)
+            request_id = self.llm.llm_engine.add_request(key, request, params, lora_request=self._adapter)
         if self._routes is not None:
             self._routes.track(key, request_id, len(ids) + params.max_tokens)
         self._prompts[key] = prompt
@@ -281,9 +290,13 @@ class VllmGenerationEngine:
             return
         self.check_entries(entries)
         # The span keeps reload_weights' name: the step profile and its test read it.
+        names = [name for name, _, _ in entries]
         with span("vllm.reload_weights"):
-            self._load([name for name, _, _ in entries], stream, stable)
+            self._load(names, stream, stable)
         self.drop_prefix_cache()
+        if any(name.startswith(VISION_PREFIXES) for name in names):
+            # vLLM keeps each picture's encoding for the next request that shows it, across a load.
+            self.llm.llm_engine.reset_encoder_cache()
 
     def _load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
         """Serve a new version of the adapter: vLLM reloads it in place under the
@@ -393,7 +406,8 @@ class VllmGenerationEngine:
         # take as they are instead of deep-copying them.
         common = dict(n=1, max_tokens=max_tokens or self.max_new_tokens, logprobs=0, detokenize=bool(stop),
                       output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True,
-                      **({"stop": list(stop)} if stop else {}))
+                      **({"stop": list(stop)} if stop else {}),
+                      **({"bad_words": self._unsampled} if self._unsampled else {}))
         if seed is None:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=self.temperature if temperature is None else temperature,

@@ -301,6 +301,7 @@ class GeneratorWorker(Actor):
                 # The teacher's, on the way to the buffer (pipeline/distill/).
                 "teacher_logprobs": [None] * n, "teacher_topk_ids": [None] * n, "teacher_topk_logprobs": [None] * n,
                 "routed_experts": [c.routes or None for _, c in rows],
+                "images": [list(p.images) or None for p, _ in rows],
             }, schema=TRAJECTORY_SCHEMA)
 
 

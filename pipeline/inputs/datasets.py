@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.types import Prompt
+from pipeline.inputs.images import ImageTokens, image_messages, row_images
 from pipeline.inputs.layouts import Columns, Layout, layout
 from pipeline.inputs.rows import (DataError, Rows, answer, json_text, messages, optional_text, read_rows,
                                   text as field_text)
@@ -95,7 +96,8 @@ def _load(path: str | Path, kind: str, columns: Columns, chat: ChatTemplate | No
     first_of: dict[str, int] = {}
     prompts = []
     for i in range(len(data.rows)):
-        text, token_ids, conversation = _prompt(data, i, fields, chat, check_only)
+        images = row_images(data, i, fields.images) if fields.images else ()
+        text, token_ids, conversation = _prompt(data, i, fields, chat, check_only, images)
         truth = answer(data, i, fields.answer)
         if fields.gsm8k:
             text, truth = GSM8K_TEMPLATE.format(question=text.strip()), _gsm8k_answer(data, i, truth)
@@ -107,18 +109,22 @@ def _load(path: str | Path, kind: str, columns: Columns, chat: ChatTemplate | No
             first_of[pid] = i
         prompts.append(Prompt(id=pid, text=text, answer=truth, token_ids=token_ids, messages=conversation,
                               data_source=optional_text(data, i, "data_source"),
-                              extra_info=json_text(data, i, "extra_info")))
+                              extra_info=json_text(data, i, "extra_info"), images=images))
     return prompts, data.where
 
 
 def _prompt(data: Rows, i: int, fields: Layout, chat: ChatTemplate | None,
-            check_only: bool) -> tuple[str, tuple[int, ...], str]:
+            check_only: bool, images: tuple[bytes, ...] = ()) -> tuple[str, tuple[int, ...], str]:
     """A row's prompt: (text, token ids, the conversation as JSON); the ids and
-    conversation are those of a chat prompt, rendered by `chat` (none when `check_only`)."""
+    conversation are those of a chat prompt, rendered by `chat` (none when `check_only`).
+    A row with `images` is a chat prompt whose messages mark where each goes."""
     name = fields.prompt
+    if images and not isinstance(data.rows[i].get(name), list):
+        raise data.error(i, f"{data.noun} {name!r}: a row with images needs its prompt as chat messages that "
+                            "mark where each picture goes (verl's '<image>' in the text, or TRL's image parts)")
     if fields.gsm8k or not isinstance(data.rows[i].get(name), list):
         return field_text(data, i, name), (), ""
-    listed = messages(data, i, name)
+    listed = image_messages(data, i, name, len(images)) if images else messages(data, i, name)
     if check_only:
         return "", (), ""
     if chat is None:
@@ -167,22 +173,29 @@ class Fitted:
                 f"(context {self.context} - max_new_tokens {self.max_new_tokens}); data.filter_overlong")
 
 
-def prompt_lengths(prompts: list[Prompt], tokenizer) -> list[int]:
-    """Each prompt's tokens as the generator sends them to vLLM."""
+def prompt_lengths(prompts: list[Prompt], tokenizer, image_tokens=None) -> list[int]:
+    """Each prompt's tokens as the generator sends them to vLLM; `image_tokens`
+    (images.ImageTokens) counts a picture's, whose one placeholder vLLM widens."""
     # VllmGenerationEngine.encode: tokenizer(text).input_ids, one text per call and the
     # special tokens (the BOS) included; anything else could count fewer than vLLM gets.
     # A chat prompt is sent as its rendered ids, the template's tokens among them.
-    return [len(p.token_ids) if p.token_ids else len(tokenizer(p.text).input_ids) for p in prompts]
+    return [(len(p.token_ids) if p.token_ids else len(tokenizer(p.text).input_ids)) +
+            (sum(image_tokens(image) - 1 for image in p.images) if image_tokens else 0) for p in prompts]
 
 
 def fit_prompts(path: str | Path, kind: str, tokenizer, *, context: int, max_new_tokens: int,
-                drop: bool, system_prompt: str = "", model: str = "", columns: Columns = Columns()) -> Fitted:
+                drop: bool, system_prompt: str = "", model: str = "", columns: Columns = Columns(),
+                image_tokens=None) -> Fitted:
     """The prompts of `path` whose tokens plus max_new_tokens fit `context`.
     An over-long prompt is left out when `drop`, else a DataError naming its
-    line or row and its length; a dataset with none left is a DataError too."""
+    line or row and its length; a dataset with none left is a DataError too.
+    `image_tokens` (images.ImageTokens): a picture's tokens, for a dataset with pictures."""
     prompts, where = _load(path, kind, columns, ChatTemplate(tokenizer, system_prompt, model))
     limit = context - max_new_tokens
-    lengths = prompt_lengths(prompts, tokenizer)
+    if any(p.images for p in prompts) and image_tokens is None:
+        raise DataError(f"{path}: its prompts show pictures, but model.path {model or '?'} has no image processor "
+                        "(preprocessor_config.json); give a vision-language model")
+    lengths = prompt_lengths(prompts, tokenizer, image_tokens)
     over = [i for i, n in enumerate(lengths) if n > limit]
     fits = f"the {limit} that fit (the model's context {context} - generation.max_new_tokens {max_new_tokens})"
     if over and not drop:
@@ -231,7 +244,9 @@ def run_prompts(cfg, kind: str, path: str | None = None) -> Fitted:
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         fitted = fit_prompts(path, kind, tokenizer, context=context_length(model),
                              max_new_tokens=cfg.generation.max_new_tokens, drop=cfg.data.filter_overlong,
-                             system_prompt=cfg.data.system_prompt, model=str(model), columns=columns)
+                             system_prompt=cfg.data.system_prompt, model=str(model), columns=columns,
+                             image_tokens=ImageTokens(model) if (model / "preprocessor_config.json").is_file()
+                             else None)
         while len(_FITTED) >= 8:
             _FITTED.pop(next(iter(_FITTED)))
         _FITTED[key] = fitted

@@ -5,12 +5,14 @@ input_key and label_key), or detected:
 - `prompt` (text, or a list of chat messages as verl's and TRL's layouts hold it)
   and `answer`, or verl's `reward_model.ground_truth`;
 - GSM8K's `question` and `answer` ending in "#### N", when neither key is set.
-`id`, and verl's `data_source` and `extra_info`, are read where a file has them.
+`id`, and verl's `data_source` and `extra_info`, are read where a file has them,
+and so are a row's pictures (`images` or `image`, pipeline/inputs/images.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.inputs.images import image_column
 from pipeline.inputs.rows import DataError, Rows
 
 # verl's answer: a column of {style, ground_truth} objects.
@@ -33,12 +35,15 @@ class Layout:
     answer: tuple[str, ...]      # the answer's field, and the keys down to it inside an object
     gsm8k: bool                  # the prompt is a GSM8K question, the answer ends in "#### N"
     optional: tuple[str, ...]    # of OPTIONAL, the fields the file has
+    images: str = ""             # the field of each row's pictures, "" for none
 
     def kinds(self) -> dict[str, str]:
         """What each field read must hold (pipeline/inputs/rows.py Rows.use)."""
         kinds = {name: OPTIONAL[name] for name in self.optional}
         kinds[self.answer[0]] = "answer" if len(self.answer) == 1 else "any"
         kinds[self.prompt] = "text" if self.gsm8k else "prompt"
+        if self.images:
+            kinds[self.images] = "any"
         return kinds
 
 
@@ -58,7 +63,8 @@ def layout(data: Rows, columns: Columns) -> Layout:
                             f"another with data.prompt_key {found}")
     gsm8k = prompt == "question" and not configured
     answer = _answer(data, columns.answer, gsm8k, found)
-    return Layout(prompt, answer, gsm8k, tuple(name for name in OPTIONAL if name in data.names))
+    return Layout(prompt, answer, gsm8k, tuple(name for name in OPTIONAL if name in data.names),
+                  image_column(data))
 
 
 def _answer(data: Rows, key: str, gsm8k: bool, found: str) -> tuple[str, ...]:

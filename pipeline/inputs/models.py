@@ -201,9 +201,22 @@ def vocab_size(path: str | Path) -> int | None:
     return _config_vocab(json.loads((Path(path) / "config.json").read_text()))
 
 
+def check_vision_policy(path: str | Path, unsupported: dict[str, bool]) -> None:
+    """A vision-language policy (config.json with a vision_config) is refused with
+    a setting it does not run with yet: `unsupported` maps each setting's key to
+    whether the recipe sets it (a LoRA, a critic and a teacher load the model as a
+    text model)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    on = [key for key, set_ in unsupported.items() if set_]
+    if "vision_config" in config and on:
+        raise ModelError(f"model directory {str(path)!r} is a vision-language model, which trains without "
+                         f"{', '.join(on)} for now; unset it")
+
+
 def context_length(path: str | Path, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> int:
     """The tokens a generator's vLLM engine holds per sequence, prompt and
     completion together: max_model_len capped at the model's
     max_position_embeddings, as VllmGenerationEngine does."""
-    positions = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+    config = json.loads((Path(path) / "config.json").read_text())
+    positions = (config.get("text_config") or config).get("max_position_embeddings")
     return min(max_model_len, int(positions)) if positions else max_model_len

@@ -26,8 +26,8 @@ def preflight(cfg: Config) -> Future | None:
         return None
     from pipeline.inputs.datasets import DataError, check_prompts, data_columns, run_prompts
     from pipeline.inputs.models import (
-        ModelError, check_model_files, check_model_loads, check_reward_model, check_same_tokenizer, context_length,
-        vocab_size)
+        ModelError, check_model_files, check_model_loads, check_reward_model, check_same_tokenizer, check_vision_policy,
+        context_length, vocab_size)
     from pipeline.rewards.specs import RewardError, check_routes, load_reward
 
     def check(key: str, fn: Callable, *args, **kwargs):
@@ -46,6 +46,9 @@ def preflight(cfg: Config) -> Future | None:
         models.append(("distill.teacher", cfg.distill.teacher, None))
     for key, path, tokenizer_dir in models:
         check(key, check_model_files, path, own_tokenizer=tokenizer_dir is None)
+    check("model.path", check_vision_policy, cfg.model.path,
+          {"training.lora": bool(cfg.training.lora.rank), "algorithm ppo": cfg.algorithm == "ppo",
+           "distill.teacher": bool(cfg.distill.teacher)})
     if cfg.reward_model.kind:
         check("reward_model.path", check_reward_model, cfg.reward_model.path, cfg.reward_model.kind)
     # Empty files are DataErrors inside check_prompts. data.val is read whenever it is

@@ -1,5 +1,6 @@
 """The built-in rule rewards: the tiny repeat task's, and GSM8K's last number
-(`data.reward: pipeline.rewards.rules:tiny_reward`, `...:gsm8k_reward`).
+(`data.reward: pipeline.rewards.rules:tiny_reward`, `...:gsm8k_reward`), and the tiny picture task's
+(`...:digit_reward`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ def tiny_reward(prompt: Prompt, completion_text: str) -> float:
     if not completion_text:
         return 0.0
     return sum(ch == target for ch in completion_text) / len(completion_text)
+
+
+def digit_reward(prompt: Prompt, completion_text: str) -> float:
+    """The tiny picture task (pipeline/inputs/tiny_vlm.py): tiny_reward's fraction of
+    characters that are the digit shown, and 0 for an answer that names another digit
+    too. Without that 0, answers that mix two digits ("1212...", one BPE token
+    a pair) scored 0.5 on either's pictures, and GRPO settled on one such answer for
+    every picture (greedy validation 0.25, a constant answer's) instead of reading it."""
+    if any(ch.isdigit() and ch != prompt.answer for ch in completion_text):
+        return 0.0
+    return tiny_reward(prompt, completion_text)
 
 
 def _to_number(text: str) -> float | None:

@@ -33,6 +33,7 @@ from pipeline.core.data_parallel import Batching, Rendezvous, Shard, free_port, 
 from pipeline.inputs.models import check_model_files
 from pipeline.core.spans import span
 from pipeline.trainer.rows import collate, packing_gap, token_column, trajectory_rows
+from pipeline.trainer.vision import is_vision_model
 
 
 def _init_distributed(cuda: bool, rank: int, rendezvous: Rendezvous | None):
@@ -203,7 +204,11 @@ class DeepSpeedEngine(abc.ABC):
         self.engine = initialize(self.deepspeed, self._build_model(), self.ds_config)
         self.device = self.engine.device
         self.packing_off = ""   # why training.packing fell back to padded micro-batches, if it did
-        if t.packing:
+        if t.packing and is_vision_model(self.model_path):
+            self.batching = Batching(t.micro_batch_size, t.max_tokens_per_micro_batch)
+            self.packing_off = ("a vision-language model's positions come from its pictures' grids row by row "
+                                "(multimodal rotary positions), which a packed sequence's do not give; padded instead")
+        elif t.packing:
             vocab = json.loads((self.model_path / "config.json").read_text())["vocab_size"]
             gap, leak = packing_gap(self._window_outputs, self.device, vocab)
             if not gap <= 0.1 * leak:

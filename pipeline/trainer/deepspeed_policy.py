@@ -22,6 +22,7 @@ from pipeline.weights import lora as adapters
 from pipeline.core.data_parallel import Rendezvous, Shard, batch_shards, row_lengths, trained_tokens
 from pipeline.trainer.deepspeed_base import DeepSpeedEngine, full_params
 from pipeline.trainer.rows import collate, pack_window, teacher_topk, trajectory_rows
+from pipeline.trainer.vision import PROCESSOR_FILES, Pixels, freeze_vision, is_vision_model, load_policy_model
 from pipeline.inputs.models import TOKENIZER_FILES
 from pipeline.core.spans import span
 from pipeline.moe.replay import install_replay, replaying
@@ -40,6 +41,9 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
     weights is the KL reference. With training.lora only peft adapters are
     trained, and the weights it exports, saves and restores are the adapter's;
     the KL reference is then the base model itself, adapters switched off.
+    A vision-language model scores its samples with their pictures
+    (pipeline/trainer/vision.py); with model.freeze_vision its vision tower and
+    projector are not trained, and neither exported nor sent to the generators.
     """
 
     def __init__(self, cfg: Config, rank: int = 0, rendezvous: Rendezvous | None = None):
@@ -56,14 +60,24 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
         # vLLM reports logprobs of the temperature-scaled distribution; ours must match.
         self.temperature = cfg.generation.temperature
         self.routes = route_layout(cfg.model.path) if t.routing_replay else None
+        self.freeze_vision = cfg.model.freeze_vision
+        # Of a vision-language model (set by _build_model, once the directory is checked): its pictures'
+        # pixels, the tokens the engine never samples (VllmGenerationEngine._params), the weights frozen.
+        self.pixels: Pixels | None = None
+        self.unsampled: list[int] = []
+        self.frozen: frozenset[str] = frozenset()
         super().__init__(cfg, cfg.model.path, t.lr, rank, rendezvous)
         if self.ref is not None:
             self.ref.to(self.device)
 
     def _build_model(self) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model = load_policy_model(self.model_path)
         model.config.use_cache = False
+        if is_vision_model(self.model_path):
+            self.pixels = Pixels(self.model_path)
+            self.unsampled = list(self.pixels.placeholders)
+            if self.freeze_vision:
+                self.frozen = freeze_vision(model)
         # eval(): no dropout, so the logprobs match the generator's and `old` is exact.
         model.eval()
         if self.routes is not None:
@@ -105,9 +119,14 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                 logits, targets = out.logits[0].float() / self.temperature, batch["targets"]
             else:
                 start = batch["start"]
+                pictures = self.pixels.inputs(batch["images"], ids) if "images" in batch else {}
                 out = model(input_ids=ids, attention_mask=batch["attn"], use_cache=False,
-                            logits_to_keep=ids.shape[1] - start)
+                            logits_to_keep=ids.shape[1] - start, **pictures)
                 logits, targets = out.logits[:, :-1].float() / self.temperature, ids[:, start + 1:]
+        if self.unsampled:
+            # The float's lowest, not -inf: its probability is 0 all the same, and p log p stays 0 for the entropy.
+            logits = logits.index_fill(-1, torch.tensor(self.unsampled, device=logits.device),
+                                       torch.finfo(logits.dtype).min)
         logp = torch.log_softmax(logits, dim=-1)
         lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         out = {"lp": self._in_window(lp, batch)}
@@ -256,8 +275,11 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
                 row["old"] = lp[j][batch["mask"][j]].float().tolist()
 
     def _synced(self) -> dict[str, torch.Tensor]:
-        """With LoRA the adapter's tensors, under peft's saved names; else every weight."""
-        return adapters.adapter_state(self.engine.module) if self.lora is not None else super()._synced()
+        """With LoRA the adapter's tensors, under peft's saved names; else every weight
+        but a frozen vision tower's, which the generators already hold."""
+        if self.lora is not None:
+            return adapters.adapter_state(self.engine.module)
+        return {name: t for name, t in super()._synced().items() if name not in self.frozen}
 
     def save(self, path: str) -> None:
         """An HF checkpoint of the current weights (with LoRA: the peft adapter
@@ -274,10 +296,12 @@ class DeepSpeedPolicyEngine(DeepSpeedEngine):
             with full_params(self.deepspeed, self.engine.module, self.zero_stage):
                 if self.rank == 0:
                     out.mkdir(parents=True, exist_ok=True)
-                    self.engine.module.save_pretrained(out, state_dict=state)
+                    # The frozen vision tower is not exported, but a checkpoint holds the whole model.
+                    whole = {name: t for name, t in self.engine.module.state_dict().items() if name in self.frozen}
+                    self.engine.module.save_pretrained(out, state_dict={**whole, **state})
         if self.rank != 0:
             return
-        for name in TOKENIZER_FILES:
+        for name in (*TOKENIZER_FILES, *PROCESSOR_FILES):
             if (self.model_path / name).is_file():
                 shutil.copy2(self.model_path / name, out / name)
 

@@ -21,6 +21,9 @@ def trajectory_rows(table: pa.Table) -> list[dict]:
     if "routed_experts" in table.column_names:  # routing replay's (pipeline/moe/replay.py)
         for row, routes in zip(rows, table.column("routed_experts").to_pylist()):
             row["routed_experts"] = routes
+    if "images" in table.column_names:
+        for row, images in zip(rows, table.column("images").to_pylist()):
+            row["images"] = images or []
     for i, (row, mask) in enumerate(zip(rows, masks)):
         # Only model tokens are trained: an environment's observation is not the policy's action.
         row["loss_mask"] = [1] * len(row["response_ids"]) if mask is None else mask
@@ -87,13 +90,18 @@ def collate(rows: list[dict], device, token_keys: dict[str, str], packed: bool =
     loss reads both alike. `forward_positions` and `pad_positions` count what
     the forward runs on. `routed_experts`, where a row has routes: each row's
     (or None), for routing replay (pipeline/moe/replay.py).
+
+    `images`, where a row has pictures: each row's, as bytes, for the model's
+    image processor (pipeline/trainer/vision.py).
     """
     lens = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
     routes = {"routed_experts": [r.get("routed_experts") for r in rows]} \
         if any(r.get("routed_experts") for r in rows) else {}
+    images = {"images": [r.get("images") or [] for r in rows]} if any(r.get("images") for r in rows) else {}
+    extra = {**routes, **images}
     if packed:
-        return {**_window(rows, device, token_keys), **_packed(rows, lens, device), **routes}
-    return {**_window(rows, device, token_keys), **_padded(rows, lens, device), **routes}
+        return {**_window(rows, device, token_keys), **_packed(rows, lens, device), **extra}
+    return {**_window(rows, device, token_keys), **_padded(rows, lens, device), **extra}
 
 
 def _window(rows: list[dict], device, token_keys: dict[str, str]) -> dict:

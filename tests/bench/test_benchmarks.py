@@ -258,3 +258,15 @@ def test_distill_quick(tmp_path):
         "distill/kl falls (last step < first)", "distill/topk_kl falls (last step < first)",
         "every run's events pass check-events (invariant 10: each batch taught before training)"]
     assert distill["violations"] == grpo["violations"] == []
+
+
+@pytest.mark.real
+def test_vlm_quick(tmp_path):
+    result = run_quick("vlm", tmp_path)
+    (run,) = result["runs"]
+    assert (run["mode"], run["seed"]) == ("async", 0)
+    # Validation before training and after each of the 3 steps.
+    assert [s for s, _ in run["val"]] == [-1, 0, 1, 2]
+    assert [t["target"].split(",")[0] for t in result["targets"]] == [
+        "last greedy validation >= 0.5 (twice chance)", "every run's events pass check-events"]
+    assert run["violations"] == []

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from pipeline.core.types import Prompt
 from pipeline.inputs.tiny import TINY_ALPHABET, tiny_prompt
-from pipeline.rewards.rules import extract_last_number, gsm8k_reward, tiny_reward
+from pipeline.rewards.rules import digit_reward, extract_last_number, gsm8k_reward, tiny_reward
 
 pytestmark = pytest.mark.unit
 
@@ -65,3 +65,9 @@ def test_gsm8k_reward_reads_formatted_integers(n):
     p = Prompt("g", "q", str(n))
     assert gsm8k_reward(p, f"reasoning 3 + 4\n#### {n:,}") == 1.0
     assert gsm8k_reward(p, f"#### {n + 1}") == 0.0
+
+
+@pytest.mark.parametrize("text, reward", [("2", 1.0), ("22 ok", 0.4), ("", 0.0), ("1212", 0.0), ("2 not 3", 0.0),
+                                          ("two", 0.0)])
+def test_digit_reward_gives_nothing_to_an_answer_that_names_another_digit(text, reward):
+    assert digit_reward(Prompt("p", "", "2"), text) == pytest.approx(reward)

@@ -59,7 +59,8 @@ def max_diff(a, b):
 
 def sequence_logprobs(engine, table) -> list[list[float]]:
     """A policy engine's current logprob of each response token of `table` (no update)."""
-    rows = table.select(["prompt_ids", "response_ids"]).to_pylist()
+    pictures = ["images"] if "images" in table.column_names else []
+    rows = table.select(["prompt_ids", "response_ids", *pictures]).to_pylist()
     batch = collate(rows, engine.device, token_keys={})
     with torch.no_grad():
         lp = engine.token_logprobs(engine.engine, batch)
