@@ -231,7 +231,7 @@ def run_prompts(cfg, kind: str, path: str | None = None) -> Fitted:
     `path` (`kind` its name), that a real run generates from: over-long ones
     left out, or refused, per data.filter_overlong. The driver's preflight and
     the workers call this alike, so they agree."""
-    from pipeline.inputs.models import TOKENIZER_FILES, context_length
+    from pipeline.inputs.models import TOKENIZER_FILES, context_length, load_tokenizer
     path = Path(path or (cfg.data.train if kind == "train" else cfg.data.val))
     model = Path(cfg.model.path)
     stamps = tuple(_stamp(f) for f in (model / "config.json", *(model / n for n in TOKENIZER_FILES)) if f.is_file())
@@ -239,9 +239,8 @@ def run_prompts(cfg, kind: str, path: str | None = None) -> Fitted:
     key = (kind, _stamp(path), stamps, cfg.generation.max_new_tokens, cfg.data.filter_overlong,
            cfg.data.system_prompt, columns)
     if key not in _FITTED:
-        from transformers import AutoTokenizer
-        # The generator's tokenizer: vLLM loads model.path's with AutoTokenizer too.
-        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        # The generator's tokenizer: vLLM loads model.path's with AutoTokenizer.
+        tokenizer = load_tokenizer(model)
         fitted = fit_prompts(path, kind, tokenizer, context=context_length(model),
                              max_new_tokens=cfg.generation.max_new_tokens, drop=cfg.data.filter_overlong,
                              system_prompt=cfg.data.system_prompt, model=str(model), columns=columns,

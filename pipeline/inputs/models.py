@@ -5,8 +5,13 @@ and, for a model that tokenizes, its tokenizer files. The checks raise
 ModelError naming the directory, so bad input is an error about the path
 rather than a loader's traceback. `check_model_files` is quick (the files,
 the weights' headers, config.json's JSON); `check_model_loads` imports
-transformers (seconds) to load the config and tokenizer; `check_model_dir`
-runs both.
+transformers to check the config's model type and load the tokenizer;
+`check_model_dir` runs both.
+
+transformers' Auto classes import torch (seconds of CPU; the driver runs these
+checks beside Ray's start). Where a directory's files say what AutoConfig and
+AutoTokenizer would conclude, `check_model_loads` and `load_tokenizer` read
+them instead; anything else goes through the Auto classes.
 """
 from __future__ import annotations
 
@@ -123,19 +128,21 @@ def check_model_dir(path: str | Path, *, tokenizer_dir: str | Path | None = None
 
 
 def check_model_loads(path: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
-    """The part of check_model_dir that needs transformers (seconds of imports):
-    its config and tokenizer load, and the vocabulary covers the tokenizer."""
+    """The part of check_model_dir that needs transformers: its config names a
+    model type transformers knows, its tokenizer loads, and the vocabulary
+    covers the tokenizer."""
     p = Path(path)
     config = json.loads((p / "config.json").read_text())
     model_vocab = _config_vocab(config)
-    from transformers import AutoConfig, AutoTokenizer
-    try:
-        AutoConfig.from_pretrained(str(p))
-    except Exception as exc:  # noqa: BLE001 - any load failure is a bad directory
-        raise ModelError(f"model directory {str(p)!r}: transformers cannot read config.json: {exc}") from None
+    if not _known_model_type(config):
+        from transformers import AutoConfig
+        try:
+            AutoConfig.from_pretrained(str(p))
+        except Exception as exc:  # noqa: BLE001 - any load failure is a bad directory
+            raise ModelError(f"model directory {str(p)!r}: transformers cannot read config.json: {exc}") from None
     source = Path(tokenizer_dir) if tokenizer_dir is not None else p
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        tokenizer = load_tokenizer(source)
     except Exception as exc:  # noqa: BLE001 - any load failure is a bad directory
         raise ModelError(f"model directory {str(source)!r}: cannot load the tokenizer: {exc}") from None
     if model_vocab is not None and len(tokenizer) > model_vocab:
@@ -145,13 +152,47 @@ def check_model_loads(path: str | Path, *, tokenizer_dir: str | Path | None = No
     return p
 
 
+def _known_model_type(config: dict) -> bool:
+    """Whether config.json names a model type of transformers' own, without
+    custom code: AutoConfig then builds that type's config class. False
+    sends the directory through AutoConfig, which knows every other case."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or "auto_map" in config:
+        return False
+    try:
+        # The generated table AutoConfig reads, importable without torch.
+        from transformers.models.auto.auto_mappings import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return False
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of model directory `path`, as AutoTokenizer loads it.
+    A tokenizer_config.json that transformers' tokenizers backend saved names
+    the class AutoTokenizer picked for it, so that class loads it directly;
+    any other directory goes through AutoTokenizer."""
+    p = Path(path)
+    try:
+        saved = json.loads((p / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        saved = None
+    name = saved.get("tokenizer_class") if isinstance(saved, dict) else None
+    if isinstance(name, str) and saved.get("backend") == "tokenizers" and "auto_map" not in saved:
+        import transformers
+        tokenizer_class = getattr(transformers, name, None)
+        if tokenizer_class is not None:
+            return tokenizer_class.from_pretrained(str(p))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(p))
+
+
 def check_same_tokenizer(student: str | Path, teacher: str | Path) -> None:
     """The teacher's tokenizer is the student's: the same vocabulary (token
     to id) and special tokens. Distillation compares the two models' logprobs
     of one token id at a time, so any other tokenizer would compare
     different strings."""
-    from transformers import AutoTokenizer
-    ours, theirs = (AutoTokenizer.from_pretrained(str(p)) for p in (student, teacher))
+    ours, theirs = (load_tokenizer(p) for p in (student, teacher))
     vocab, other = ours.get_vocab(), theirs.get_vocab()
     if vocab != other:
         moved = sorted(t for t in vocab.keys() & other.keys() if vocab[t] != other[t])

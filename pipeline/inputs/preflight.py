@@ -15,8 +15,9 @@ def preflight(cfg: Config) -> Future | None:
     """Check the model, data and reward before any worker starts, so that bad
     input is an error naming the path or spec, not a worker's traceback.
 
-    The quick checks raise here. Whether transformers can load the model's
-    config and tokenizer takes seconds of imports, so it runs on a thread while
+    The quick checks raise here. Whether transformers knows the model's type
+    and loads its tokenizer takes a second or more of imports
+    (pipeline/inputs/models.py), so it runs on a thread while
     the caller starts Ray: the returned future's result() raises what it found,
     and must be called before any worker starts (None: nothing to wait for).
     The same thread then counts every prompt's tokens with the model's

@@ -1,4 +1,4 @@
-"""Resource telemetry: each role's resident memory and the object store's use, every step.
+"""Resource telemetry: each role's resident memory and the object store's use, beside a step.
 
 A leak shows first here, as a slope, long before it stops a run: the weights
 a refit moves are the largest thing a step makes, and one copy kept per step
@@ -7,20 +7,41 @@ grows the store by a model a step (DESIGN.md, invariant 7, states the bound).
 Sampled beside the step, not in it: `start` asks every actor for its RSS (each
 keeps a thread free for such calls) and a thread of the driver asks the
 raylet for the store's totals while the graph runs; `read` collects both once
-the step is done. Names in the record: `rss_mb/<worker>` (driver included;
+the step is done. A step that starts within SAMPLE_EVERY_S of the last
+sample's start records none. Names in the record: `rss_mb/<worker>` (driver included;
 the process's own memory, the store's shared pages left out), `store_mb`,
 `store_objects`, `store_spilled_mb`.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 import grpc
 import ray
 
 from pipeline.core.memory import MB, process_rss
 
+# A sample costs the driver ~2 ms of CPU and each actor and the raylet a call; the
+# tiny model's steps take ~0.2 s, and a leak's slope needs no more than one a second.
+SAMPLE_EVERY_S = 1.0
+
+
+class Cadence:
+    """Whether a sample is due: at the first call, then at the first call
+    `every_s` or more after the last one that was."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self.clock = every_s, clock
+        self._next: float | None = None
+
+    def due(self) -> bool:
+        now = self.clock()
+        if self._next is not None and now < self._next:
+            return False
+        self._next = now + self.every_s
+        return True
 
 
 class ObjectStoreStats:
@@ -42,10 +63,13 @@ class ObjectStoreStats:
 
 
 class ResourceProbe:
-    """One sample per step of every worker's RSS and the store; the peaks of the run."""
+    """A sample beside a step, at most one per `every_s`, of every worker's
+    RSS and the store; the peaks of the run."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, every_s: float = SAMPLE_EVERY_S) -> None:
         self.timeout_s = timeout_s
+        self.cadence = Cadence(every_s)
+        self.sampling = False
         self.peak: dict[str, float] = {}
         self._store: ObjectStoreStats | None = ObjectStoreStats()
         self._rss: dict[str, Any] = {}
@@ -53,6 +77,9 @@ class ResourceProbe:
         self._thread: threading.Thread | None = None
 
     def start(self, actors: dict[str, Any]) -> None:
+        self.sampling = self.cadence.due()
+        if not self.sampling:
+            return
         self._rss = {name: actor.rss.remote() for name, actor in actors.items()}
         self._thread = threading.Thread(target=self._sample_store, name="resource-probe", daemon=True)
         self._thread.start()
@@ -65,7 +92,10 @@ class ResourceProbe:
             print(f"dagrl: object-store telemetry stopped: {type(exc).__name__}: {exc}")
 
     def read(self) -> dict[str, float]:
-        """The step's sample: every actor that answered within the deadline, the driver, the store."""
+        """The step's sample: every actor that answered within the deadline, the
+        driver, the store; empty where `start` found none due."""
+        if not self.sampling:
+            return {}
         record = {"rss_mb/driver": process_rss() / MB}
         names, refs = list(self._rss), list(self._rss.values())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s) if refs else ([], [])

@@ -59,3 +59,14 @@ def test_heap_cap_logs_each_trim_with_its_step_and_floor():
     assert [(ev, f["step"]) for ev, f in log.events] == [("heap_trimmed", 0), ("heap_trimmed", 2)]
     assert all(f["floor_mb"] > 0 and f["rss_mb"] >= f["floor_mb"] - 1 for _, f in log.events), log.events
 
+
+
+def test_the_resource_sample_is_taken_at_most_once_per_period():
+    from pipeline.run.resources import Cadence
+    now = [0.0]
+    cadence = Cadence(1.0, clock=lambda: now[0])
+    due = []
+    for t in (0.0, 0.2, 0.9, 1.0, 1.5, 2.1, 5.0, 5.1):  # steps of the tiny model, then a slow one
+        now[0] = t
+        due.append(cadence.due())
+    assert due == [True, False, False, True, False, True, True, False]

@@ -379,17 +379,15 @@ def test_load_weights_rejects_a_padded_vocabulary(engine, model_dir):
 
 def test_preflight_counts_a_prompt_and_the_context_as_the_engine_has_them(engine, model_dir):
     """data.filter_overlong's counts (pipeline/inputs/datasets.py, with transformers'
-    tokenizer, before any engine starts) are the ids this engine sends to vLLM,
-    and its context the max_model_len vLLM enforces."""
-    from transformers import AutoTokenizer
-
+    tokenizer as load_tokenizer loads it, before any engine starts) are the ids
+    this engine sends to vLLM, and its context the max_model_len vLLM enforces."""
     from pipeline.inputs.datasets import GSM8K_TEMPLATE, prompt_lengths
-    from pipeline.inputs.models import context_length
+    from pipeline.inputs.models import context_length, load_tokenizer
     texts = [tiny_prompt("0"), LONG_PROMPT.text, GSM8K_TEMPLATE.format(question="What is 2 + 2?"),
              " a leading space", "\u00fcn\u00efcode \u2713", "<s> looks special"]
     prompts = [Prompt(f"p{i}", t) for i, t in enumerate(texts)]
     sent = [len(engine.encode(t)) for t in texts]
-    assert prompt_lengths(prompts, AutoTokenizer.from_pretrained(str(model_dir))) == sent
+    assert prompt_lengths(prompts, load_tokenizer(model_dir)) == sent
     assert prompt_lengths(prompts, engine.tokenizer) == sent
     assert context_length(model_dir, 256) == engine.llm.llm_engine.model_config.max_model_len == 256
 
