@@ -132,7 +132,7 @@ def check_model_loads(path: str | Path, *, tokenizer_dir: str | Path | None = No
     model type transformers knows, its tokenizer loads, and the vocabulary
     covers the tokenizer."""
     p = Path(path)
-    config = json.loads((p / "config.json").read_text())
+    config = model_config(p)
     model_vocab = _config_vocab(config)
     if not _known_model_type(config):
         from transformers import AutoConfig
@@ -207,6 +207,16 @@ def check_same_tokenizer(student: str | Path, teacher: str | Path) -> None:
                      f"{detail}; distillation compares the logprobs of each token id, so both need one tokenizer")
 
 
+def model_config(path: str | Path) -> dict:
+    """The model directory's config.json."""
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def is_vision_model(path: str | Path) -> bool:
+    """A vision-language model: its config.json has a vision_config."""
+    return "vision_config" in model_config(path)
+
+
 # What VllmGenerationEngine gives vLLM as max_model_len unless told otherwise:
 # it sizes the KV cache, and vLLM refuses a prompt that does not fit it.
 DEFAULT_MAX_MODEL_LEN = 512
@@ -216,7 +226,7 @@ def check_reward_model(path: str | Path, kind: str) -> None:
     """A reward model's config.json fits its kind (reward_model.kind): a
     classifier is a *ForSequenceClassification with one label (its logit is
     the score); a judge is a causal LM that vLLM serves."""
-    config = json.loads((Path(path) / "config.json").read_text())
+    config = model_config(path)
     architectures = config.get("architectures") or []
     if kind == "classifier":
         if not any(a.endswith("ForSequenceClassification") for a in architectures):
@@ -239,7 +249,7 @@ def _config_vocab(config: dict):
 
 def vocab_size(path: str | Path) -> int | None:
     """The model directory's vocabulary size as its config.json says (None: it says none)."""
-    return _config_vocab(json.loads((Path(path) / "config.json").read_text()))
+    return _config_vocab(model_config(path))
 
 
 def check_vision_policy(path: str | Path, unsupported: dict[str, bool]) -> None:
@@ -247,9 +257,8 @@ def check_vision_policy(path: str | Path, unsupported: dict[str, bool]) -> None:
     a setting it does not run with yet: `unsupported` maps each setting's key to
     whether the recipe sets it (a LoRA, a critic and a teacher load the model as a
     text model)."""
-    config = json.loads((Path(path) / "config.json").read_text())
     on = [key for key, set_ in unsupported.items() if set_]
-    if "vision_config" in config and on:
+    if on and is_vision_model(path):
         raise ModelError(f"model directory {str(path)!r} is a vision-language model, which trains without "
                          f"{', '.join(on)} for now; unset it")
 
@@ -258,6 +267,6 @@ def context_length(path: str | Path, max_model_len: int = DEFAULT_MAX_MODEL_LEN)
     """The tokens a generator's vLLM engine holds per sequence, prompt and
     completion together: max_model_len capped at the model's
     max_position_embeddings, as VllmGenerationEngine does."""
-    config = json.loads((Path(path) / "config.json").read_text())
+    config = model_config(path)
     positions = (config.get("text_config") or config).get("max_position_embeddings")
     return min(max_model_len, int(positions)) if positions else max_model_len

@@ -23,8 +23,8 @@ import ray
 
 from pipeline.core.memory import MB, process_rss
 
-# A sample costs the driver ~2 ms of CPU and each actor and the raylet a call; the
-# tiny model's steps take ~0.2 s, and a leak's slope needs no more than one a second.
+# A sample costs the driver CPU and every actor and the raylet a call, while a
+# leak's slope needs no more than one a second, however short the steps.
 SAMPLE_EVERY_S = 1.0
 
 

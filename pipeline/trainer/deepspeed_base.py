@@ -30,10 +30,9 @@ from pipeline.core.precision import device_dtype
 from pipeline.trainer import finite
 from pipeline.trainer.optim import Optimizer, recipe_optimizer, set_lr
 from pipeline.core.data_parallel import Batching, Rendezvous, Shard, free_port, without_flight_recorder
-from pipeline.inputs.models import check_model_files
+from pipeline.inputs.models import check_model_files, is_vision_model
 from pipeline.core.spans import span
 from pipeline.trainer.rows import collate, packing_gap, token_column, trajectory_rows
-from pipeline.trainer.vision import is_vision_model
 
 
 def _init_distributed(cuda: bool, rank: int, rendezvous: Rendezvous | None):

@@ -22,8 +22,8 @@ from pipeline.weights import lora as adapters
 from pipeline.core.data_parallel import Rendezvous, Shard, batch_shards, row_lengths, trained_tokens
 from pipeline.trainer.deepspeed_base import DeepSpeedEngine, full_params
 from pipeline.trainer.rows import collate, pack_window, teacher_topk, trajectory_rows
-from pipeline.trainer.vision import PROCESSOR_FILES, Pixels, freeze_vision, is_vision_model, load_policy_model
-from pipeline.inputs.models import TOKENIZER_FILES
+from pipeline.trainer.vision import PROCESSOR_FILES, Pixels, freeze_vision, load_policy_model
+from pipeline.inputs.models import TOKENIZER_FILES, is_vision_model
 from pipeline.core.spans import span
 from pipeline.moe.replay import install_replay, replaying
 from pipeline.moe.routes import route_layout

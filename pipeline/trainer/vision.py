@@ -11,20 +11,17 @@ samples, and a step's passes over them, share it.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
 from pipeline.inputs.images import VISION_PREFIXES, decode, placeholder_token_ids
+from pipeline.inputs.models import is_vision_model, model_config
+
 CACHED_IMAGES = 1024
 # What a checkpoint carries besides the weights and the tokenizer: the image processor's config.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
-
-
-def is_vision_model(model_path: str | Path) -> bool:
-    return "vision_config" in json.loads((Path(model_path) / "config.json").read_text())
 
 
 def load_policy_model(model_path: str | Path) -> torch.nn.Module:
@@ -52,7 +49,7 @@ class Pixels:
     def __init__(self, model_path: str | Path):
         from transformers import AutoImageProcessor
         self.processor = AutoImageProcessor.from_pretrained(str(model_path))
-        config = json.loads((Path(model_path) / "config.json").read_text())
+        config = model_config(model_path)
         self.image_token_id = int(config["image_token_id"])
         self.placeholders = placeholder_token_ids(config)
         self._cache: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
