@@ -2,6 +2,7 @@
 directory, and the graph mode the machine suits."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -99,15 +100,41 @@ def start_ray(cfg: Config) -> Callable[[], None] | None:
         # No prestarted workers: the step graph's actors set env_vars in their runtime_env, which
         # a prestarted plain worker cannot serve, so two idled on the cores those actors start on
         # (environment and agent workers start their own when they are made).
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                 _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS,
-                                 "prestart_worker_first_driver": False})
+        with optional_head_processes_skipped():
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                     _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS,
+                                     "prestart_worker_first_driver": False})
     except BaseException:
         _stop_local(watcher)
         raise
     finally:
         del os.environ[MARK]
     return lambda: _stop_local(watcher)
+
+
+# Head processes a local run has no use for: the dashboard's API server (started
+# even with include_dashboard=False, for usage statistics; ray.init waits for it to
+# register), the autoscaler's monitor, and the log monitor (log_to_driver is off).
+# `ray start` has --no-monitor and --include-log-monitor; ray.init has no switch,
+# so their starts are skipped by name for one call (the names are tested).
+OPTIONAL_HEAD_PROCESSES = ("start_api_server", "start_monitor", "start_log_monitor")
+
+
+@contextlib.contextmanager
+def optional_head_processes_skipped():
+    from ray._private.node import Node
+    started = {name: getattr(Node, name) for name in OPTIONAL_HEAD_PROCESSES}
+    for name in started:
+        setattr(Node, name, _skip_process)
+    try:
+        yield
+    finally:
+        for name, start in started.items():
+            setattr(Node, name, start)
+
+
+def _skip_process(node, **_) -> None:
+    return None
 
 
 def _stop_local(watcher: subprocess.Popen) -> None:
