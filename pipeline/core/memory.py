@@ -3,8 +3,10 @@ freed: what every worker reports each step (pipeline/run/resources.py) and what
 a trainer keeps in bounds."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import gc
 
 from pipeline.core import spans
 
@@ -27,6 +29,21 @@ def process_rss() -> int:
     except (OSError, ValueError, IndexError):
         return 0
     return fields.get("VmRSS", 0) - fields.get("RssShmem", 0)
+
+
+@contextlib.contextmanager
+def frozen_imports():
+    """Import torch, vLLM or DeepSpeed inside this: with the cyclic collector off
+    it does not walk again and again the objects the import makes, which live as
+    long as the process; frozen after, no later full collection walks them."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from pipeline.core.memory import frozen_imports
 from pipeline.core.precision import device_dtype
 from pipeline.core.types import GenerationEngine, Prompt
 from pipeline.config import Config
@@ -34,7 +35,7 @@ def generation_engine(cfg: Config, index: int, incarnation: int = 0) -> Generati
 def vllm_engine(cfg: Config, seed: int, adapter: dict | None) -> GenerationEngine:
     """cfg.model.path on vLLM as generation says, serving a LoRA adapter of
     `adapter`'s config (pipeline/weights/lora.py adapter_config) when given."""
-    with span("import vllm"):
+    with span("import vllm"), frozen_imports():
         from pipeline.generator.vllm_engine import VllmGenerationEngine
     g = cfg.generation
     # One collect starts at most max_age + 1 batches: size the KV cache for all their samples at once

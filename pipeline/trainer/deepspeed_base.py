@@ -31,6 +31,7 @@ from pipeline.trainer import finite
 from pipeline.trainer.optim import Optimizer, recipe_optimizer, set_lr
 from pipeline.core.data_parallel import Batching, Rendezvous, Shard, free_port, without_flight_recorder
 from pipeline.inputs.models import check_model_files, is_vision_model
+from pipeline.core.memory import frozen_imports
 from pipeline.core.spans import span
 from pipeline.trainer.rows import collate, packing_gap, token_column, trajectory_rows
 
@@ -41,7 +42,8 @@ def _init_distributed(cuda: bool, rank: int, rendezvous: Rendezvous | None):
     if not cuda:
         # Read when deepspeed first picks its accelerator, so it must precede the import.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    with frozen_imports():
+        import deepspeed
 
     if not cuda:
         # deepspeed compiles a shared-memory all-reduce op on the first backend start
