@@ -15,8 +15,9 @@ settings: 8 prompts x 4 samples, 16 tokens, lr 0.005, no validation.
   time to 0.7      first step's start to the end of the first step whose
                    3-step running mean training reward is >= 0.7
 
-Targets on 2 cores (the issue): async step time <= 1.0x TRL's, async time to
-0.7 <= 1.0x TRL's, start-up <= 15 s; ratios are taken within one seed.
+Targets on 2 cores (issue "First contact as fast as the simplest peer"): async
+step time <= 1.0x TRL's, async time to 0.7 <= 1.0x TRL's, async start-up <= 2.0x
+TRL's; ratios are taken within one seed.
 
     make trl-venv && .venv/bin/python -m benchmarks.vs_trl            # seeds 0-2, 80 steps: ~6 minutes
 """
@@ -35,7 +36,7 @@ from benchmarks.harness import event_log_epoch, sample_load, startup_phases, wri
 from benchmarks.workloads import build_model, run_recipe
 
 THRESHOLD, WINDOW = 0.7, 3
-TARGETS = {"step_time_ratio": 1.0, "time_to_threshold_ratio": 1.0, "startup_s": 15.0}
+TARGETS = {"step_time_ratio": 1.0, "time_to_threshold_ratio": 1.0, "startup_ratio": 2.0}
 
 
 def curve(launched_to_begin: list[float], launched_to_end: list[float], rewards: list[float]) -> dict:
@@ -137,8 +138,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
          "met": a["step_time_s"] is not None and a["step_time_s"] <= TARGETS["step_time_ratio"]},
         {"target": "async time to 0.7 <= 1.0x TRL's", "value": a["time_to_threshold_s"],
          "met": a["time_to_threshold_s"] is not None and a["time_to_threshold_s"] <= TARGETS["time_to_threshold_ratio"]},
-        {"target": "async start-up <= 15 s", "value": figures["dagrl_async"]["startup_s"],
-         "met": figures["dagrl_async"]["startup_s"] <= TARGETS["startup_s"]}]
+        {"target": "async start-up <= 2.0x TRL's", "value": a["startup_s"],
+         "met": a["startup_s"] is not None and a["startup_s"] <= TARGETS["startup_ratio"]}]
     return figures
 
 
