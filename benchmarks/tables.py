@@ -43,6 +43,8 @@ SECTIONS = (
     ("batching", batching, "padding and train-step time: rows, a token budget, packing (`batching.py`)"),
     ("vs_trl_scale", vs_trl_scale, "dagrl against TRL's GRPOTrainer at 4M and 33M parameters (`vs_trl_scale.py`)"),
     ("vs_trl_scale_33m", vs_trl_scale, "the same at 33M again, on a quiet machine (`vs_trl_scale.py --sizes 33M`)"),
+    ("vs_trl_scale_4m", vs_trl_scale, "the same at 4M on a 2-core machine without bf16 units, beside `vs_trl` "
+                                      "(`vs_trl_scale.py --sizes 4M`)"),
     ("trainer_efficiency", trainer_efficiency, "the DeepSpeed train step against a bare torch loop (`trainer_efficiency.py`)"),
     ("soak", soak, "faults under randomized schedules (`soak.py`)"),
     ("long_run", long_run, "memory, object store and step time over thousands of steps (`long_run.py`)"),
