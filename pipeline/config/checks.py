@@ -149,9 +149,9 @@ def _check_routing_replay(cfg: Config, fail) -> None:
     if cfg.generation.tensor_parallel_size > 1:
         raise fail("training.routing_replay", "the routes are recorded where the engine's model runs in the "
                    "generator's process; generation.tensor_parallel_size > 1 runs it in vLLM's workers")
-    if cfg.env.class_ or cfg.agent.function:
-        raise fail("training.routing_replay", "a multi-turn sample's routes are not recorded "
-                   f"({'env.class' if cfg.env.class_ else 'agent.function'} is set)")
+    if cfg.agent.function:
+        raise fail("training.routing_replay", "an agent's turns reach the engine through the gateway, whose "
+                   "requests' routes are not recorded (agent.function is set)")
 
 
 # policy_loss keys read by one mode only.

@@ -20,6 +20,12 @@ sample's response. The loss mask is 1 on model tokens only, the logprobs of
 observation tokens are 0, each turn's reward sits on its last model token
 (token_rewards), and an observation token carries the version of the weights
 loaded when it was appended (it is never older than the token before it).
+
+Routes (training.routing_replay): each turn's request runs the whole context
+so far, so its routes cover every earlier token too; a position keeps the
+routes of the first request that computed it, which are what the prefix cache
+served every later turn. A sample that ends before its last observation went
+through the engine (its next turn could not start) has none.
 """
 from __future__ import annotations
 
@@ -56,6 +62,8 @@ class Episode:
     lost: bool = False              # its environment died with its worker: rebuild it by replaying `actions`
     waiting: int = 0                # which env call the loop waits for; a later answer is ignored
     deadline: float | None = None
+    routes: bytes = b""             # training.routing_replay: positions 0.. as first computed
+    route_bytes: int = 0            # ... and the bytes of one position's
 
 
 class Episodes:
@@ -97,6 +105,9 @@ class Episodes:
         episode.versions += completion.versions or (0,) * n
         episode.mask += [1] * n
         episode.token_rewards += [0.0] * n
+        if completion.routes:
+            episode.route_bytes = len(completion.routes) // (len(completion.prompt_ids) + n - 1)
+            episode.routes += completion.routes[len(episode.routes):]
         episode.text += ("\n" if episode.turns else "") + completion.text
         episode.transcript.append({"role": "model", "text": completion.text, "reward": None})
         episode.turns += 1
@@ -218,12 +229,12 @@ class Episodes:
         self._release(episode)
         if error:
             self._emit("env_failed", batch=episode.key.rpartition("/")[0], sample=episode.key, reason=error)
+        prompt_ids = episode.prompt_ids or tuple(self.engine.encode(episode.prompt.text))
         return episode.key, Completion(
-            prompt_ids=episode.prompt_ids or tuple(self.engine.encode(episode.prompt.text)),
-            response_ids=tuple(episode.response), logprobs=tuple(episode.logprobs), text=episode.text,
-            versions=tuple(episode.versions), loss_mask=tuple(episode.mask),
+            prompt_ids=prompt_ids, response_ids=tuple(episode.response), logprobs=tuple(episode.logprobs),
+            text=episode.text, versions=tuple(episode.versions), loss_mask=tuple(episode.mask),
             token_rewards=tuple(episode.token_rewards), reward=episode.reward, error=error, turns=episode.turns,
-            transcript=tuple(episode.transcript))
+            transcript=tuple(episode.transcript), routes=_whole_routes(episode, len(prompt_ids)))
 
     def _release(self, episode: Episode) -> None:
         episode.waiting = -1
@@ -277,6 +288,12 @@ class Episodes:
         if method == "reset":
             episode.env = self._cls(**self.cfg.args)
         return getattr(episode.env, method)(arg)
+
+
+def _whole_routes(episode: Episode, prompt_tokens: int) -> bytes:
+    """The sample's routes when they cover every token but the last, else none."""
+    tokens = prompt_tokens + len(episode.response) - 1
+    return episode.routes if episode.routes and len(episode.routes) == tokens * episode.route_bytes else b""
 
 
 def _outcome(future: Future) -> tuple[str, Any]:

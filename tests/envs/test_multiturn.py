@@ -255,3 +255,50 @@ def test_a_multi_turn_sample_is_written_with_its_turns(tmp_path, ray_session):
         assert "\n".join(t["text"] for t in model) == c["text"]
         assert sum(t["reward"] for t in model) == pytest.approx(c["reward"])
     assert counts == {1, 2, 3}
+
+
+class Routing(Recorder):
+    """The sim engine as vLLM answers with routes (training.routing_replay): a
+    request's prompt ids are its whole context, and its routes one byte a
+    position, the number of the turn whose request computed it, from 1."""
+
+    def __init__(self, refuse_turn: int | None = None):
+        super().__init__()
+        self.refuse_turn = refuse_turn
+        self.contexts: dict[str, tuple[int, ...]] = {}
+
+    def add(self, key, prompt, seed):
+        if self.refuse_turn is not None and key.endswith(f"#{self.refuse_turn}"):
+            raise ValueError("the context outgrew max_model_len")
+        self.contexts[key] = prompt.token_ids or (1, 2, 3)
+        super().add(key, prompt, seed)
+
+    def step(self):
+        from dataclasses import replace
+        out = []
+        for key, c in super().step():
+            context, turn = self.contexts.pop(key), int(key.rpartition("#")[2]) + 1
+            out.append((key, replace(c, prompt_ids=context,
+                                     routes=bytes([turn]) * (len(context) + len(c.response_ids) - 1))))
+        return out
+
+
+def test_a_samples_routes_are_stitched_from_its_turns_each_position_as_first_computed(tmp_path):
+    completions, _ = roll(tmp_path, env_config("{turns: 3, latency_s: 0.0, observation_tokens: 5}"),
+                          engine=Routing())
+    for c in completions:
+        assert len(c.routes) == len(c.prompt_ids) + len(c.response_ids) - 1
+        # Turn t's request first computed its own tokens but the last, and the observation before it.
+        turn_ends = [i for i, m in enumerate(c.loss_mask) if m and (i + 1 == len(c.loss_mask) or not c.loss_mask[i + 1])]
+        expected, start = [], 0
+        for t, end in enumerate(turn_ends, 1):
+            stop = len(c.prompt_ids) + end
+            expected += [t] * (stop - start)
+            start = stop
+        assert list(c.routes) == expected
+
+
+def test_a_sample_whose_next_turn_could_not_start_has_no_routes(tmp_path):
+    completions, _ = roll(tmp_path, env_config("{turns: 2, latency_s: 0.0, observation_tokens: 5}"),
+                          engine=Routing(refuse_turn=1))
+    assert all(c.error.startswith("turn 2 could not start") and c.routes == b"" for c in completions)

@@ -3,7 +3,8 @@ replay through the actors (the routes ride each rollout to the controller's
 buffer and on to the trainer, which reports route_flips every step), clean
 events, and a resume from a checkpoint whose buffer holds routed batches goes
 on exactly as the first run went; with two data-parallel ranks each replays
-the routes of its shard."""
+the routes of its shard; a multi-turn episode replays its turns' routes,
+stitched (pipeline/generator/episodes.py)."""
 from __future__ import annotations
 
 import json
@@ -63,5 +64,23 @@ def test_data_parallel_ranks_replay_their_shards_routes(tmp_path, ray_session, t
     assert summary["error"] is None and summary["steps"] == 3, summary
     assert check_events(load_events(tmp_path / "dp")) == []
     steps = metrics(tmp_path / "dp")
+    assert steps[0]["is_weight"] == pytest.approx(1.0, abs=1e-5) and steps[0]["route_flips"] == 0
+    assert all(steps[s]["route_flips"] > 0.05 for s in (1, 2)), steps
+
+
+def test_multi_turn_episodes_replay_their_turns_routes(tmp_path, ray_session, tiny_moe):
+    """Two-turn episodes: each row's routes cover its prompt, both turns and the observation
+    between them (a row of another length fails the trainer's forward), age 0 is the
+    engine's function, and one update later the trainer's own routers would differ."""
+    overrides = [f"model.path={tiny_moe}", f"run.output_dir={tmp_path}", "run.name=game", "run.steps=3",
+                 "run.checkpoint_every=0", "run.dag_mode=classic", "validation.period=0", "validation.at_end=false",
+                 "data.val=", "data.reward=", "env.class=tests.support.two_turn_env:TwoTurnEnv", "env.max_turns=2"]
+    summary = train(load_config("examples/tiny_moe_grpo.yaml", overrides), quiet=True)
+    assert summary["error"] is None and summary["steps"] == 3, summary
+    assert check_events(load_events(tmp_path / "game")) == []
+    steps = metrics(tmp_path / "game")
+    samples = [json.loads(line) for line in (tmp_path / "game" / "samples.jsonl").read_text().splitlines()]
+    turns = [sum(t["role"] == "model" for t in c["turns"]) for s in samples for c in s["completions"]]
+    assert max(turns) == 2, turns
     assert steps[0]["is_weight"] == pytest.approx(1.0, abs=1e-5) and steps[0]["route_flips"] == 0
     assert all(steps[s]["route_flips"] > 0.05 for s in (1, 2)), steps
