@@ -25,6 +25,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pipeline.core.stitched_routes import StitchedRoutes
+
 Render = Callable[[list[dict], tuple[dict, ...], bool], str]
 
 
@@ -38,6 +40,7 @@ class Segment:
     versions: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     closed: bool = True            # its last model turn ended with the end-of-turn token
+    routes: StitchedRoutes = field(default_factory=StitchedRoutes)  # training.routing_replay
 
     def context(self) -> tuple[int, ...]:
         return self.prompt_ids + tuple(self.response)

@@ -97,6 +97,7 @@ class AgentSessions:
         segment = session.segments[-1]
         ids = list(completion.response_ids)
         segment.append(ids, list(completion.logprobs), list(completion.versions), sampled=True)
+        segment.routes.add(completion)
         segment.closed = bool(ids) and ids[-1] == self.engine.eos_id
         text = cut_at_stop(completion.text, request.stop)
         content, tool_calls = self._parse(text, request.tools, request.tool_choice) if self._parse else (text, [])
@@ -227,7 +228,8 @@ class AgentSessions:
             prompt_ids=segment.prompt_ids, response_ids=tuple(segment.response), logprobs=tuple(segment.logprobs),
             text=session.text, versions=tuple(segment.versions), loss_mask=tuple(segment.mask),
             reward=0.0 if error else reward, error=error, turns=session.requests, truncated=session.truncated,
-            transcript=tuple(session.transcript), segments=max(1, len(session.segments)))
+            transcript=tuple(session.transcript), segments=max(1, len(session.segments)),
+            routes=segment.routes.whole(len(segment.context())))
 
     def _close(self, session: Session, why: str) -> None:
         """No request of the session runs or waits after this, and its id is forgotten."""

@@ -140,8 +140,8 @@ def check_cross_fields(cfg: Config, inferred: bool = False) -> Config:
 
 
 def _check_routing_replay(cfg: Config, fail) -> None:
-    """Routing replay records routes inside an in-process vLLM engine, one request a sample
-    (pipeline/moe/capture.py); whether the model has routing to replay, preflight reads from its config."""
+    """Routing replay records routes inside an in-process vLLM engine (pipeline/moe/capture.py),
+    stitched over a multi-turn sample's requests (pipeline/core/stitched_routes.py); whether the model has routing to replay, preflight reads from its config."""
     if not cfg.training.routing_replay:
         return
     if cfg.backend != "real":
@@ -149,9 +149,6 @@ def _check_routing_replay(cfg: Config, fail) -> None:
     if cfg.generation.tensor_parallel_size > 1:
         raise fail("training.routing_replay", "the routes are recorded where the engine's model runs in the "
                    "generator's process; generation.tensor_parallel_size > 1 runs it in vLLM's workers")
-    if cfg.agent.function:
-        raise fail("training.routing_replay", "an agent's turns reach the engine through the gateway, whose "
-                   "requests' routes are not recorded (agent.function is set)")
 
 
 # policy_loss keys read by one mode only.

@@ -21,11 +21,8 @@ observation tokens are 0, each turn's reward sits on its last model token
 (token_rewards), and an observation token carries the version of the weights
 loaded when it was appended (it is never older than the token before it).
 
-Routes (training.routing_replay): each turn's request runs the whole context
-so far, so its routes cover every earlier token too; a position keeps the
-routes of the first request that computed it, which are what the prefix cache
-served every later turn. A sample that ends before its last observation went
-through the engine (its next turn could not start) has none.
+Routes (training.routing_replay) are stitched from the turns' requests
+(pipeline/core/stitched_routes.py).
 """
 from __future__ import annotations
 
@@ -35,6 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pipeline.core.stitched_routes import StitchedRoutes
 from pipeline.core.types import Completion, GenerationEngine, Prompt, turn_seed
 from pipeline.envs.interface import check_step_result, load_env_class
 from pipeline.envs.threads import DaemonThreads
@@ -62,8 +60,7 @@ class Episode:
     lost: bool = False              # its environment died with its worker: rebuild it by replaying `actions`
     waiting: int = 0                # which env call the loop waits for; a later answer is ignored
     deadline: float | None = None
-    routes: bytes = b""             # training.routing_replay: positions 0.. as first computed
-    route_bytes: int = 0            # ... and the bytes of one position's
+    routes: StitchedRoutes = field(default_factory=StitchedRoutes)
 
 
 class Episodes:
@@ -105,9 +102,7 @@ class Episodes:
         episode.versions += completion.versions or (0,) * n
         episode.mask += [1] * n
         episode.token_rewards += [0.0] * n
-        if completion.routes:
-            episode.route_bytes = len(completion.routes) // (len(completion.prompt_ids) + n - 1)
-            episode.routes += completion.routes[len(episode.routes):]
+        episode.routes.add(completion)
         episode.text += ("\n" if episode.turns else "") + completion.text
         episode.transcript.append({"role": "model", "text": completion.text, "reward": None})
         episode.turns += 1
@@ -234,7 +229,7 @@ class Episodes:
             prompt_ids=prompt_ids, response_ids=tuple(episode.response), logprobs=tuple(episode.logprobs),
             text=episode.text, versions=tuple(episode.versions), loss_mask=tuple(episode.mask),
             token_rewards=tuple(episode.token_rewards), reward=episode.reward, error=error, turns=episode.turns,
-            transcript=tuple(episode.transcript), routes=_whole_routes(episode, len(prompt_ids)))
+            transcript=tuple(episode.transcript), routes=episode.routes.whole(len(prompt_ids) + len(episode.response)))
 
     def _release(self, episode: Episode) -> None:
         episode.waiting = -1
@@ -288,12 +283,6 @@ class Episodes:
         if method == "reset":
             episode.env = self._cls(**self.cfg.args)
         return getattr(episode.env, method)(arg)
-
-
-def _whole_routes(episode: Episode, prompt_tokens: int) -> bytes:
-    """The sample's routes when they cover every token but the last, else none."""
-    tokens = prompt_tokens + len(episode.response) - 1
-    return episode.routes if episode.routes and len(episode.routes) == tokens * episode.route_bytes else b""
 
 
 def _outcome(future: Future) -> tuple[str, Any]:

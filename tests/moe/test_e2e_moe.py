@@ -3,8 +3,8 @@ replay through the actors (the routes ride each rollout to the controller's
 buffer and on to the trainer, which reports route_flips every step), clean
 events, and a resume from a checkpoint whose buffer holds routed batches goes
 on exactly as the first run went; with two data-parallel ranks each replays
-the routes of its shard; a multi-turn episode replays its turns' routes,
-stitched (pipeline/generator/episodes.py)."""
+the routes of its shard; a multi-turn episode and an agent's session replay
+their requests' routes, stitched (pipeline/core/stitched_routes.py)."""
 from __future__ import annotations
 
 import json
@@ -82,5 +82,22 @@ def test_multi_turn_episodes_replay_their_turns_routes(tmp_path, ray_session, ti
     samples = [json.loads(line) for line in (tmp_path / "game" / "samples.jsonl").read_text().splitlines()]
     turns = [sum(t["role"] == "model" for t in c["turns"]) for s in samples for c in s["completions"]]
     assert max(turns) == 2, turns
+    assert steps[0]["is_weight"] == pytest.approx(1.0, abs=1e-5) and steps[0]["route_flips"] == 0
+    assert all(steps[s]["route_flips"] > 0.05 for s in (1, 2)), steps
+
+
+def test_an_agents_requests_replay_their_routes(tmp_path, ray_session, tmp_path_factory):
+    """An agent on the OpenAI SDK makes two requests through the gateway, the second
+    repeating the first's answer: the session's row replays both requests' routes."""
+    from pipeline.inputs.tiny import build_tiny_model
+    model = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_moe_chat", architecture="qwen3_moe",
+                             chat_template="plain")
+    overrides = [f"model.path={model}", f"run.output_dir={tmp_path}", "run.name=agent", "run.steps=3",
+                 "run.checkpoint_every=0", "run.dag_mode=classic", "validation.period=0", "validation.at_end=false",
+                 "data.val=", "agent.function=tests.agents.agents_for_tests:two_turns", "generation.max_new_tokens=8"]
+    summary = train(load_config("examples/tiny_moe_grpo.yaml", overrides), quiet=True)
+    assert summary["error"] is None and summary["steps"] == 3, summary
+    assert check_events(load_events(tmp_path / "agent")) == []
+    steps = metrics(tmp_path / "agent")
     assert steps[0]["is_weight"] == pytest.approx(1.0, abs=1e-5) and steps[0]["route_flips"] == 0
     assert all(steps[s]["route_flips"] > 0.05 for s in (1, 2)), steps

@@ -37,7 +37,6 @@ def test_a_dense_model_is_refused_before_anything_starts(tmp_path, tiny_model, c
 @pytest.mark.parametrize("overrides, needle", [
     (["backend=sim"], "backend is 'sim'"),
     (["generation.tensor_parallel_size=2", "resources.generator.num_gpus=2"], "generation.tensor_parallel_size > 1"),
-    (["agent.function=pipeline.envs.calculator_agent:solve", "data.reward="], "agent.function is set"),
 ])
 def test_recipes_whose_routes_are_not_recorded_are_refused(tmp_path, tiny_model, overrides, needle):
     with pytest.raises(ConfigError, match="training.routing_replay: .*" + needle.replace(".", r"\.")):
