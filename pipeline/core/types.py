@@ -177,6 +177,10 @@ class GenerationEngine(Protocol):
     def encode_continuation(self, text: str) -> list[int]:
         """Token ids of text appended to a context (an environment's observation): no BOS."""
 
+    # The tokens that stand for a picture's encodings in a prompt (a vision-language
+    # model's; () for a text model): only a prompt's pictures may bring them.
+    placeholders: tuple[int, ...]
+
     def progress(self) -> dict[str, int]:
         """Tokens sampled so far by each request in flight, by key."""
 

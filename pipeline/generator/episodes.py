@@ -16,10 +16,15 @@ these like reward failures.
 
 Tokens: the first turn's prompt is the encoded first observation; each turn's
 tokens and each observation's (formatted by env.observation_format) go on the
-sample's response. The loss mask is 1 on model tokens only, the logprobs of
-observation tokens are 0, each turn's reward sits on its last model token
-(token_rewards), and an observation token carries the version of the weights
-loaded when it was appended (it is never older than the token before it).
+sample's response. A prompt's pictures go with every turn's request: each
+request holds one placeholder per picture (the first observation's), which
+vLLM widens to the picture's tokens; the sample's prompt ids are the first
+turn's widened ones, and each later turn must have seen exactly those plus the
+response so far. An observation may not hold a placeholder. The loss mask is
+1 on model tokens only, the logprobs of observation tokens are 0, each turn's
+reward sits on its last model token (token_rewards), and an observation token
+carries the version of the weights loaded when it was appended (it is never
+older than the token before it).
 
 Routes (training.routing_replay) are stitched from the turns' requests
 (pipeline/core/stitched_routes.py).
@@ -44,7 +49,8 @@ class Episode:
     prompt: Prompt
     seed: int | None
     env: Any = None                 # the instance (in process) or the worker index (pool)
-    prompt_ids: tuple[int, ...] = ()
+    prompt_ids: tuple[int, ...] = ()  # as the engine saw them (each picture widened to its tokens)
+    request_ids: tuple[int, ...] = ()  # the first turn's, as sent (one placeholder per picture)
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -96,6 +102,11 @@ class Episodes:
         episode = self._live[self._requests.pop(request_key)]
         if not episode.prompt_ids:
             episode.prompt_ids = completion.prompt_ids
+        elif episode.prompt.images and completion.prompt_ids != episode.prompt_ids + tuple(episode.response):
+            # The sample is trained on its stitched tokens, pictures widened as at turn 1: they must be
+            # what this turn was sampled after.
+            raise RuntimeError(f"sample {episode.key}: turn {episode.turns + 1}'s context is not the prompt and "
+                               "the turns before it as the sample holds them (its pictures widened differently?)")
         n = len(completion.response_ids)
         episode.response += completion.response_ids
         episode.logprobs += completion.logprobs
@@ -129,8 +140,9 @@ class Episodes:
                 return self._end(episode, f"environment reset: returned a {type(value).__name__}; expected the "
                                           "first observation as str")
             episode.transcript.append({"role": "env", "text": value, "reward": None})
+            episode.request_ids = tuple(self.engine.encode(value))
             return self._next_turn(episode, Prompt(episode.prompt.id, value, episode.prompt.answer,
-                                                   token_ids=tuple(self.engine.encode(value))))
+                                                   token_ids=episode.request_ids, images=episode.prompt.images))
         try:
             observation, reward, done, _info = check_step_result(value)
         except (TypeError, ValueError) as exc:
@@ -144,15 +156,20 @@ class Episodes:
         if done or episode.turns >= self.cfg.max_turns:
             return self._end(episode, "")
         shown = self.cfg.observation_format.format(observation=observation)
+        try:
+            ids = self.engine.encode_continuation(shown)
+        except ValueError as exc:  # a picture's placeholder
+            return self._end(episode, f"environment {what}: its observation {exc}")
         episode.transcript.append({"role": "env", "text": shown, "reward": None})
-        ids = self.engine.encode_continuation(shown)
         episode.response += ids
         episode.logprobs += [0.0] * len(ids)
         episode.versions += [version] * len(ids)
         episode.mask += [0] * len(ids)
         episode.token_rewards += [0.0] * len(ids)
+        # The request's pictures are placeholders again: vLLM widens a prompt's placeholders whatever it holds.
         return self._next_turn(episode, Prompt(episode.prompt.id, "", episode.prompt.answer,
-                                               token_ids=episode.prompt_ids + tuple(episode.response)))
+                                               token_ids=episode.request_ids + tuple(episode.response),
+                                               images=episode.prompt.images))
 
     def expire(self, now: float) -> list[tuple[str, Completion]]:
         """Samples whose environment call outlived env.step_timeout_s, ended."""
@@ -224,12 +241,17 @@ class Episodes:
         self._release(episode)
         if error:
             self._emit("env_failed", batch=episode.key.rpartition("/")[0], sample=episode.key, reason=error)
-        prompt_ids = episode.prompt_ids or tuple(self.engine.encode(episode.prompt.text))
+        prompt_ids = episode.prompt_ids or self._unseen_prompt(episode)
         return episode.key, Completion(
             prompt_ids=prompt_ids, response_ids=tuple(episode.response), logprobs=tuple(episode.logprobs),
             text=episode.text, versions=tuple(episode.versions), loss_mask=tuple(episode.mask),
             token_rewards=tuple(episode.token_rewards), reward=episode.reward, error=error, turns=episode.turns,
             transcript=tuple(episode.transcript), routes=episode.routes.whole(len(prompt_ids) + len(episode.response)))
+
+    def _unseen_prompt(self, episode: Episode) -> tuple[int, ...]:
+        """The prompt ids of a sample that ended before its first turn: without its
+        pictures' placeholders, which no engine widened (its row carries no pictures)."""
+        return tuple(t for t in self.engine.encode(episode.prompt.text) if t not in self.engine.placeholders)
 
     def _release(self, episode: Episode) -> None:
         episode.waiting = -1

@@ -142,7 +142,8 @@ class VllmGenerationEngine:
         # with a warm inductor cache. Eager is instant; on CPU we run eager.
         self._stance = "force_eager" if enforce_eager and on_cpu else None
         self.tokenizer = self.llm.get_tokenizer()
-        self._unsampled = self.tokenizer.convert_ids_to_tokens(list(placeholder_token_ids(config)))
+        self.placeholders = placeholder_token_ids(config)
+        self._unsampled = self.tokenizer.convert_ids_to_tokens(list(self.placeholders))
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self._plan: Any = None  # RefitPlan after the first load; False: this model needs reload_weights
         self._plan_off = ""
@@ -180,7 +181,12 @@ class VllmGenerationEngine:
         return list(self.tokenizer(text).input_ids)
 
     def encode_continuation(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        if any(t in self.placeholders for t in ids):
+            # The trainer's model would take it for a picture's place, and no picture comes with it.
+            raise ValueError(f"{text!r:.200} holds a picture's placeholder token "
+                             f"({', '.join(self._unsampled)}); only a prompt's pictures bring them")
+        return ids
 
     # -- the step API (pipeline/core/types.py): the engine loop drives it --
     def add(self, key: str, prompt: Prompt, seed: int | None, max_tokens: int | None = None,
@@ -193,6 +199,8 @@ class VllmGenerationEngine:
             raise ValueError("sample: generation.temperature is 0; sampling needs a temperature > 0")
         with span("vllm.requests"):
             ids = list(prompt.token_ids) or self._encode_prompt(prompt.text)
+            if self.placeholders:
+                self._check_pictures(prompt, ids)
             request = TokensPrompt(prompt_token_ids=ids)
             if prompt.images:
                 # vLLM's processor puts each picture's placeholder tokens in; the completion's prompt ids have them.
@@ -202,6 +210,15 @@ class VllmGenerationEngine:
         if self._routes is not None:
             self._routes.track(key, request_id, len(ids) + params.max_tokens)
         self._prompts[key] = prompt
+
+    def _check_pictures(self, prompt: Prompt, ids: list[int]) -> None:
+        """One placeholder per picture: vLLM widens the first ones it finds and
+        would leave any other in as a token, which the trainer takes for a picture."""
+        marks = sum(t in self.placeholders for t in ids)
+        if marks != len(prompt.images):
+            raise ValueError(f"prompt {prompt.id!r} holds {marks} picture placeholders for its "
+                             f"{len(prompt.images)} pictures; each picture needs one, where it goes "
+                             "(an environment's first observation keeps its prompt's: return prompt.text)")
 
     def _encode_prompt(self, text: str) -> list[int]:
         """encode(text), once for a group: the loop adds a prompt's group_size samples one after another."""

@@ -301,7 +301,9 @@ class GeneratorWorker(Actor):
                 # The teacher's, on the way to the buffer (pipeline/distill/).
                 "teacher_logprobs": [None] * n, "teacher_topk_ids": [None] * n, "teacher_topk_logprobs": [None] * n,
                 "routed_experts": [c.routes or None for _, c in rows],
-                "images": [list(p.images) or None for p, _ in rows],
+                # A sample without a response (an episode that ended before its first turn) was never
+                # shown its pictures: its prompt ids hold no placeholder for them (episodes.py).
+                "images": [list(p.images) if p.images and c.response_ids else None for p, c in rows],
             }, schema=TRAJECTORY_SCHEMA)
 
 

@@ -256,7 +256,7 @@ def check_vision_policy(path: str | Path, unsupported: dict[str, bool]) -> None:
     """A vision-language policy (config.json with a vision_config) is refused with
     a setting it does not run with yet: `unsupported` maps each setting's key to
     whether the recipe sets it (a LoRA, a critic and a teacher load the model as a
-    text model)."""
+    text model; an agent's requests carry no pictures)."""
     on = [key for key, set_ in unsupported.items() if set_]
     if on and is_vision_model(path):
         raise ModelError(f"model directory {str(path)!r} is a vision-language model, which trains without "

@@ -49,7 +49,9 @@ def preflight(cfg: Config) -> Future | None:
         check(key, check_model_files, path, own_tokenizer=tokenizer_dir is None)
     check("model.path", check_vision_policy, cfg.model.path,
           {"training.lora": bool(cfg.training.lora.rank), "algorithm ppo": cfg.algorithm == "ppo",
-           "distill.teacher": bool(cfg.distill.teacher)})
+           "distill.teacher": bool(cfg.distill.teacher),
+           # The gateway serves text messages: a prompt's pictures never reach an agent's requests.
+           "agent.function": bool(cfg.agent.function)})
     if cfg.reward_model.kind:
         check("reward_model.path", check_reward_model, cfg.reward_model.path, cfg.reward_model.kind)
     # Empty files are DataErrors inside check_prompts. data.val is read whenever it is

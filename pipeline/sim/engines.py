@@ -107,6 +107,8 @@ class SimGenerationEngine:
     def busy(self) -> bool:
         return bool(self._running)
 
+    placeholders: tuple[int, ...] = ()   # a text model's
+
     def encode(self, text: str) -> list[int]:
         return [1] + list(text.encode()[:64])
 

@@ -120,7 +120,8 @@ def test_a_pictures_tokens_count_against_the_context(tmp_path, chat):
 
 
 @pytest.mark.parametrize("setting, key", [("training.lora.rank=4", "training.lora"), ("algorithm=ppo", "algorithm ppo"),
-                                          ("distill.teacher={model}", "distill.teacher")])
+                                          ("distill.teacher={model}", "distill.teacher"),
+                                          ("agent.function=tests.agents.agents_for_tests:plain_def", "agent.function")])
 def test_a_vlm_with_a_setting_it_does_not_run_with_is_refused_before_any_worker(tmp_path, setting, key):
     import numpy as np
     from safetensors.numpy import save_file
