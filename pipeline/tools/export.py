@@ -12,12 +12,12 @@ from pipeline.run.checkpoint import policy_dir
 
 def export_merged(source: str | Path, out: str | Path) -> Path:
     """A plain HF model in `out`: the adapter directory `source` merged into the
-    base model it names, with the base's tokenizer files (or the adapter's)."""
-    import torch
+    base model it names (loaded as the trainer loads it), with the base's
+    tokenizer and image processor files (or the adapter's)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from pipeline.inputs.models import TOKENIZER_FILES, check_model_files
+    from pipeline.trainer.vision import PROCESSOR_FILES, load_policy_model
     src = Path(source)
     config_path = src / ADAPTER_CONFIG
     if not config_path.is_file():
@@ -28,12 +28,11 @@ def export_merged(source: str | Path, out: str | Path) -> Path:
     except (ValueError, KeyError, TypeError) as exc:
         raise LoraError(f"{str(config_path)!r} is unreadable: {type(exc).__name__}: {exc}") from None
     base = check_model_files(base, own_tokenizer=False)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(model, src).merge_and_unload()
+    merged = PeftModel.from_pretrained(load_policy_model(base), src).merge_and_unload()
     dest = Path(out)
     dest.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(dest)
-    for name in TOKENIZER_FILES:
+    for name in (*TOKENIZER_FILES, *PROCESSOR_FILES):
         for where in (src, base):
             if (where / name).is_file():
                 shutil.copy2(where / name, dest / name)

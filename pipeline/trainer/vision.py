@@ -24,12 +24,16 @@ CACHED_IMAGES = 1024
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
-def load_policy_model(model_path: str | Path) -> torch.nn.Module:
-    """The HF model of `model_path` in fp32: an image-text-to-text model for a VLM, else a causal LM."""
+def policy_model_class(model_path: str | Path):
+    """The Auto class the policy of `model_path` loads with: image-text-to-text for a VLM, else a causal LM."""
     import transformers
-    auto = (transformers.AutoModelForImageTextToText if is_vision_model(model_path)
+    return (transformers.AutoModelForImageTextToText if is_vision_model(model_path)
             else transformers.AutoModelForCausalLM)
-    return auto.from_pretrained(model_path, dtype=torch.float32)
+
+
+def load_policy_model(model_path: str | Path) -> torch.nn.Module:
+    """The HF model of `model_path` in fp32, of policy_model_class."""
+    return policy_model_class(model_path).from_pretrained(model_path, dtype=torch.float32)
 
 
 def freeze_vision(model: torch.nn.Module) -> frozenset[str]:

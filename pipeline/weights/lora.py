@@ -10,8 +10,11 @@ directory is a peft adapter directory; `python -m pipeline export`
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from pipeline.inputs.images import VISION_PREFIXES
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -22,6 +25,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_TORCH = "adapter_model.bin"
 # vLLM's max_lora_rank takes only these values (vllm.config.lora.MaxLoRARanks).
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# peft's exclude_modules for a vision-language model (a full match of a module's name): its vision
+# tower and projector take no adapter, so a target name they share (Qwen2.5-VL's vision MLP has
+# gate_proj, up_proj, down_proj) adapts the language model alone. vLLM serves adapters there only
+# with enable_tower_connector_lora, which also changes how it feeds the picture encodings.
+VISION_TOWER = "|".join(re.escape(prefix) + ".*" for prefix in VISION_PREFIXES)
 
 
 class LoraError(ValueError):
@@ -42,23 +50,38 @@ def vllm_max_rank(rank: int) -> int:
     raise LoraError(f"training.lora.rank: {rank} is above vLLM's largest max_lora_rank ({VLLM_RANKS[-1]})")
 
 
-def peft_config(lora: Any):
-    """peft's LoraConfig for a training.lora section."""
+def peft_config(lora: Any, model_path: str | Path):
+    """peft's LoraConfig for a training.lora section on the model in `model_path`."""
     from peft import LoraConfig
+
+    from pipeline.inputs.models import is_vision_model
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
+                      target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM",
+                      exclude_modules=VISION_TOWER if is_vision_model(model_path) else None)
+
+
+def _linear_names(model: Any, *, vision: bool) -> set[str]:
+    """The last name of each linear layer of `model` in (or outside) its vision tower."""
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+            if type(m).__name__ == "Linear" and name.startswith(VISION_PREFIXES) == vision}
 
 
 def wrap(model: Any, lora: Any, model_path: str | Path):
-    """`model` with adapters on lora.target_modules, only they trainable; B starts
-    at zero, so the wrapped model computes what the base model does."""
+    """`model` with adapters on lora.target_modules (outside a vision tower), only
+    they trainable; B starts at zero, so the wrapped model computes what the base
+    model does."""
     from peft import get_peft_model
-    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m).__name__ == "Linear"}
+    linear, tower = _linear_names(model, vision=False), _linear_names(model, vision=True)
     missing = [t for t in lora.target_modules if t not in linear]
+    in_tower = [t for t in missing if t in tower]
+    if in_tower:
+        raise LoraError(f"training.lora.target_modules: {in_tower} name only layers of the vision tower of "
+                        f"{str(model_path)!r}, which takes no adapter (vLLM would not serve it); its language "
+                        f"model's linear layers: {', '.join(sorted(linear))}")
     if missing:
         raise LoraError(f"training.lora.target_modules: {missing} name no linear layer of {str(model_path)!r} "
                         f"(its linear layers: {', '.join(sorted(linear))})")
-    return get_peft_model(model, peft_config(lora))
+    return get_peft_model(model, peft_config(lora, model_path))
 
 
 def adapter_state(model: Any) -> dict[str, Any]:
@@ -71,20 +94,24 @@ def adapter_state(model: Any) -> dict[str, Any]:
 def zero_adapter(model_path: str | Path, config: dict) -> dict[str, Any]:
     """An adapter of `config`'s shapes for the model in `model_path`, all zeros:
     served, it computes exactly what the base model does (an engine serves it
-    before the first refit, so that every request carries the adapter)."""
+    before the first refit, so that every request carries the adapter). Built
+    on the trainer's model class, so the names are the trainer's."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from pipeline.trainer.vision import policy_model_class
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        model = policy_model_class(model_path).from_config(AutoConfig.from_pretrained(model_path))
         shapes = {name: t.shape for name, t in adapter_state(get_peft_model(model, LoraConfig(
-            r=config["r"], lora_alpha=config["lora_alpha"], target_modules=config["target_modules"]))).items()}
+            r=config["r"], lora_alpha=config["lora_alpha"], target_modules=config["target_modules"],
+            exclude_modules=config.get("exclude_modules")))).items()}
     return {name: torch.zeros(shape) for name, shape in shapes.items()}
 
 
 def adapter_config(lora: Any, base_path: str | Path) -> dict:
     """adapter_config.json as peft writes it, naming the base model directory."""
-    config = peft_config(lora).to_dict()
+    config = peft_config(lora, base_path).to_dict()
     config["base_model_name_or_path"] = str(Path(base_path).resolve())
     config["target_modules"] = sorted(config["target_modules"])
     return config

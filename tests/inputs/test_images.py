@@ -119,20 +119,34 @@ def test_a_pictures_tokens_count_against_the_context(tmp_path, chat):
         fit_prompts(path, "train", chat.tokenizer, context=sent + 8, max_new_tokens=8, drop=False)
 
 
-@pytest.mark.parametrize("setting, key", [("training.lora.rank=4", "training.lora"), ("algorithm=ppo", "algorithm ppo"),
-                                          ("distill.teacher={model}", "distill.teacher"),
-                                          ("agent.function=tests.agents.agents_for_tests:plain_def", "agent.function")])
-def test_a_vlm_with_a_setting_it_does_not_run_with_is_refused_before_any_worker(tmp_path, setting, key):
+def fake_vlm_config(model_dir, *settings: str):
+    """A recipe on a directory that passes the quick model checks as a VLM; its data is never read."""
     import numpy as np
     from safetensors.numpy import save_file
 
     from pipeline.config import load_config
+    (model_dir / "config.json").write_text(json.dumps({"vision_config": {}, "text_config": {"vocab_size": 8}}))
+    save_file({"w": np.zeros(1, np.float32)}, str(model_dir / "model.safetensors"))
+    (model_dir / "tokenizer.json").write_text("{}")
+    return load_config(None, ["backend=real", f"model.path={model_dir}", "data.train=unread.jsonl",
+                              "data.reward=unread:reward", *(s.format(model=model_dir) for s in settings)])
+
+
+@pytest.mark.parametrize("setting, key", [("algorithm=ppo", "algorithm ppo"), ("distill.teacher={model}", "distill.teacher"),
+                                          ("training.lora.rank=4", "lm_head in training.lora.target_modules"),
+                                          ("agent.function=tests.agents.agents_for_tests:plain_def", "agent.function")])
+def test_a_vlm_with_a_setting_it_does_not_run_with_is_refused_before_any_worker(tmp_path, setting, key):
     from pipeline.inputs.models import ModelError
     from pipeline.inputs.preflight import preflight
-    (tmp_path / "config.json").write_text(json.dumps({"vision_config": {}, "text_config": {"vocab_size": 8}}))
-    save_file({"w": np.zeros(1, np.float32)}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "tokenizer.json").write_text("{}")
-    cfg = load_config(None, ["backend=real", f"model.path={tmp_path}", "data.train=unread.jsonl",
-                             "data.reward=unread:reward", setting.format(model=tmp_path)])
+    cfg = fake_vlm_config(tmp_path, setting)
     with pytest.raises(ModelError, match=f"model.path: .* is a vision-language model, which trains without {key}"):
         preflight(cfg)
+
+
+def test_a_vlm_with_lora_passes_the_model_checks(tmp_path):
+    """A LoRA on a VLM adapts its language model (pipeline/weights/lora.py): preflight
+    goes on past the model directory to the data, which this recipe lacks."""
+    from pipeline.inputs.preflight import preflight
+    with pytest.raises(DataError, match="data.train"):
+        preflight(fake_vlm_config(tmp_path, "training.lora.rank=4",
+                                  "training.lora.target_modules=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"))

@@ -1,8 +1,10 @@
 """The tiny Qwen2-VL through vLLM and the trainer, in a process of its own
 (tests/trainer/test_vlm.py; why a process: tests/support/architecture_check.py).
-Writes what it measured as JSON.
+Writes what it measured as JSON. With `lora` the trainer trains a rank-8
+adapter, vLLM serves it, and the checkpoint is the adapter merged by
+`python -m pipeline export`.
 
-    python -m tests.support.vlm_check OUT_DIR [freeze_vision]
+    python -m tests.support.vlm_check OUT_DIR [freeze_vision] [lora]
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ from pipeline.inputs.datasets import ChatTemplate, load_prompts
 from pipeline.inputs.tiny_vlm import build_tiny_vlm, write_digit_data
 from tests.support.architecture_check import gap
 from tests.support.training_helpers import engine_config, sequence_logprobs
+
+
+# Every linear layer of the language model but lm_head, which vLLM serves no adapter on for Qwen2-VL.
+LANGUAGE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def table_of(prompts: list[Prompt], groups) -> pa.Table:
@@ -47,18 +53,25 @@ def vision_state(weights: dict) -> dict:
     return {name: t.clone() for name, t in weights.items() if ".visual." in f".{name}"}
 
 
-def measure(out_dir: Path, freeze: bool) -> dict:
+def measure(out_dir: Path, freeze: bool, adapter: bool) -> dict:
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+    from pipeline.config import LoraConfig
     from pipeline.generator.vllm_engine import VllmGenerationEngine
+    from pipeline.tools.export import export_merged
     from pipeline.trainer.deepspeed_policy import DeepSpeedPolicyEngine
     from pipeline.trainer.vision import Pixels
+    from pipeline.weights import lora
     torch.set_num_threads(1)
     model_dir = build_tiny_vlm(out_dir / "model", warmup_steps=0)
     train_path, _ = write_digit_data(out_dir / "data", n_train=4, n_val=1)
     prompts = load_prompts(train_path, chat=ChatTemplate(AutoTokenizer.from_pretrained(model_dir)))[:3]
-    trainer = DeepSpeedPolicyEngine(engine_config(model_dir, "training.lr=1e-2", f"model.freeze_vision={freeze}"))
-    engine = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=8, temperature=1.0, top_p=1.0, max_model_len=128)
+    lora_cfg = LoraConfig(rank=8 if adapter else 0, target_modules=LANGUAGE_TARGETS)
+    trainer = DeepSpeedPolicyEngine(engine_config(
+        model_dir, f"training.lr={5e-2 if adapter else 1e-2}", f"model.freeze_vision={freeze}",
+        f"training.lora.rank={lora_cfg.rank}", f"training.lora.target_modules={','.join(LANGUAGE_TARGETS)}"))
+    engine = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=8, temperature=1.0, top_p=1.0, max_model_len=128,
+                                  adapter_config=lora.adapter_config(lora_cfg, model_dir) if adapter else None)
     try:
         vision_before = vision_state(trainer.live_weights() if not freeze else dict(trainer.engine.module.state_dict()))
         before = table_of(prompts, sample_all(engine, prompts, sample_seeds(0, "before", prompts, 2)))
@@ -71,7 +84,8 @@ def measure(out_dir: Path, freeze: bool) -> dict:
         after = table_of(prompts, sample_all(engine, prompts, sample_seeds(0, "after", prompts, 2)))
         trained = sequence_logprobs(trainer, after)
         trainer.save(str(out_dir / "ckpt"))
-        hf = AutoModelForImageTextToText.from_pretrained(out_dir / "ckpt", dtype=torch.float32).eval()
+        hf_dir = export_merged(out_dir / "ckpt", out_dir / "merged") if adapter else out_dir / "ckpt"
+        hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
         vision_after = vision_state(dict(trainer.engine.module.state_dict()))
         return {"before": gap(initial, before.column("logprobs").to_pylist()),
                 "pictures_matter": gap(initial, blind),
@@ -81,9 +95,9 @@ def measure(out_dir: Path, freeze: bool) -> dict:
                 "moved": gap(sequence_logprobs(trainer, before), initial),
                 "vision_moved": max((vision_after[k] - vision_before[k]).abs().max().item() for k in vision_before),
                 "vision_exported": sum(".visual." in f".{name}" for name in exported),
-                "exported": len(exported),
+                "exported": len(exported), "adapter_exported": lora.is_adapter(exported),
                 "after_refit": gap(trained, after.column("logprobs").to_pylist()),
-                "checkpoint": gap(hf_logprobs(hf, Pixels(out_dir / "ckpt"), after), trained)}
+                "checkpoint": gap(hf_logprobs(hf, Pixels(hf_dir), after), trained)}
     finally:
         trainer.close()
         engine.close()
@@ -91,4 +105,4 @@ def measure(out_dir: Path, freeze: bool) -> dict:
 
 if __name__ == "__main__":
     out, freeze = Path(sys.argv[1]), (sys.argv[2:] or ["true"])[0] == "true"
-    (out / "measured.json").write_text(json.dumps(measure(out, freeze)))
+    (out / "measured.json").write_text(json.dumps(measure(out, freeze, adapter="lora" in sys.argv[3:])))

@@ -79,3 +79,17 @@ def test_a_few_steps_of_multi_turn_episodes_with_pictures_run_clean(tmp_path, ra
     steps = [m for m in metrics if m["step"] >= 0]
     assert len(steps) == 3 and all(m["tokens"] == m["model_tokens"] < m["response_tokens"] for m in steps)
     assert any("val_reward" in m for m in metrics)
+
+
+def test_a_vlm_lora_adapter_agrees_with_vllm_at_age_zero_across_a_refit_and_an_export(tmp_path):
+    """training.lora on the VLM: vLLM serves the zero adapter, then the trained one
+    (its names mapped onto vLLM's Qwen2-VL), with the trainer's logprobs; only
+    adapter tensors move, none on the vision tower, and the merged export loads in
+    transformers with the trainer's logprobs."""
+    proc = subprocess.run([sys.executable, "-m", "tests.support.vlm_check", str(tmp_path), "true", "lora"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads((tmp_path / "measured.json").read_text())
+    assert m["pictures_matter"] > 1e-3 and m["before"] < TOL
+    assert m["adapter_exported"] and m["vision_exported"] == 0 and m["vision_moved"] == 0
+    assert m["moved"] > 1e-4 and m["after_refit"] < TOL and m["checkpoint"] < TOL
