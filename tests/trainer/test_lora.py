@@ -80,6 +80,28 @@ def test_a_target_module_the_model_lacks_is_named(model_dir):
         make_engine(model_dir, "training.lora.target_modules=q_proj,qkv")
 
 
+def test_a_vlm_adapts_its_language_model_alone(tmp_path):
+    """Qwen2.5-VL's vision MLP shares gate_proj, up_proj and down_proj with the language
+    model: the default targets adapt the language model alone, in the trainer's wrap and
+    in the engine's zero adapter; a name only the vision tower has is refused."""
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+    Qwen2_5_VLConfig(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, vocab_size=64),
+                     vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
+                                        fullatt_block_indexes=[0])).save_pretrained(tmp_path)
+    names = set(lora.zero_adapter(tmp_path, lora.adapter_config(LORA, tmp_path)))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(Qwen2_5_VLConfig.from_pretrained(tmp_path))
+        wrapped = {n for n, p in lora.wrap(model, LORA, tmp_path).named_parameters() if p.requires_grad}
+    assert {n.replace(".default", "") for n in wrapped} == names
+    assert any(".language_model.layers.0.mlp.gate_proj." in n for n in names)
+    assert not any(".visual." in n for n in names)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(Qwen2_5_VLConfig.from_pretrained(tmp_path))
+    with pytest.raises(lora.LoraError, match=r"training.lora.target_modules: \['qkv'\] name only layers of the vision"):
+        lora.wrap(model, LoraConfig(rank=8, target_modules=("q_proj", "qkv")), tmp_path)
+
+
 # -- the trainer -------------------------------------------------------------
 
 def test_only_the_adapters_train_and_sync(model_dir):
