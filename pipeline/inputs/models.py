@@ -217,6 +217,12 @@ def is_vision_model(path: str | Path) -> bool:
     return "vision_config" in model_config(path)
 
 
+def policy_model_class(path: str | Path):
+    """The Auto class a policy in `path` loads with: image-text-to-text for a VLM, else a causal LM."""
+    import transformers
+    return transformers.AutoModelForImageTextToText if is_vision_model(path) else transformers.AutoModelForCausalLM
+
+
 # What VllmGenerationEngine gives vLLM as max_model_len unless told otherwise:
 # it sizes the KV cache, and vLLM refuses a prompt that does not fit it.
 DEFAULT_MAX_MODEL_LEN = 512

@@ -17,18 +17,11 @@ from pathlib import Path
 import torch
 
 from pipeline.inputs.images import VISION_PREFIXES, decode, placeholder_token_ids
-from pipeline.inputs.models import is_vision_model, model_config
+from pipeline.inputs.models import model_config, policy_model_class
 
 CACHED_IMAGES = 1024
 # What a checkpoint carries besides the weights and the tokenizer: the image processor's config.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
-
-
-def policy_model_class(model_path: str | Path):
-    """The Auto class the policy of `model_path` loads with: image-text-to-text for a VLM, else a causal LM."""
-    import transformers
-    return (transformers.AutoModelForImageTextToText if is_vision_model(model_path)
-            else transformers.AutoModelForCausalLM)
 
 
 def load_policy_model(model_path: str | Path) -> torch.nn.Module:

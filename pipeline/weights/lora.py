@@ -100,7 +100,7 @@ def zero_adapter(model_path: str | Path, config: dict) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig
 
-    from pipeline.trainer.vision import policy_model_class
+    from pipeline.inputs.models import policy_model_class
     with torch.device("meta"):
         model = policy_model_class(model_path).from_config(AutoConfig.from_pretrained(model_path))
         shapes = {name: t.shape for name, t in adapter_state(get_peft_model(model, LoraConfig(
