@@ -28,6 +28,7 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from pipeline.core.data_parallel import without_flight_recorder  # noqa: E402
 from pipeline.core.precision import request_amx  # noqa: E402
 from pipeline.weights import lora  # noqa: E402
+from pipeline.generator.lora_compat import serve_lm_head_adapters  # noqa: E402
 from pipeline.core.types import Completion, Prompt  # noqa: E402
 from pipeline.inputs.models import DEFAULT_MAX_MODEL_LEN, ModelError, check_model_dir  # noqa: E402
 from pipeline.core.spans import span  # noqa: E402
@@ -111,6 +112,8 @@ class VllmGenerationEngine:
         if adapter_config is not None:
             kwargs.update(enable_lora=True, max_lora_rank=lora.vllm_max_rank(int(adapter_config["r"])),
                           max_loras=1, max_cpu_loras=1)
+            if "lm_head" in adapter_config["target_modules"]:
+                serve_lm_head_adapters()
             shm = Path("/dev/shm")
             self._adapter_dir = Path(tempfile.mkdtemp(prefix="dagrl-lora-", dir=shm if shm.is_dir() else None))
         if "vision_config" in config:

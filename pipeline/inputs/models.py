@@ -258,17 +258,11 @@ def vocab_size(path: str | Path) -> int | None:
     return _config_vocab(model_config(path))
 
 
-# vLLM serves an adapter on lm_head only where the model class declares it (embedding_modules);
-# Qwen2-VL's language model (vLLM's Qwen2ForCausalLM) does not, and refuses such an adapter.
-LM_HEAD_TARGET = "lm_head in training.lora.target_modules"
-
-
 def check_vision_policy(path: str | Path, unsupported: dict[str, bool]) -> None:
     """A vision-language policy (config.json with a vision_config) is refused with
     a setting it does not run with yet: `unsupported` maps each setting's key to
     whether the recipe sets it (a critic and a teacher load the model as a text
-    model; an agent's requests carry no pictures; LM_HEAD_TARGET is an adapter
-    vLLM does not serve on it)."""
+    model; an agent's requests carry no pictures)."""
     on = [key for key, set_ in unsupported.items() if set_]
     if on and is_vision_model(path):
         raise ModelError(f"model directory {str(path)!r} is a vision-language model, which trains without "

@@ -27,7 +27,7 @@ def preflight(cfg: Config) -> Future | None:
         return None
     from pipeline.inputs.datasets import DataError, check_prompts, data_columns, run_prompts
     from pipeline.inputs.models import (
-        LM_HEAD_TARGET, ModelError, check_model_files, check_model_loads, check_reward_model, check_same_tokenizer,
+        ModelError, check_model_files, check_model_loads, check_reward_model, check_same_tokenizer,
         check_vision_policy, context_length, vocab_size)
     from pipeline.rewards.specs import RewardError, check_routes, load_reward
 
@@ -49,7 +49,6 @@ def preflight(cfg: Config) -> Future | None:
         check(key, check_model_files, path, own_tokenizer=tokenizer_dir is None)
     check("model.path", check_vision_policy, cfg.model.path,
           {"algorithm ppo": cfg.algorithm == "ppo", "distill.teacher": bool(cfg.distill.teacher),
-           LM_HEAD_TARGET: bool(cfg.training.lora.rank) and "lm_head" in cfg.training.lora.target_modules,
            # The gateway serves text messages: a prompt's pictures never reach an agent's requests.
            "agent.function": bool(cfg.agent.function)})
     if cfg.reward_model.kind:

@@ -72,20 +72,19 @@ def test_lora_learns_syncs_the_adapter_and_resumes_from_it(tmp_path, ray_session
 
 
 VLM_STEPS = 4
-VLM_TARGETS = "training.lora.target_modules=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def test_the_tiny_vlm_recipe_trains_a_lora_and_resumes_from_it(tmp_path, ray_session):
-    """examples/tiny_vlm_grpo.yaml with training.lora (lm_head aside: vLLM serves no
-    adapter there on Qwen2-VL): clean events, adapter-only refits, a checkpoint that
-    holds the adapter and exports to an image-text-to-text model, and a resume from
-    the checkpoint before the last that takes the same steps."""
+    """examples/tiny_vlm_grpo.yaml with training.lora.rank=8: clean events,
+    adapter-only refits, a checkpoint that holds the adapter and exports to an
+    image-text-to-text model, and a resume from the checkpoint before the last
+    that takes the same steps."""
     from pipeline.inputs.tiny_vlm import build_tiny_vlm
     model = build_tiny_vlm(tmp_path / "model", warmup_steps=0)
     overrides = [f"model.path={model}", f"run.output_dir={tmp_path}", "run.name=vlm_lora", f"run.steps={VLM_STEPS}",
                  "run.checkpoint_every=2", "schedule.prompts_per_step=8", "schedule.group_size=4",
                  "validation.at_start=false", "validation.at_end=false", "training.micro_batch_size=16",
-                 "training.lora.rank=8", VLM_TARGETS, "training.lr=0.02"]
+                 "training.lora.rank=8", "training.lr=0.02"]
     summary = train(load_config("examples/tiny_vlm_grpo.yaml", overrides), quiet=True)
     run_dir = tmp_path / "vlm_lora"
     violations = check_events(load_events(run_dir))

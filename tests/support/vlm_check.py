@@ -24,10 +24,6 @@ from tests.support.architecture_check import gap
 from tests.support.training_helpers import engine_config, sequence_logprobs
 
 
-# Every linear layer of the language model but lm_head, which vLLM serves no adapter on for Qwen2-VL.
-LANGUAGE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def table_of(prompts: list[Prompt], groups) -> pa.Table:
     rows = [dict(batch_id="b", target=0, version=0, prompt_id=prompts[g].id, prompt_ids=list(c.prompt_ids),
                  response_ids=list(c.response_ids), logprobs=list(c.logprobs), text=c.text,
@@ -66,10 +62,9 @@ def measure(out_dir: Path, freeze: bool, adapter: bool) -> dict:
     model_dir = build_tiny_vlm(out_dir / "model", warmup_steps=0)
     train_path, _ = write_digit_data(out_dir / "data", n_train=4, n_val=1)
     prompts = load_prompts(train_path, chat=ChatTemplate(AutoTokenizer.from_pretrained(model_dir)))[:3]
-    lora_cfg = LoraConfig(rank=8 if adapter else 0, target_modules=LANGUAGE_TARGETS)
-    trainer = DeepSpeedPolicyEngine(engine_config(
-        model_dir, f"training.lr={5e-2 if adapter else 1e-2}", f"model.freeze_vision={freeze}",
-        f"training.lora.rank={lora_cfg.rank}", f"training.lora.target_modules={','.join(LANGUAGE_TARGETS)}"))
+    lora_cfg = LoraConfig(rank=8 if adapter else 0)  # the default targets, lm_head among them
+    trainer = DeepSpeedPolicyEngine(engine_config(model_dir, f"training.lr={5e-2 if adapter else 1e-2}",
+                                                  f"model.freeze_vision={freeze}", f"training.lora.rank={lora_cfg.rank}"))
     engine = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=8, temperature=1.0, top_p=1.0, max_model_len=128,
                                   adapter_config=lora.adapter_config(lora_cfg, model_dir) if adapter else None)
     try:
@@ -96,6 +91,7 @@ def measure(out_dir: Path, freeze: bool, adapter: bool) -> dict:
                 "vision_moved": max((vision_after[k] - vision_before[k]).abs().max().item() for k in vision_before),
                 "vision_exported": sum(".visual." in f".{name}" for name in exported),
                 "exported": len(exported), "adapter_exported": lora.is_adapter(exported),
+                "lm_head_exported": sum(".lm_head." in name for name in exported),
                 "after_refit": gap(trained, after.column("logprobs").to_pylist()),
                 "checkpoint": gap(hf_logprobs(hf, Pixels(hf_dir), after), trained)}
     finally:

@@ -82,8 +82,8 @@ def test_a_few_steps_of_multi_turn_episodes_with_pictures_run_clean(tmp_path, ra
 
 
 def test_a_vlm_lora_adapter_agrees_with_vllm_at_age_zero_across_a_refit_and_an_export(tmp_path):
-    """training.lora on the VLM: vLLM serves the zero adapter, then the trained one
-    (its names mapped onto vLLM's Qwen2-VL), with the trainer's logprobs; only
+    """training.lora on the VLM, default targets: vLLM serves the zero adapter, then the
+    trained one (its names mapped onto vLLM's Qwen2-VL), with the trainer's logprobs; only
     adapter tensors move, none on the vision tower, and the merged export loads in
     transformers with the trainer's logprobs."""
     proc = subprocess.run([sys.executable, "-m", "tests.support.vlm_check", str(tmp_path), "true", "lora"],
@@ -92,4 +92,5 @@ def test_a_vlm_lora_adapter_agrees_with_vllm_at_age_zero_across_a_refit_and_an_e
     m = json.loads((tmp_path / "measured.json").read_text())
     assert m["pictures_matter"] > 1e-3 and m["before"] < TOL
     assert m["adapter_exported"] and m["vision_exported"] == 0 and m["vision_moved"] == 0
+    assert m["lm_head_exported"] == 2       # vLLM serves lm_head's adapter too (pipeline/generator/lora_compat.py)
     assert m["moved"] > 1e-4 and m["after_refit"] < TOL and m["checkpoint"] < TOL
