@@ -149,14 +149,14 @@ class Generator:
         return {"receive_load_s": time.perf_counter() - t0, **self._repack()}
 
     def _repack(self) -> dict:
-        plan = self.engine._plan
+        plan = self.engine.weights.plan
         return {"repack_s": plan.repack_s} if plan else {}
 
     def fast(self) -> str:
-        if self.engine._adapter_config is not None:
+        if self.engine.weights.adapter_config is not None:
             return "vllm LoRA (adapter reloaded in place)"
-        plan = self.engine._plan
-        return type(plan).__name__ if plan is not False else f"off: {self.engine._plan_off}"
+        plan = self.engine.weights.plan
+        return type(plan).__name__ if plan is not False else f"off: {self.engine.weights.plan_off}"
 
     def close(self) -> None:
         self.engine.close()

@@ -9,10 +9,7 @@ import contextlib
 import gc
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from pipeline.core.vllm_env import kv_cache_bytes, set_vllm_environment
@@ -22,7 +19,6 @@ set_vllm_environment()  # before vLLM's import below, which reads it once
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
-from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from pipeline.core.data_parallel import without_flight_recorder  # noqa: E402
@@ -32,8 +28,8 @@ from pipeline.generator.lora_compat import serve_lm_head_adapters  # noqa: E402
 from pipeline.core.types import Completion, Prompt  # noqa: E402
 from pipeline.inputs.models import DEFAULT_MAX_MODEL_LEN, ModelError, check_model_dir  # noqa: E402
 from pipeline.core.spans import span  # noqa: E402
-from pipeline.generator.cpu_moe import repack_experts_on_reload  # noqa: E402
 from pipeline.generator.vllm_outputs import completion_of  # noqa: E402
+from pipeline.generator.vllm_weights import EngineWeights  # noqa: E402
 from pipeline.inputs.images import VISION_PREFIXES, decode as decode_image, placeholder_token_ids  # noqa: E402
 from pipeline.moe.capture import RouteRecorder  # noqa: E402
 from pipeline.moe.routes import route_layout  # noqa: E402
@@ -48,10 +44,6 @@ class VllmGenerationEngine:
     nucleus, which the trainer does not: keep top_p 1 for exact ratios.
     """
 
-    # On CPU, linear layers of at most this many weights keep them plain after
-    # the first load (refit_plan.RefitPlan._unpack): the largest in which F.linear
-    # matched oneDNN at every batch size, timed on this 2-core machine.
-    PLAIN_LINEAR_MAX = 1 << 16
     # vLLM keeps this many oneDNN matmuls, one per batch size, for each weight shape.
     MATMUL_SIZES = 32
 
@@ -107,15 +99,11 @@ class VllmGenerationEngine:
             kwargs["enable_chunked_prefill"] = False
         else:
             kwargs["gpu_memory_utilization"] = 0.3
-        self._adapter_config = adapter_config
-        self._adapter: LoRARequest | None = None  # every request's adapter, once one is loaded
         if adapter_config is not None:
             kwargs.update(enable_lora=True, max_lora_rank=lora.vllm_max_rank(int(adapter_config["r"])),
                           max_loras=1, max_cpu_loras=1)
             if "lm_head" in adapter_config["target_modules"]:
                 serve_lm_head_adapters()
-            shm = Path("/dev/shm")
-            self._adapter_dir = Path(tempfile.mkdtemp(prefix="dagrl-lora-", dir=shm if shm.is_dir() else None))
         if "vision_config" in config:
             from pipeline.generator.vision_compat import allow_images_without_torchvision
             allow_images_without_torchvision()
@@ -148,15 +136,11 @@ class VllmGenerationEngine:
         self.placeholders = placeholder_token_ids(config)
         self._unsampled = self.tokenizer.convert_ids_to_tokens(list(self.placeholders))
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
-        self._plan: Any = None  # RefitPlan after the first load; False: this model needs reload_weights
-        self._plan_off = ""
-        if repack_experts_on_reload(self._model()[0]):
-            # A copy into the experts' weights would leave them unpacked; reload_weights runs their repacking.
-            self._plan, self._plan_off = False, "CPU MoE experts are repacked after each load"
+        self.weights = EngineWeights(self.llm, self.model_path, self.vocab_size, adapter_config, self._loaded)
         self._probe()
         self._routes = RouteRecorder(self.llm.llm_engine, route_layout(self.model_path)) if routing_replay else None
         if adapter_config is not None:
-            self._load_adapter(lora.zero_adapter(self.model_path, adapter_config))
+            self.weights.load_adapter(lora.zero_adapter(self.model_path, adapter_config))
         self.set_version(0)
 
     def _probe(self) -> None:
@@ -209,7 +193,7 @@ class VllmGenerationEngine:
                 # vLLM's processor puts each picture's placeholder tokens in; the completion's prompt ids have them.
                 request["multi_modal_data"] = {"image": [decode_image(image) for image in prompt.images]}
             params = self._params(seed, max_tokens, stop, temperature)
-            request_id = self.llm.llm_engine.add_request(key, request, params, lora_request=self._adapter)
+            request_id = self.llm.llm_engine.add_request(key, request, params, lora_request=self.weights.adapter)
         if self._routes is not None:
             self._routes.track(key, request_id, len(ids) + params.max_tokens)
         self._prompts[key] = prompt
@@ -289,15 +273,8 @@ class VllmGenerationEngine:
         self.llm.llm_engine.set_weight_version(str(version))
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load a full HF-named state dict in place, then drop the prefix cache:
-        its KV blocks were computed with the old weights and a load does not
-        invalidate them (without the reset, logprobs after a refit were off by
-        up to 0.48 on a prompt served from the cache)."""
-        items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-        if lora.is_adapter(name for name, _ in items):
-            self._load_adapter(dict(items))
-            return
-        self.load_stream([(name, t.dtype, tuple(t.shape)) for name, t in items], iter(items), stable=True)
+        """Load a full HF-named state dict in place (or a LoRA adapter's tensors)."""
+        self.weights.load(weights)
 
     def load_stream(self, entries: Sequence[tuple[str, Any, tuple[int, ...]]],
                     stream: Iterable[tuple[str, torch.Tensor]], *, stable: bool = False) -> None:
@@ -305,51 +282,22 @@ class VllmGenerationEngine:
         ((name, dtype, shape) each, in order): the collective path's receive,
         whose tensors are views of a bucket that the next bucket overwrites
         (`stable`: they stay valid, no copy is needed to hold them)."""
-        if lora.is_adapter(name for name, _, _ in entries):
-            self._load_adapter({name: t if stable else t.clone() for name, t in stream})
-            return
-        self.check_entries(entries)
-        # The span keeps reload_weights' name: the step profile and its test read it.
-        names = [name for name, _, _ in entries]
-        with span("vllm.reload_weights"):
-            self._load(names, stream, stable)
+        self.weights.load_stream(entries, stream, stable=stable)
+
+    def destinations(self, names: Sequence[str]) -> Any:
+        return self.weights.destinations(names)
+
+    def check_entries(self, entries: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
+        self.weights.check_entries(entries)
+
+    def _loaded(self, names: list[str]) -> None:
+        """After a load, no request may start from KV blocks of the old weights: a
+        load does not invalidate them (without the reset, logprobs after a refit
+        were off by up to 0.48 on a prompt served from the cache)."""
         self.drop_prefix_cache()
         if any(name.startswith(VISION_PREFIXES) for name in names):
             # vLLM keeps each picture's encoding for the next request that shows it, across a load.
             self.llm.llm_engine.reset_encoder_cache()
-
-    def _load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Serve a new version of the adapter: vLLM reloads it in place under the
-        same id, so requests in flight go on with it (as with a full load),
-        and the base weights stay as they are."""
-        if self._adapter_config is None:
-            raise ModelError(f"load_weights into {self.model_path!r}: got LoRA adapter tensors, but this engine "
-                             "was started without training.lora")
-        staging = self._adapter_dir / "next"
-        with span("vllm.add_lora"):
-            lora.write_adapter(staging, tensors, self._adapter_config, weights_file=lora.ADAPTER_WEIGHTS_TORCH)
-            served = self._adapter_dir / "adapter"
-            shutil.rmtree(served, ignore_errors=True)
-            staging.rename(served)
-            # load_inplace on this call only: a request's own LoRARequest must not reload it every step.
-            if not self.llm.llm_engine.add_lora(LoRARequest("policy", 1, str(served), load_inplace=True)):
-                raise RuntimeError(f"vLLM engine for {self.model_path!r}: the adapter in {served} did not load")
-            self._adapter = LoRARequest("policy", 1, str(served))
-        self.drop_prefix_cache()
-
-    def destinations(self, names: Sequence[str]) -> Any:
-        """For a load of `names` about to start: a function (name, dtype, nbytes)
-        -> the tensor that tensor goes to whole, or None (refit_plan.RefitPlan.destination);
-        None when the load will not replay a plan."""
-        plan = self._plan
-        return plan.destination if plan and plan.usable(list(names)) else None
-
-    def check_entries(self, entries: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
-        """Refuse, before anything is loaded, a state dict whose vocabulary is padded."""
-        for name, _, shape in entries:
-            if ("embed_tokens" in name or name.startswith("lm_head")) and shape[0] != self.vocab_size:
-                raise ModelError(f"load_weights into {self.model_path!r}: {name} has {shape[0]} rows "
-                                 f"but the model's (unpadded) vocab_size is {self.vocab_size}")
 
     def drop_prefix_cache(self) -> None:
         """No request may start from blocks of the old weights. With requests in
@@ -371,42 +319,6 @@ class VllmGenerationEngine:
                                "(requests still running?)")
         if self._routes is not None:
             self._routes.reset_blocks()
-
-    def _load(self, names: list[str], stream: Iterable[tuple[str, torch.Tensor]], stable: bool) -> None:
-        """A load records where each name lands (refit_plan.RefitPlan, through the
-        model's own weight loaders) and the next ones with the same names copy
-        straight there. Where no plan can be made (a quantized model, an engine
-        in another process, a loader that computes) vLLM's reload_weights does
-        it: it re-runs every loader and repacks every layer, 20 ms on the tiny
-        model of which 0.1 is copying bytes."""
-        from vllm.config import set_current_vllm_config
-        from vllm.platforms import current_platform
-
-        from pipeline.generator.refit_plan import RefitPlan
-        model, config = self._model()
-        if model is not None and self._plan is not False:
-            with set_current_vllm_config(config), torch.no_grad():
-                if self._plan is not None and self._plan.usable(names):
-                    # vLLM's Zen CPU path keeps the unpacked weight itself (when it does not
-                    # prepack): a borrowed buffer would be read after the load.
-                    self._plan.load(stream, borrow=stable and not current_platform.is_zen_cpu())
-                    return
-                self._plan, why = RefitPlan.record(model, names, stream, plain_max=self.PLAIN_LINEAR_MAX)
-                if why:
-                    self._plan_off = why  # this load went through the model's loaders; later ones reload
-                    self._plan = False
-                return
-        items = list(stream) if stable else [(name, t.clone()) for name, t in stream]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
-
-    def _model(self) -> tuple[Any, Any]:
-        """The engine's torch model and config when it runs in this process
-        (the in-process engine this module asks for), else (None, None)."""
-        engine = self.llm.llm_engine
-        worker = getattr(getattr(engine, "model_executor", None), "driver_worker", None)
-        if worker is None or engine.vllm_config.quant_config is not None:
-            return None, None  # quantized layers repack differently: reload_weights knows how
-        return worker.model_runner.model, engine.vllm_config
 
     # -- internals --------------------------------------------------------
     def _eager(self) -> Any:
@@ -453,8 +365,8 @@ class VllmGenerationEngine:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
-        if getattr(self, "_adapter_dir", None) is not None:
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        if getattr(self, "weights", None) is not None:
+            self.weights.close()
 
 
 def _reuse_freed_memory() -> None:

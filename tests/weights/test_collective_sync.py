@@ -132,7 +132,7 @@ def _engine_receiver(out, addrs, rank, world, model_dir, rounds, bucket, transpo
     from pipeline.generator.vllm_engine import VllmGenerationEngine
     engine = VllmGenerationEngine(model_dir, seed=0, max_new_tokens=16, max_model_len=256)
     torch.set_num_threads(1)
-    engine.PLAIN_LINEAR_MAX = 0   # every linear layer stays packed: the staging and repacking path
+    engine.weights.PLAIN_LINEAR_MAX = 0   # every linear layer stays packed: the staging and repacking path
     host, port = addrs.get(timeout=WAIT_S)
     group = ws.join(host, port, rank, world, timeout_s=60, transport=transport)
     in_place = [0]
@@ -159,8 +159,8 @@ def _engine_receiver(out, addrs, rank, world, model_dir, rounds, bucket, transpo
         c = after[0][0]
         scored = max(abs(a - b) for a, b in zip(prompt_logprobs(engine, c.prompt_ids, c.response_ids),
                                                 hf_logprobs(model, c.prompt_ids, c.response_ids)))
-        out.put(("loaded", version, stale, max_gap(model, after), scored, type(engine._plan).__name__, in_place[0],
-                 engine._plan.uncopied))
+        out.put(("loaded", version, stale, max_gap(model, after), scored, type(engine.weights.plan).__name__, in_place[0],
+                 engine.weights.plan.uncopied))
     engine.close()
 
 
@@ -357,7 +357,7 @@ def test_the_fast_load_matches_transformers_with_tied_embeddings(tmp_path):
             model = _state(model_dir, seed).eval()
             assert model.lm_head.weight is model.model.embed_tokens.weight
             engine.load_weights(model.state_dict())
-            assert isinstance(engine._plan, RefitPlan)
+            assert isinstance(engine.weights.plan, RefitPlan)
             assert max_gap(model, draw(engine, [LONG_PROMPT], 2)) < TOL, seed
     finally:
         engine.close()
