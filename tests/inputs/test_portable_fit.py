@@ -22,7 +22,7 @@ WARMUP_MODELS = {
     "game": ("pipeline.envs.digit_game:DigitGuessEnv",
              "d006d7a492a50d845a692703cfc0db115d5db8d30d2f52aa99114b71d8d3df72"),
 }
-# Each imitates another x86 CPU: ATen's kernels at AVX2 (this one's are AVX-512), oneDNN's and MKL's at
+# Each imitates another x86 CPU: ATen's kernels at AVX2 (where this one's are AVX-512), oneDNN's and MKL's at
 # AVX2, two threads. Not ATen's scalar kernels (ATEN_CPU_CAPABILITY=default, a CPU without AVX2): see portable_fit.
 SETTINGS = {
     "this CPU": ({}, 1),
@@ -101,8 +101,15 @@ def test_a_fit_saves_the_same_bytes_whatever_kernels_and_threads_compute_it(tmp_
     results = {name: _short_fit(tmp_path / name.replace(" ", "_"), env, threads)
                for name, (env, threads) in SETTINGS.items()}
     assert len({digest for digest, _ in results.values()}) == 1, results
-    # The settings do change the arithmetic: a float32 forward pass is not the same bytes under all of them.
-    assert len({scores for _, scores in results.values()}) > 1, results
+    if _beyond_avx2():
+        # The settings do change the arithmetic: a float32 forward pass is not the same bytes under all
+        # of them. On a CPU whose best is AVX2 the caps change nothing (seen with two threads too).
+        assert len({scores for _, scores in results.values()}) > 1, results
+
+
+def _beyond_avx2() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "avx512f" in f.read().split()
 
 
 def _pipeline(*args: str) -> None:
