@@ -75,7 +75,7 @@ def test_a_local_cluster_runs_no_dashboard_monitor_or_log_monitor(tmp_path):
         "from pipeline.run import startup\n"
         "stop = startup.start_ray(load_config('examples/sim_grpo.yaml'))\n"
         "try:\n"
-        "    assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42\n"
+        "    assert ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=60) == 42\n"
         "    me = psutil.Process()\n"
         "    procs = me.children(recursive=True)\n"
         "    print('\\n'.join(' '.join(p.cmdline()) for p in procs if p.is_running()))\n"
