@@ -8,9 +8,12 @@ import os
 import queue
 import subprocess
 import sys
+import threading
 
 # Sessions an agent hands to the test that probes them (probe_and_wait).
 OPEN_SESSIONS: queue.Queue = queue.Queue()
+# Events rewrites_then_waits waits on, handed to the test that refits meanwhile.
+WAITING_FOR_A_REFIT: queue.Queue = queue.Queue()
 
 
 async def two_turns(client, prompt):
@@ -28,6 +31,21 @@ async def rewrites_history(client, prompt):
     summary = f"summary: {first.choices[0].message.content}"
     await client.chat.completions.create(model="any", messages=[{"role": "user", "content": summary}])
     return 0.5
+
+
+async def rewrites_then_waits(client, prompt):
+    """Starts a second segment, then waits until the test has refitted; its third
+    request continues that segment with the new weights."""
+    first = await client.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt.text}])
+    messages = [{"role": "user", "content": f"summary: {first.choices[0].message.content}"}]
+    second = await client.chat.completions.create(model="any", messages=messages)
+    refitted = threading.Event()
+    WAITING_FOR_A_REFIT.put(refitted)
+    if not await asyncio.to_thread(refitted.wait, 60):
+        raise TimeoutError("the test did not refit within 60 s")
+    messages += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    await client.chat.completions.create(model="any", messages=messages)
+    return 1.0
 
 
 def plain_def(client, prompt):

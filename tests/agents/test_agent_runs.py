@@ -66,6 +66,6 @@ def test_groups_whose_samples_end_on_different_segments_train_and_check_clean(tm
     assert summary["error"] is None and summary["accounting"]["balanced"]
     segments = [n for e in events if e["ev"] == "rollout_end" and e.get("batch") != "val"
                 for n in e.get("segments", [])]
+    # Whether a refit lands inside a later segment is up to timing: test_sessions.py and
+    # test_check.py pin that case down.
     assert set(segments) == {1, 2}
-    if mode == "inflight":  # some refit landed while a sample was still in its first segment
-        assert any(e["ev"] == "refit_end" and e.get("segments") for e in events)

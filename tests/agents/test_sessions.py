@@ -2,6 +2,8 @@
 of a session, segments, what an agent's return becomes, and its failures."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from benchmarks.agent_rig import AgentLoop, prompts, sim_engine
@@ -44,6 +46,38 @@ def test_a_rewritten_history_starts_a_new_segment_and_the_last_is_trained(tmp_pa
         assert rig.engine.decode(c.prompt_ids).startswith("<user>summary: v0")
         assert set(c.loss_mask) == {1}
         assert [t["role"] for t in c.transcript] == ["user", "model", "segment", "user", "model"]
+
+
+def test_a_refit_during_a_later_segment_logs_its_positions_in_that_segment(tmp_path):
+    """A refit that lands while a session is in its second segment names the
+    segment (refit_end's `segments`) and counts that segment's tokens: the ones
+    before are the old weights', the rest the new ones' (check_order reads them so)."""
+    from tests.agents.agents_for_tests import WAITING_FOR_A_REFIT
+    rolled: dict = {}
+
+    def roll():
+        try:
+            rolled["completions"] = rig.roll(prompts(1))
+        except Exception as exc:  # asserted on in the test's thread
+            rolled["error"] = exc
+
+    with AgentLoop(tmp_path, f"{AGENTS}:rewrites_then_waits", "algorithm=reinforce_pp",
+                   "schedule.group_size=1") as rig:
+        roller = threading.Thread(target=roll)
+        roller.start()
+        try:
+            refitted = WAITING_FOR_A_REFIT.get(timeout=60)
+            rig.loop.call("install", (lambda: None, 1, 1), 30, "the test's refit")
+            refitted.set()
+        finally:
+            roller.join(60)
+        assert "error" not in rolled and not roller.is_alive()
+        refit, = rig.events("refit_end")
+        second = next(e for e in rig.events("agent_request_end") if e["request"] == 2)
+    completion, = rolled["completions"]
+    assert refit["segments"] == {"b0": [2]} and refit["positions"] == {"b0": [second["tokens"]]}
+    assert completion.segments == 2 and completion.versions[0] == 0 and completion.versions[-1] == 1
+    assert sum(v < 1 for v in completion.versions) == second["tokens"]
 
 
 def test_a_plain_def_agent_runs_on_a_thread_and_its_info_is_logged(tmp_path):

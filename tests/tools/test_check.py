@@ -165,6 +165,21 @@ def test_a_token_of_the_wrong_version_is_caught(runs, positions, needle):
     assert [v.invariant for v in found] == [2] and needle in found[0].message, found
 
 
+def test_an_agents_positions_count_the_segment_then_current():
+    """An agent's sample trains its last segment. A refit that landed in an
+    earlier one says nothing of the trained tokens: all are the new weights'.
+    One that landed in the trained segment counts its tokens."""
+    events = inflight([[[2, 4]], [[1, 2], [2, 3]]], [3, 2])
+    assert [v.invariant for v in check_events(events)] == [2]  # as if both refits counted the trained tokens
+    find(events, "rollout_end", batch="b2.0")["segments"] = [2, 2]
+    find(events, "refit_end", worker="gen0", step=1)["segments"] = {"b2.0": [1, 2]}
+    assert check_events(events) == []
+    find(events, "refit_end", worker="gen0", step=1)["positions"] = {"b2.0": [3, 1]}
+    found = check_events(events)
+    assert [v.invariant for v in found] == [2] and "sample 1: version 2 was installed" in found[0].message \
+        and "after its token 1, but 2 of its tokens" in found[0].message
+
+
 def test_batch_versions_disagree_with_rollout():
     events = log()
     for kind in ("rollout_start", "rollout_end"):
