@@ -62,16 +62,15 @@ def train(cfg: Config, *, restore_from: str | None = None, allow_change: frozens
         run = Run(cfg, cleanup, quiet)
         run.find_start(restore_from, allow_change)
         run.check_inputs_and_start_ray(own_workers=True)
-        # After ray.init, which puts a SIGTERM handler of its own in the driver.
-        with StopOnSignal(cfg.run.stop_grace_s, run.say) as stop:
-            run.open_run_dir()
-            run.start_workers()
-            run.prologue()
-            for step in range(run.start_step, cfg.run.steps):
-                if stop.requested:
-                    run.stop_on(stop.requested)
-                run.step(step)
-            run.finish()
+        stop = run.stop_on_signals()
+        run.open_run_dir()
+        run.start_workers()
+        run.prologue()
+        for step in range(run.start_step, cfg.run.steps):
+            if stop.requested:
+                run.stop_on(stop.requested)
+            run.step(step)
+        run.finish()
     run.say_done()
     return run.summary
 
@@ -89,9 +88,17 @@ class Run:
         self.log: EventLog | None = None
         self.workers: Workers | None = None
         self.execution: Execution | None = None
+        self.stop: StopOnSignal | None = None
         self.entered = time.time()
         # Last of all, after Ray is down: the run's files from every worker's events.
         cleanup.callback(self._write_run_files)
+
+    def stop_on_signals(self) -> StopOnSignal:
+        """SIGINT and SIGTERM ask for a clean stop from here on, the clean-up included:
+        a second signal while the workers stop still stops at once, recorded as such.
+        After ray.init, which puts a SIGTERM handler of its own in the driver."""
+        self.stop = self.cleanup.enter_context(StopOnSignal(self.cfg.run.stop_grace_s, self.say))
+        return self.stop
 
     def check_inputs_and_start_ray(self, own_workers: bool) -> None:
         cfg, say = self.cfg, self.say
@@ -277,6 +284,8 @@ class Run:
         """An error after the run directory exists: what to do next goes with it."""
         if exc is None:
             return False
+        if self.stop is not None:
+            exc = self.stop.reason(exc)
         if isinstance(exc, (Stopped, StopNow)):
             self.summary["stopped_by"] = exc.signal
         if not isinstance(exc, Stopped):

@@ -68,9 +68,13 @@ class StopOnSignal:
         signal.setitimer(signal.ITIMER_REAL, 0)
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
-        if isinstance(exc, KeyboardInterrupt) and self.now is not None and exc is not self.now:
-            raise self.now from None  # Ray's waits hand a plain KeyboardInterrupt back for it
+        if self.reason(exc) is not exc:
+            raise self.now from None
         return False
+
+    def reason(self, exc: BaseException) -> BaseException:
+        """What stopped the run: Ray's waits hand a plain KeyboardInterrupt back for a StopNow."""
+        return self.now if isinstance(exc, KeyboardInterrupt) and self.now is not None else exc
 
     @property
     def name(self) -> str:

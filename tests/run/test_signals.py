@@ -116,6 +116,38 @@ def test_a_second_signal_stops_at_once_and_says_what_to_resume_from(tmp_path):
     assert _no_ray_left_within(proc.pid, 10) == []
 
 
+def test_a_second_signal_while_the_workers_stop_still_stops_at_once(tmp_path, ray_session, monkeypatch):
+    """The first signal comes between two steps, so the run stops cleanly; the second
+    comes while the stopped run's workers are being stopped (sent here by that stop
+    itself). It is still the second signal: the run says so, with its resume hint."""
+    import pipeline.run.driver as driver
+    from pipeline.run.stopping import StopNow
+    step, stop_workers = driver.Run.step, driver.stop_workers
+
+    def step_then_signal(run, index):
+        step(run, index)
+        if index == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def stop_then_signal(workers):
+        stop_workers(workers)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(driver.Run, "step", step_then_signal)
+    monkeypatch.setattr(driver, "stop_workers", stop_then_signal)
+    # The suite may run as a background job, which starts with SIGINT ignored: start from Python's handler.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    args = _sim_run(tmp_path, "twice", "run.steps=10", "run.checkpoint_every=1")
+    try:
+        with pytest.raises(StopNow, match=r"stopped at once by a second signal \(SIGINT\)"):
+            train(load_config(args[1], args[2:]), quiet=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    summary = json.loads((tmp_path / "twice" / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGINT" and summary["steps"] == 2
+    assert summary["error"].startswith("stopped at once by a second signal (SIGINT); resume from step_2 with: ")
+
+
 def test_a_sigkilled_driver_takes_its_local_ray_with_it(tmp_path):
     run_dir = tmp_path / "killed"
     log = tmp_path / "killed.log"
